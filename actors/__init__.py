@@ -1,0 +1,1 @@
+"""One module per actor role (trainer, rollout, router, buffer, reward); filled by the pipeline issue."""

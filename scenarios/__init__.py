@@ -1,0 +1,1 @@
+"""Named scenarios: a model, a dataset, a reward and defaults each."""

@@ -1,0 +1,328 @@
+"""The driver: starts actors as OS processes, watches them, talks to them.
+
+:class:`Cluster` runs a small actor named ``driver`` inside the calling
+program. Every actor -- spawned here or joined from another host with
+``python -m vime.actor ROLE --join ADDRESS`` -- registers with it and gets the
+directory of the others; the driver keeps ``RUN_DIR/actors.json`` current.
+
+Supervision: a spawned actor's death is seen the moment its process exits
+(any cause, ``kill -9`` included); a joined actor is declared dead when its
+heartbeats stop for ``dead_after_s``. Either way the driver logs it, removes
+it from the directory it sends to everyone (asks waiting on it fail with
+PeerGone), records an event, and restarts it if it was spawned with
+``restart=True`` or when :meth:`Cluster.restart` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import trio
+
+from vime.messages import Directory, Heartbeat, Register, Registered, Shutdown
+from vime.runtime import Actor, ActorSettings, handles
+from vime.transports.codec import Envelope
+
+
+@dataclasses.dataclass
+class ActorInfo:
+    name: str
+    role: str
+    pid: int
+    address: str
+    host: str
+    joined: bool
+    started_at: float
+    last_heartbeat: float
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorEvent:
+    """Something the driver saw happen to an actor: ``joined``, ``died``, ``restarted``, ``refused``."""
+
+    what: str
+    name: str
+    detail: str
+    at: float
+
+
+@dataclasses.dataclass
+class _Spawned:
+    role: str
+    config: dict[str, Any]
+    restart: bool
+    process: trio.Process | None = None
+    registered: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+
+class _Driver(Actor):
+    role = "driver"
+
+    def __init__(self, settings: ActorSettings, cluster: Cluster) -> None:
+        super().__init__(settings)
+        self.cluster = cluster
+
+    @handles(Register)
+    async def _on_register(self, msg: Register, envelope: Envelope) -> Registered:
+        return self.cluster._register(msg)
+
+    @handles(Heartbeat)
+    async def _on_heartbeat(self, msg: Heartbeat, envelope: Envelope) -> None:
+        info = self.cluster.actors.get(msg.name)
+        if info is not None:
+            info.last_heartbeat = time.monotonic()
+            info.status = msg.status
+
+
+class Cluster:
+    """A running job: the driver actor plus the actors it spawned or let join."""
+
+    def __init__(self, run_dir: Path, *, transport: str, host: str, token: str | None, record: bool,
+                 dead_after_s: float, tls: dict[str, str] | None) -> None:
+        self.run_dir = Path(run_dir)
+        self.transport = transport
+        self.host = host
+        self.token = token
+        self.record = record
+        self.dead_after_s = dead_after_s
+        self.tls = tls or {}
+        self.run_id = uuid.uuid4().hex[:12]
+        self.actors: dict[str, ActorInfo] = {}
+        self.events: list[ActorEvent] = []
+        self._event_posted = trio.lowlevel.ParkingLot()
+        self._spawned: dict[str, _Spawned] = {}
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="vime-"))
+        self._nursery: trio.Nursery | None = None
+        self.driver: _Driver | None = None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, run_dir: str | Path, *, transport: str = "ipc", host: str = "127.0.0.1",
+                   port: int = 0, token: str | None = None, record: bool = False, dead_after_s: float = 4.0,
+                   tls: dict[str, str] | None = None) -> AsyncIterator[Cluster]:
+        """Start the driver; on exit, shut every actor down (SIGKILL after 5 s)."""
+        if transport not in ("ipc", "tcp", "tls+tcp"):
+            raise ValueError(f"transport must be ipc, tcp or tls+tcp, not {transport!r}")
+        if transport != "ipc" and token is None:
+            token = secrets.token_urlsafe(16)
+        cluster = cls(Path(run_dir), transport=transport, host=host, token=token, record=record,
+                      dead_after_s=dead_after_s, tls=tls)
+        cluster.run_dir.mkdir(parents=True, exist_ok=True)
+        listen = (f"ipc://{cluster._socket_dir}/driver" if transport == "ipc" else f"{transport}://{host}:{port}")
+        settings = ActorSettings(name="driver", listen=listen, token=token, run_dir=str(cluster.run_dir),
+                                 record=record, tls_cert_key=cluster.tls.get("cert_key"), tls_ca=cluster.tls.get("ca"))
+        cluster.driver = _Driver(settings, cluster)
+        try:
+            async with trio.open_nursery() as nursery:
+                cluster._nursery = nursery
+                await nursery.start(lambda task_status: cluster.driver.serve(handle_signals=False,
+                                                                             task_status=task_status))
+                nursery.start_soon(cluster._watch_heartbeats)
+                cluster._write_actors_json()
+                try:
+                    yield cluster
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await cluster._shutdown_all()
+                    nursery.cancel_scope.cancel()
+        finally:
+            shutil.rmtree(cluster._socket_dir, ignore_errors=True)
+
+    @property
+    def address(self) -> str:
+        """Where actors join: pass it to ``python -m vime.actor ROLE --join``."""
+        assert self.driver is not None
+        return self.driver.address
+
+    # ------------------------------------------------------------- spawning
+
+    async def spawn(self, role: str, name: str | None = None, config: dict[str, Any] | None = None, *,
+                    restart: bool = False, timeout: float = 60.0) -> ActorInfo:
+        """Start ``role`` (a built-in role or ``module:Class``) as its own process.
+
+        Returns once it has registered. Raises RuntimeError, with the tail of
+        its log, if the process exits first or does not register in time.
+        """
+        name = name or f"{role.rpartition(':')[2].lower()}-{len(self._spawned)}"
+        if name in self._spawned or name in self.actors:
+            raise ValueError(f"an actor named {name!r} already exists in this job")
+        entry = self._spawned[name] = _Spawned(role, dict(config or {}), restart)
+        await self._start_process(name, entry, timeout)
+        return self.actors[name]
+
+    async def _start_process(self, name: str, entry: _Spawned, timeout: float) -> None:
+        entry.registered = trio.Event()
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "vime.actor", entry.role, "--name", name, "--join", self.address,
+                   "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config)]
+        if self.transport == "ipc":
+            command += ["--listen", f"ipc://{self._socket_dir}/{name}"]
+        else:
+            command += ["--listen", f"{self.transport}://{self.host}:0"]
+        if self.record:
+            command.append("--record")
+        for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
+            if key in self.tls:
+                command += [flag, self.tls[key]]
+        env = dict(os.environ, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log_file:
+            entry.process = await trio.lowlevel.open_process(command, stdout=log_file, stderr=log_file, env=env)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._watch_process, name, entry, entry.process)
+        with trio.move_on_after(timeout):
+            await entry.registered.wait()
+        if not entry.registered.is_set():
+            entry.process.kill()
+            raise RuntimeError(f"actor {name} ({entry.role}) did not register within {timeout} s; "
+                               f"its log {log_path} ends with:\n{_tail(log_path)}")
+        if name not in self.actors:
+            raise RuntimeError(f"actor {name} ({entry.role}) exited during start-up; "
+                               f"its log {log_path} ends with:\n{_tail(log_path)}")
+
+    async def _watch_process(self, name: str, entry: _Spawned, process: trio.Process) -> None:
+        code = await process.wait()
+        if entry.process is not process:
+            return
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self._declare_dead(name, how)
+        entry.registered.set()  # wakes a spawn still waiting
+        if entry.restart and name in self._spawned:
+            await self._restart(name)
+
+    async def restart(self, name: str, timeout: float = 60.0) -> ActorInfo:
+        """Start a spawned actor again with its role and config (after it died, or killing it first)."""
+        entry = self._spawned[name]
+        if entry.process is not None and entry.process.returncode is None:
+            old = entry.process
+            entry.process = None
+            old.kill()
+            await old.wait()
+            self._declare_dead(name, "killed for restart")
+        await self._start_process(name, entry, timeout)
+        self._post(ActorEvent("restarted", name, f"pid {self.actors[name].pid}", time.time()))
+        return self.actors[name]
+
+    async def _restart(self, name: str) -> None:
+        try:
+            await self.restart(name)
+        except RuntimeError as err:
+            self.driver.log.error("restart failed", name=name, error=str(err))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send a signal to a spawned actor's process (tests use SIGKILL)."""
+        process = self._spawned[name].process
+        if process is not None:
+            process.send_signal(sig)
+
+    # ----------------------------------------------------------- membership
+
+    def _register(self, msg: Register) -> Registered:
+        if msg.name in self.actors:
+            raise ValueError(f"an actor named {msg.name!r} is already registered; pick another --name")
+        spawned = self._spawned.get(msg.name)
+        now = time.monotonic()
+        self.actors[msg.name] = ActorInfo(msg.name, msg.role, msg.pid, msg.address, msg.host,
+                                          joined=spawned is None, started_at=time.time(), last_heartbeat=now)
+        self.driver.log.info("actor registered", name=msg.name, role=msg.role, pid=msg.pid, address=msg.address)
+        self._post(ActorEvent("joined", msg.name, f"{msg.role} pid {msg.pid} at {msg.address}", time.time()))
+        self._publish_directory()
+        if spawned is not None:
+            spawned.registered.set()
+        return Registered(run_id=self.run_id, directory=self._directory(), heartbeat_s=1.0)
+
+    def _declare_dead(self, name: str, how: str) -> None:
+        info = self.actors.pop(name, None)
+        if info is None:
+            return
+        self.driver.log.error("actor died", name=name, role=info.role, pid=info.pid, how=how)
+        self._post(ActorEvent("died", name, how, time.time()))
+        self._publish_directory()
+
+    def _directory(self) -> dict[str, str]:
+        return {name: info.address for name, info in self.actors.items()}
+
+    def _publish_directory(self) -> None:
+        self.driver._set_directory(self._directory())
+        self._write_actors_json()
+        for name in self.actors:
+            self._nursery.start_soon(self._tell_quietly, name, Directory(addresses=self._directory()))
+
+    async def _tell_quietly(self, name: str, payload: Any) -> None:
+        with contextlib.suppress(LookupError):
+            await self.driver.tell(name, payload)
+
+    def _write_actors_json(self) -> None:
+        rows = [{"name": i.name, "role": i.role, "pid": i.pid, "address": i.address, "host": i.host,
+                 "joined": i.joined, "started_at": i.started_at} for i in self.actors.values()]
+        document = {"run_id": self.run_id, "driver": self.address, "updated_at": time.time(), "actors": rows}
+        path = self.run_dir / "actors.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(document, indent=2))
+        tmp.replace(path)
+
+    async def _watch_heartbeats(self) -> None:
+        """Joined actors have no process handle here; silence is their death."""
+        while True:
+            await trio.sleep(0.25)
+            now = time.monotonic()
+            for info in list(self.actors.values()):
+                if info.joined and now - info.last_heartbeat > self.dead_after_s:
+                    self._declare_dead(info.name, f"no heartbeat for {now - info.last_heartbeat:.1f} s")
+
+    def _post(self, event: ActorEvent) -> None:
+        self.events.append(event)
+        self._event_posted.unpark_all()
+
+    async def wait_event(self, what: str, name: str, timeout: float = 10.0) -> ActorEvent:
+        """Wait for (or return the latest past) event ``what`` about ``name``."""
+        seen = 0
+        with trio.fail_after(timeout):
+            while True:
+                for event in self.events[seen:]:
+                    if event.what == what and event.name == name:
+                        return event
+                seen = len(self.events)
+                await self._event_posted.park()
+
+    # ------------------------------------------------------------ messaging
+
+    async def ask(self, name: str, payload: Any, *, timeout: float = 30.0) -> Any:
+        return await self.driver.ask(name, payload, timeout=timeout)
+
+    async def tell(self, name: str, payload: Any) -> None:
+        await self.driver.tell(name, payload)
+
+    async def _shutdown_all(self) -> None:
+        for entry in self._spawned.values():
+            entry.restart = False
+        for name in list(self.actors):
+            await self._tell_quietly(name, Shutdown(reason="job finished"))
+        processes = [e.process for e in self._spawned.values() if e.process and e.process.returncode is None]
+        with trio.move_on_after(5.0):
+            for process in processes:
+                await process.wait()
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,79 @@
+"""The runtime's own message kinds: registration, liveness, errors, status.
+
+Who sends what to whom is in each docstring. Role-specific kinds live with
+the roles that use them; every kind is declared once, with ``@message``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vime.transports.records import message
+
+
+@message
+class Register:
+    """actor -> driver, once at start (ask): here I am, reach me at ``address``."""
+
+    name: str
+    role: str
+    address: str
+    pid: int
+    host: str
+
+
+@message
+class Registered:
+    """driver -> actor, the answer to Register: the run and the current directory."""
+
+    run_id: str
+    directory: dict[str, str]
+    heartbeat_s: float
+
+
+@message
+class Directory:
+    """driver -> every actor, whenever one joins or leaves: name -> inbox address."""
+
+    addresses: dict[str, str]
+
+
+@message
+class Heartbeat:
+    """actor -> driver, every ``heartbeat_s``: still alive, and how it is doing."""
+
+    name: str
+    status: dict[str, Any]
+
+
+@message
+class Shutdown:
+    """driver -> actor: finish the message in hand, flush what is queued, exit."""
+
+    reason: str
+
+
+@message
+class StatusQuery:
+    """anyone -> actor (ask): counters of traffic and errors, answered with Status."""
+
+
+@message
+class Status:
+    """actor -> asker: traffic and error counters, inbox depth, pending asks."""
+
+    name: str
+    role: str
+    counters: dict[str, int]
+    errors: dict[str, int]
+    inbox_depth: int
+    pending_asks: int
+
+
+@message
+class ErrorReply:
+    """actor -> asker, instead of the normal answer: what went wrong and why."""
+
+    reason: str
+    error: str
+    kind: str | None = None

@@ -1,0 +1,517 @@
+"""The actor runtime: an inbox, handlers by message kind, tell and ask.
+
+An :class:`Actor` subclass declares handlers with :func:`handles`; each
+receives the payload record and its envelope and may return a record, which
+goes back as the reply when the sender asked. Messages are handled one at a
+time, in arrival order, so an actor's state needs no locks -- and a run can be
+replayed from its message log (``vime.replay``).
+
+Failure semantics, in one place:
+
+* A frame that is not vime (garbage, truncated), a message of an unknown kind,
+  one that does not match its schema, or one over ``max_message_bytes`` is
+  logged, counted under ``errors`` in the actor's status, and answered with
+  :class:`ErrorReply` when the sender asked. The actor keeps serving; messages
+  it already accepted are untouched.
+* A handler that raises is logged and counted; the asker gets ErrorReply and
+  ``ask`` raises :class:`RemoteError` there.
+* ``ask`` raises :class:`TimeoutError` when no reply comes in time, and
+  :class:`PeerGone` when the driver reports the peer dead meanwhile.
+
+Backpressure: an actor's inbox holds at most ``inbox_capacity`` messages.
+When it is full the actor stops reading its socket, the senders' outboxes
+fill, and ``tell`` waits. Replies bypass the inbox, and while an ask is
+pending the inbox may overflow, so a reply is never stuck behind a full one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import structlog
+import trio
+
+from vime.messages import (
+    Directory,
+    ErrorReply,
+    Heartbeat,
+    Register,
+    Registered,
+    Shutdown,
+    Status,
+    StatusQuery,
+)
+from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame, encode, encode_frame
+from vime.transports.msglog import LogWriter
+from vime.transports.shm import SegmentWriter, map_segment
+from vime.transports.sockets import Inbox, Outbox, TlsFiles
+
+# Runtime chatter that depends on wall-clock timers, not on what the actor was
+# sent; replay does not expect a fresh instance to reproduce it.
+UNREPLAYED_KINDS = frozenset({"Heartbeat", "Register"})
+
+
+class RemoteError(RuntimeError):
+    """The peer answered an ask with ErrorReply."""
+
+    def __init__(self, peer: str, reply: ErrorReply) -> None:
+        super().__init__(f"{peer} answered {reply.kind or 'the message'} with {reply.reason}: {reply.error}")
+        self.peer = peer
+        self.reply = reply
+
+
+class PeerGone(RuntimeError):
+    """The peer died or left while we were waiting for its reply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSettings:
+    """How one actor process runs; role-specific settings travel in ``config``."""
+
+    name: str
+    listen: str
+    driver: str | None = None  # driver address; None for the driver itself and in replay
+    token: str | None = None
+    run_dir: str | None = None
+    record: bool = False
+    seed: int = 0
+    inbox_capacity: int = 1024
+    outbox_capacity: int = 1024
+    max_message_bytes: int = 1 << 30
+    heartbeat_s: float = 1.0
+    spin_us: float = 200.0
+    shm_threshold: int = 1 << 20
+    tls_cert_key: str | None = None
+    tls_ca: str | None = None
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        if self.tls_cert_key and self.tls_ca:
+            return TlsFiles(self.tls_cert_key, self.tls_ca)
+        return None
+
+
+def handles(*kinds: type) -> Callable[[Callable], Callable]:
+    """Mark an ``async def handler(self, msg, envelope)`` method as the handler of ``kinds``."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.__vime_handles__ = kinds
+        return fn
+
+    return mark
+
+
+@dataclasses.dataclass
+class _PendingAsk:
+    peer: str
+    kind: str
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    reply: Envelope | None = None
+    error: Exception | None = None
+
+
+class Actor:
+    """Base of every vime actor. Subclasses set ``role`` and write handlers.
+
+    Hooks: ``on_start`` runs once the actor is registered and before the
+    first message is handled; ``on_stop`` runs on shutdown after the last one.
+    """
+
+    role: ClassVar[str] = "actor"
+    _handlers: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        table = {}
+        for klass in reversed(cls.__mro__):
+            for attr, fn in vars(klass).items():
+                for kind in getattr(fn, "__vime_handles__", ()):
+                    table[kind.__name__] = attr
+        cls._handlers = table
+
+    def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.config = dict(config or {})
+        self.rng = random.Random(settings.seed)
+        self.log = structlog.get_logger().bind(role=self.role, actor=self.name)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.directory: dict[str, str] = {}
+        self.address = settings.listen
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _PendingAsk] = {}
+        self._queue: collections.deque[tuple[Envelope, float]] = collections.deque()
+        self._queue_ready = trio.lowlevel.ParkingLot()
+        self._queue_space = trio.lowlevel.ParkingLot()
+        self._outboxes: dict[str, Outbox] = {}
+        self._learned: dict[str, str] = {}  # names seen on frames -> their reply address
+        self._handling_time: float | None = None
+        self._busy = False
+        self._nursery: trio.Nursery | None = None
+        self._stopping = trio.Event()
+        self._inbox: Inbox | None = None
+        self._segments = SegmentWriter()
+        self._log_writer: LogWriter | None = None
+        self._send_hook: Callable[[Envelope], None] | None = None  # replay captures sends here
+
+    # ----------------------------------------------------------------- public
+
+    def now(self) -> float:
+        """Arrival time of the message being handled (wall clock elsewhere).
+
+        Handlers that need the time use this, not ``time.time()``, so that a
+        replay sees exactly the clock the live run saw.
+        """
+        return self._handling_time if self._handling_time is not None else time.time()
+
+    async def tell(self, to: str, payload: Any, *, weight_version: int | None = None) -> None:
+        """Send ``payload`` to the actor named ``to`` without waiting for an answer.
+
+        Returns once the message is queued for sending. It yields only when
+        the outbox to that peer is full (backpressure) -- so a burst of tells
+        is shipped in a few large frames.
+        """
+        await self._send(to, payload, weight_version=weight_version)
+
+    async def ask(self, to: str, payload: Any, *, timeout: float = 30.0, weight_version: int | None = None) -> Any:
+        """Send ``payload`` and wait for the reply record.
+
+        Raises TimeoutError after ``timeout`` s, RemoteError when the peer
+        answered with an error, PeerGone when the peer died meanwhile. On
+        cancellation the reply, if it still comes, is dropped and counted.
+        """
+        msg_id = next(self._ids)
+        pending = self._pending[msg_id] = _PendingAsk(to, type(payload).__name__)
+        try:
+            await self._send(to, payload, weight_version=weight_version, msg_id=msg_id, wants_reply=True)
+            self._poll_for(pending)
+            with trio.move_on_after(timeout):
+                await pending.done.wait()
+        finally:
+            del self._pending[msg_id]
+        if pending.error is not None:
+            raise pending.error
+        if pending.reply is None:
+            raise TimeoutError(
+                f"{self.name}: no reply from {to} to {pending.kind} within {timeout} s; "
+                f"is it alive and not overloaded? (see actors.json and its log)"
+            )
+        if isinstance(pending.reply.payload, ErrorReply):
+            raise RemoteError(to, pending.reply.payload)
+        return pending.reply.payload
+
+    def _poll_for(self, pending: _PendingAsk) -> None:
+        """Briefly poll the socket for the reply while nothing else could run.
+
+        A local reply takes a few tens of microseconds; parking on the socket
+        descriptor and being woken costs about as much again. Bounded by
+        ``spin_us`` and skipped whenever another task is runnable.
+        """
+        if self._inbox is None:
+            return
+        deadline = time.perf_counter() + self.settings.spin_us * 1e-6
+        statistics = trio.lowlevel.current_statistics
+        while not pending.done.is_set() and time.perf_counter() < deadline and statistics().tasks_runnable == 0:
+            buffer = self._inbox.try_receive()
+            if buffer is not None:
+                self._accept_frame(buffer, time.time())
+
+    def status(self) -> Status:
+        return Status(
+            name=self.name,
+            role=self.role,
+            counters=dict(self.counters),
+            errors=dict(self.errors),
+            inbox_depth=len(self._queue),
+            pending_asks=len(self._pending),
+        )
+
+    def stop(self) -> None:
+        """Ask the actor to shut down gracefully (as SIGTERM does)."""
+        self._stopping.set()
+
+    async def on_start(self) -> None:
+        """Runs after registration, before the first message is handled."""
+
+    async def on_stop(self) -> None:
+        """Runs on shutdown, after the last message was handled."""
+
+    # ------------------------------------------------------------ built-ins
+
+    @handles(StatusQuery)
+    async def _on_status(self, msg: StatusQuery, envelope: Envelope) -> Status:
+        return self.status()
+
+    @handles(Directory)
+    async def _on_directory(self, msg: Directory, envelope: Envelope) -> None:
+        self._set_directory(msg.addresses)
+
+    @handles(Shutdown)
+    async def _on_shutdown(self, msg: Shutdown, envelope: Envelope) -> None:
+        self.log.info("shutdown requested", by=envelope.sender, reason=msg.reason)
+        self._stopping.set()
+
+    # -------------------------------------------------------------- serving
+
+    async def serve(self, *, handle_signals: bool = True,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, register with the driver, and handle messages until stopped.
+
+        Stops on Shutdown, SIGINT/SIGTERM (in the main thread) or ``stop()``:
+        the message in hand is finished, ``on_stop`` runs, queued outgoing
+        messages get up to two seconds to leave, then the sockets close.
+        """
+        settings = self.settings
+        self._inbox = Inbox(settings.listen, max_frame_bytes=4 * settings.max_message_bytes + (16 << 20),
+                            tls=settings.tls, spin_us=settings.spin_us)
+        self.address = self._inbox.address
+        if settings.record:
+            self._open_log()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._receive_loop)
+                if settings.driver is not None:
+                    await self._register()
+                    nursery.start_soon(self._heartbeat_loop)
+                await self.on_start()
+                nursery.start_soon(self._handle_loop)
+                if handle_signals:
+                    nursery.start_soon(self._watch_signals)
+                task_status.started()
+                await self._stopping.wait()
+                await self._drain_and_stop()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._close()
+
+    async def _drain_and_stop(self) -> None:
+        await self.on_stop()
+        with trio.move_on_after(2.0):
+            while any(outbox.queued for outbox in self._outboxes.values()):
+                await trio.sleep(0.01)
+
+    def _close(self) -> None:
+        for outbox in self._outboxes.values():
+            outbox.close()
+        if self._inbox is not None:
+            self._inbox.close()
+        self._segments.close()
+        if self._log_writer is not None:
+            self._log_writer.close()
+
+    async def _watch_signals(self) -> None:
+        try:
+            receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+        except RuntimeError:  # not the main thread: the embedding program handles signals
+            return
+        with receiver as signals:
+            async for signum in signals:
+                self.log.info("signal received; shutting down", signal=signal.Signals(signum).name)
+                self._stopping.set()
+                return
+
+    async def _register(self) -> None:
+        register = Register(name=self.name, role=self.role, address=self.address, pid=os.getpid(),
+                            host=os.uname().nodename)
+        reply = await self.ask("driver", register, timeout=30.0)
+        self._set_directory(reply.directory)
+        self.run_id = reply.run_id
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_s)
+            await self.tell("driver", Heartbeat(name=self.name, status=dataclasses.asdict(self.status())))
+
+    def _set_directory(self, addresses: dict[str, str]) -> None:
+        gone = {n for n in self.directory if n not in addresses}
+        self.directory = dict(addresses)
+        for name in gone:
+            self._peer_gone(name)
+
+    def _peer_gone(self, name: str) -> None:
+        """Fail asks waiting on a dead peer and drop what was queued for it."""
+        for pending in self._pending.values():
+            if pending.peer == name and not pending.done.is_set():
+                pending.error = PeerGone(f"{name} left or died before answering {pending.kind}")
+                pending.done.set()
+        address = self._learned.pop(name, None)
+        if address in self._outboxes and address not in self.directory.values():
+            self._outboxes.pop(address).close()
+
+    # -------------------------------------------------------------- sending
+
+    def _address_of(self, name: str) -> str:
+        if name == "driver" and self.settings.driver is not None:
+            return self.settings.driver
+        address = self.directory.get(name) or self._learned.get(name)
+        if address is None:
+            raise LookupError(f"{self.name}: no actor named {name!r} is known; known: {sorted(self.directory)}")
+        return address
+
+    async def _send(self, to: str, payload: Any, *, weight_version: int | None, msg_id: int | None = None,
+                    wants_reply: bool = False, reply_to: int | None = None) -> None:
+        envelope = Envelope(
+            kind=type(payload).__name__,
+            sender=self.name,
+            receiver=to,
+            id=msg_id if msg_id is not None else next(self._ids),
+            reply_to=reply_to,
+            sent_at=self.now(),
+            weight_version=weight_version,
+            wants_reply=wants_reply,
+            payload=payload,
+        )
+        if self._send_hook is not None:
+            self._send_hook(envelope)
+            return
+        address = self._address_of(to)
+        same_host = address.startswith("ipc://")
+        encoded = encode(envelope, self._segments.write if same_host else None, self.settings.shm_threshold)
+        if self._log_writer is not None:
+            self._log_writer.write("out", to, encode_frame(self.address, None, [encoded]), dict(encoded.shm))
+        self.counters["sent"] += 1
+        outbox = self._outbox(address)
+        if not ((wants_reply or reply_to is not None) and outbox.send_now(encoded)):
+            await outbox.put(encoded)
+
+    def _outbox(self, address: str) -> Outbox:
+        outbox = self._outboxes.get(address)
+        if outbox is None:
+            outbox = Outbox(address, self.address, self.settings.token, capacity=self.settings.outbox_capacity,
+                            tls=self.settings.tls)
+            self._outboxes[address] = outbox
+            assert self._nursery is not None, "actor is not serving yet"
+            self._nursery.start_soon(outbox.pump)
+        return outbox
+
+    # ------------------------------------------------------------ receiving
+
+    async def _receive_loop(self) -> None:
+        assert self._inbox is not None
+        while True:
+            buffer = await self._inbox.receive()
+            self._accept_frame(buffer, time.time())
+            while len(self._queue) >= self.settings.inbox_capacity and not self._pending:
+                await self._queue_space.park()
+
+    def _accept_frame(self, buffer: Any, arrived: float, shm: Callable[[str, int], Any] = map_segment) -> None:
+        """Decode, log and route one frame; never raises for bad input."""
+        attachments: dict[str, Any] = {}
+
+        def resolve_shm(name: str, nbytes: int) -> Any:
+            mapped = shm(name, nbytes)
+            if self._log_writer is not None:
+                attachments[name] = memoryview(mapped)[:nbytes]
+            return mapped
+
+        self.counters["frames_in"] += 1
+        try:
+            frame = decode_frame(buffer, max_message_bytes=self.settings.max_message_bytes, resolve_shm=resolve_shm)
+        except FrameError as err:
+            self.errors["malformed"] += 1
+            self.log.warning("dropped unreadable frame", error=str(err), size=len(buffer))
+            return
+        if self._log_writer is not None:
+            peer = next((m.sender for m in frame.messages if m.sender), frame.reply_address)
+            self._log_writer.write("in", peer or "", buffer, attachments, wall_time=arrived)
+            attachments.clear()
+        if self.settings.token is not None and frame.token != self.settings.token:
+            self._refuse_frame(frame)
+            return
+        for item in frame.messages:
+            if isinstance(item, BadMessage):
+                self._reject(item, frame.reply_address)
+            else:
+                if item.sender not in self.directory:
+                    self._learned[item.sender] = frame.reply_address
+                self._route(item, arrived)
+
+    def _refuse_frame(self, frame: Any) -> None:
+        self.errors["unauthorized"] += len(frame.messages)
+        senders = sorted({m.sender or "?" for m in frame.messages})
+        self.log.warning("refused messages with a wrong or missing token", senders=senders,
+                         reply_address=frame.reply_address)
+        for item in frame.messages:
+            if item.wants_reply and item.sender:
+                self._learned.setdefault(item.sender, frame.reply_address)
+                error = ErrorReply(reason="unauthorized", kind=item.kind,
+                                   error="wrong or missing join token; pass --token with the job's token")
+                self._nursery.start_soon(self._reply_error, item.sender, item.id, error)
+
+    def _reject(self, bad: BadMessage, reply_address: str) -> None:
+        self.errors[bad.reason] += 1
+        self.log.warning("rejected message", reason=bad.reason, error=bad.error, kind=bad.kind, sender=bad.sender)
+        if bad.wants_reply and bad.sender and bad.id is not None:
+            self._learned.setdefault(bad.sender, reply_address)
+            error = ErrorReply(reason=bad.reason, error=bad.error, kind=bad.kind)
+            self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error)
+
+    async def _reply_error(self, to: str, msg_id: int, error: ErrorReply) -> None:
+        await self._send(to, error, weight_version=None, reply_to=msg_id)
+
+    def _route(self, envelope: Envelope, arrived: float) -> None:
+        self.counters["received"] += 1
+        if envelope.reply_to is not None:
+            pending = self._pending.get(envelope.reply_to)
+            if pending is not None and envelope.sender == pending.peer:
+                pending.reply = envelope
+                pending.done.set()
+            else:
+                self.counters["late_replies"] += 1
+            return
+        if envelope.kind not in self._handlers:
+            self._reject(BadMessage("unhandled", f"{self.role} has no handler for {envelope.kind}",
+                                    envelope.kind, envelope.sender, envelope.id, envelope.wants_reply),
+                         self._learned.get(envelope.sender, ""))
+            return
+        self._queue.append((envelope, arrived))
+        self._queue_ready.unpark()
+
+    async def _handle_loop(self) -> None:
+        while True:
+            while not self._queue:
+                await self._queue_ready.park()
+            envelope, arrived = self._queue.popleft()
+            self._queue_space.unpark()
+            self._busy = True
+            try:
+                await self._dispatch(envelope, arrived)
+            finally:
+                self._busy = False
+
+    async def _dispatch(self, envelope: Envelope, arrived: float) -> None:
+        handler = getattr(self, self._handlers[envelope.kind])
+        self._handling_time = arrived
+        try:
+            reply = await handler(envelope.payload, envelope)
+            self.counters["handled"] += 1
+        except Exception as err:
+            self.errors["handler"] += 1
+            self.log.exception("handler failed", kind=envelope.kind, sender=envelope.sender)
+            reply = ErrorReply(reason="handler", error=f"{type(err).__name__}: {err}", kind=envelope.kind)
+        try:
+            if envelope.wants_reply:
+                if reply is None:
+                    reply = ErrorReply(reason="no-reply", kind=envelope.kind,
+                                       error=f"{self.role} handled {envelope.kind} but returned no answer")
+                await self._send(envelope.sender, reply, weight_version=None, reply_to=envelope.id)
+        finally:
+            self._handling_time = None
+
+    # --------------------------------------------------------------- logging
+
+    def _open_log(self) -> None:
+        run_dir = Path(self.settings.run_dir or ".")
+        opening = {"name": self.name, "role": self.role, "config": self.config,
+                   "settings": dataclasses.asdict(dataclasses.replace(self.settings, token=None)), "pid": os.getpid()}
+        self._log_writer = LogWriter(run_dir / "messages" / f"{self.name}.vlog", opening)
