@@ -3,7 +3,7 @@
 One frame (one nng message) carries one or more messages from one sender::
 
     b"VIM1" | u32 meta_len | meta | message* 
-    message = u32 header_len | u64 raw_len | header | pad to 64 | raw
+    message = u32 header_len | u64 raw_len | header | zeros to a 64-byte boundary | raw
 
 ``meta`` is msgpack ``[reply_address, token, count]``. ``header`` is the
 msgpack envelope ``[kind, sender, receiver, id, reply_to, sent_at,
@@ -106,7 +106,8 @@ class Encoded:
 
     @property
     def size(self) -> int:
-        return _MESSAGE_HEAD.size + _align(len(self.header) + _MESSAGE_HEAD.size) + self.raw_len
+        """Bytes this message adds to a frame, give or take alignment padding."""
+        return _MESSAGE_HEAD.size + len(self.header) + _ALIGN + self.raw_len
 
 
 ShmWriter = Callable[[memoryview], str]
@@ -115,6 +116,11 @@ ShmResolver = Callable[[str, int], Any]
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _raw_start(pos: int, header_len: int) -> int:
+    """Where the raw block of a message starting at ``pos`` begins: aligned within the frame."""
+    return _align(pos + _MESSAGE_HEAD.size + header_len)
 
 
 def _as_bytes(value: torch.Tensor | np.ndarray) -> tuple[str, str, list[int], memoryview]:
@@ -128,10 +134,10 @@ def _as_bytes(value: torch.Tensor | np.ndarray) -> tuple[str, str, list[int], me
             raise TypeError(f"tensor dtype {tensor.dtype} cannot travel; convert it to one of {sorted(TORCH_DTYPES)}")
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
         return "torch", dtype, list(tensor.shape), memoryview(flat.numpy())
-    array = np.ascontiguousarray(value)
-    if array.dtype.name not in NUMPY_DTYPES:
-        raise TypeError(f"array dtype {array.dtype} cannot travel; convert it to one of {sorted(NUMPY_DTYPES)}")
-    return "numpy", array.dtype.name, list(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+    if value.dtype.name not in NUMPY_DTYPES:
+        raise TypeError(f"array dtype {value.dtype} cannot travel; convert it to one of {sorted(NUMPY_DTYPES)}")
+    flat = np.ascontiguousarray(value).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
+    return "numpy", value.dtype.name, list(value.shape), memoryview(flat.view(np.uint8))
 
 
 def encode(envelope: Envelope, shm_writer: ShmWriter | None = None, shm_threshold: int = 1 << 20) -> Encoded:
@@ -168,7 +174,10 @@ def encode(envelope: Envelope, shm_writer: ShmWriter | None = None, shm_threshol
 
 
 def frame_size(meta: bytes, messages: list[Encoded]) -> int:
-    return _PREAMBLE.size + len(meta) + sum(m.size for m in messages)
+    pos = _PREAMBLE.size + len(meta)
+    for m in messages:
+        pos = _raw_start(pos, len(m.header)) + m.raw_len
+    return pos
 
 
 def pack_meta(reply_address: str, token: str | None, count: int) -> bytes:
@@ -183,12 +192,12 @@ def write_frame(out: memoryview, meta: bytes, messages: list[Encoded]) -> None:
     pos += len(meta)
     for m in messages:
         _MESSAGE_HEAD.pack_into(out, pos, len(m.header), m.raw_len)
-        head_end = pos + _MESSAGE_HEAD.size + len(m.header)
-        out[pos + _MESSAGE_HEAD.size : head_end] = m.header
-        raw = pos + m.size - m.raw_len
+        out[pos + _MESSAGE_HEAD.size : pos + _MESSAGE_HEAD.size + len(m.header)] = m.header
+        raw = _raw_start(pos, len(m.header))
+        out[pos + _MESSAGE_HEAD.size + len(m.header) : raw] = bytes(raw - pos - _MESSAGE_HEAD.size - len(m.header))
         for data, offset in m.tensors:
             out[raw + offset : raw + offset + data.nbytes] = data
-        pos += m.size
+        pos = raw + m.raw_len
 
 
 def encode_frame(reply_address: str, token: str | None, messages: list[Encoded]) -> bytearray:
@@ -231,14 +240,14 @@ def decode_frame(
             messages.append(BadMessage("truncated", "frame ended before the next message header"))
             break
         header_len, raw_len = _MESSAGE_HEAD.unpack_from(view, pos)
-        size = _MESSAGE_HEAD.size + _align(header_len + _MESSAGE_HEAD.size) + raw_len
-        if pos + size > len(view):
-            messages.append(BadMessage("truncated", f"message claims {size} bytes, only {len(view) - pos} remain"))
+        raw_start = _raw_start(pos, header_len)
+        if raw_start + raw_len > len(view):
+            messages.append(BadMessage("truncated", f"message claims {raw_start + raw_len - pos} bytes, "
+                                                    f"only {len(view) - pos} remain"))
             break
         head = view[pos + _MESSAGE_HEAD.size : pos + _MESSAGE_HEAD.size + header_len]
-        raw_start = pos + size - raw_len
         messages.append(_decode_message(buffer, head, raw_start, raw_len, max_message_bytes, resolve_shm))
-        pos += size
+        pos = raw_start + raw_len
     return Frame(reply_address, token, messages)
 
 

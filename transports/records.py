@@ -28,6 +28,15 @@ _RECORDS: set[type] = set()
 class SchemaError(ValueError):
     """A payload does not match the schema of its kind."""
 
+    def __init__(self, problem: str, path: str = "") -> None:
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.problem = problem
+        self.path = path
+
+    def under(self, step: str) -> SchemaError:
+        """The same error one level further out (paths are built only when something fails)."""
+        return SchemaError(self.problem, f"{step}{'.' if self.path and not self.path.startswith('[') else ''}{self.path}")
+
 
 def message(cls: type | None = None, *, kind_name: bool = True) -> Any:
     """Declare a message record: a slotted dataclass whose class name is its kind.
@@ -75,10 +84,16 @@ def build(record_type: type, fields: Any) -> Any:
     validate = record_type.__vime_validate__
     if validate is None:
         validate = record_type.__vime_validate__ = _compile_record(record_type)
-    return validate(fields, record_type.__name__)
+    try:
+        return validate(fields)
+    except SchemaError as err:
+        raise err.under(record_type.__name__) from None
 
 
-def _compile_record(record_type: type) -> Callable[[Any, str], Any]:
+Check = Callable[[Any], Any]
+
+
+def _compile_record(record_type: type) -> Check:
     hints = typing.get_type_hints(record_type)
     fields = dataclasses.fields(record_type)
     checks = {f.name: _compile(hints[f.name]) for f in fields}
@@ -88,90 +103,113 @@ def _compile_record(record_type: type) -> Callable[[Any, str], Any]:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
 
-    def validate(value: Any, where: str) -> Any:
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected a map of fields, got {type(value).__name__}")
-        unknown = value.keys() - checks.keys()
-        if unknown:
-            raise SchemaError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
-        missing = required - value.keys()
-        if missing:
-            raise SchemaError(f"{where}: missing field(s) {sorted(missing)}")
-        return record_type(**{k: checks[k](v, f"{where}.{k}") for k, v in value.items()})
+    def validate(value: Any) -> Any:
+        if type(value) is not dict:
+            raise SchemaError(f"expected a map of fields, got {type(value).__name__}")
+        if not value.keys() <= checks.keys():
+            raise SchemaError(f"unknown field(s) {sorted(map(str, value.keys() - checks.keys()))}")
+        if not required <= value.keys():
+            raise SchemaError(f"missing field(s) {sorted(required - value.keys())}")
+        converted = {}
+        for key, item in value.items():
+            try:
+                converted[key] = checks[key](item)
+            except SchemaError as err:
+                raise err.under(key) from None
+        return record_type(**converted)
 
     return validate
 
 
-def _compile(tp: Any) -> Callable[[Any, str], Any]:
+def _compile(tp: Any) -> Check:
     """A checker for one annotation: returns the (possibly converted) value or raises."""
     if tp is Any:
-        return lambda v, where: v
+        return _accept_any
     if tp in _RECORDS:
-        return lambda v, where: v if type(v) is tp else build(tp, v)
+        return lambda v: v if type(v) is tp else build(tp, v)
     if tp is float:
         return _check_float
-    if tp in _SCALARS:
-        return _scalar_check(tp)
-    if tp is torch.Tensor or tp is np.ndarray:
-        return _instance_check(tp)
+    if tp in _SCALARS or tp is torch.Tensor or tp is np.ndarray:
+        return _type_check(tp, exact=tp in _SCALARS)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return _union_check([_compile(a) for a in args if a is not type(None)], type(None) in args)
     if origin is list:
-        item = _compile(args[0]) if args else _compile(Any)
-        return lambda v, where: [item(x, f"{where}[{i}]") for i, x in enumerate(_expect(v, list, where))]
+        return _list_check(_compile(args[0]) if args else _accept_any)
     if origin is dict:
-        key_check, value_check = (_compile(a) for a in args) if args else (_compile(Any),) * 2
-        return lambda v, where: {
-            key_check(k, f"{where} key"): value_check(x, f"{where}[{k!r}]")
-            for k, x in _expect(v, dict, where).items()
-        }
+        return _dict_check(*((_compile(a) for a in args) if args else (_accept_any, _accept_any)))
     raise TypeError(f"field type {tp!r} cannot travel in a message; use one of: {__doc__}")
 
 
 _SCALARS = {int, str, bytes, bool, type(None)}
 
 
-def _expect(value: Any, tp: type, where: str) -> Any:
-    if not isinstance(value, tp):
-        raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+def _accept_any(value: Any) -> Any:
     return value
 
 
-def _scalar_check(tp: type) -> Callable[[Any, str], Any]:
-    def check(value: Any, where: str) -> Any:
-        # bool is an int subclass; a flag where a count is expected is a bug.
-        if type(value) is not tp:
-            raise SchemaError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+def _type_check(tp: type, exact: bool) -> Check:
+    def check(value: Any) -> Any:
+        # Scalars match exactly: bool is an int subclass, and a flag where a count is expected is a bug.
+        if type(value) is not tp and (exact or not isinstance(value, tp)):
+            raise SchemaError(f"expected {tp.__name__}, got {type(value).__name__}")
         return value
 
     return check
 
 
-def _check_float(value: Any, where: str) -> float:
+def _check_float(value: Any) -> float:
     # msgpack writes 1.0 as a float but users write 1; accept ints, never bools.
     if type(value) is float:
         return value
     if type(value) is int:
         return float(value)
-    raise SchemaError(f"{where}: expected float, got {type(value).__name__}")
+    raise SchemaError(f"expected float, got {type(value).__name__}")
 
 
-def _instance_check(tp: type) -> Callable[[Any, str], Any]:
-    return lambda v, where: _expect(v, tp, where)
+def _list_check(item: Check) -> Check:
+    def check(value: Any) -> list:
+        if type(value) is not list:
+            raise SchemaError(f"expected list, got {type(value).__name__}")
+        if item is _accept_any:
+            return value
+        out = []
+        for index, element in enumerate(value):
+            try:
+                out.append(item(element))
+            except SchemaError as err:
+                raise err.under(f"[{index}]") from None
+        return out
+
+    return check
 
 
-def _union_check(options: list[Callable[[Any, str], Any]], nullable: bool) -> Callable[[Any, str], Any]:
-    def check(value: Any, where: str) -> Any:
+def _dict_check(key_check: Check, value_check: Check) -> Check:
+    def check(value: Any) -> dict:
+        if type(value) is not dict:
+            raise SchemaError(f"expected dict, got {type(value).__name__}")
+        out = {}
+        for key, element in value.items():
+            try:
+                out[key_check(key)] = value_check(element)
+            except SchemaError as err:
+                raise err.under(f"[{key!r}]") from None
+        return out
+
+    return check
+
+
+def _union_check(options: list[Check], nullable: bool) -> Check:
+    def check(value: Any) -> Any:
         if value is None and nullable:
             return None
-        errors = []
+        problems = []
         for option in options:
             try:
-                return option(value, where)
+                return option(value)
             except SchemaError as err:
-                errors.append(str(err))
-        raise SchemaError("; ".join(errors) or f"{where}: expected None")
+                problems.append(str(err))
+        raise SchemaError(" or ".join(problems) or f"expected None, got {type(value).__name__}")
 
     return check

@@ -13,6 +13,7 @@ SIGINT/SIGTERM. A refused join exits with status 2 and says why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", default=None, help="the job's run folder (message logs go under it)")
     parser.add_argument("--config", default="{}", help="role settings as a JSON object")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settings", default="{}",
+                        help="runtime settings as a JSON object, e.g. {\"inbox_capacity\": 64} (see ActorSettings)")
     parser.add_argument("--record", action="store_true", help="write this actor's message log")
     parser.add_argument("--tls-cert-key", default=None, help="PEM with our certificate and key (tls+tcp)")
     parser.add_argument("--tls-ca", default=None, help="PEM of the CA that signs the job's certificates")
@@ -62,11 +65,25 @@ def _default_listen(join: str) -> str:
     return f"{url.scheme}://{host}:0"
 
 
+def _runtime_settings(text: str) -> dict:
+    """The tunable ActorSettings fields from --settings; identity fields come from their own flags."""
+    values = json.loads(text)
+    tunable = {f.name for f in dataclasses.fields(ActorSettings)} - _IDENTITY
+    unknown = set(values) - tunable
+    if unknown:
+        raise SystemExit(f"--settings: unknown field(s) {sorted(unknown)}; tunable: {sorted(tunable)}")
+    return values
+
+
+_IDENTITY = {"name", "listen", "driver", "token", "run_dir", "record", "seed", "tls_cert_key", "tls_ca"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure(args.log_level)
     cls = resolve_role(args.role, allow_import=True)
     settings = ActorSettings(
+        **_runtime_settings(args.settings),
         name=args.name or f"{cls.role}-{uuid.uuid4().hex[:6]}",
         listen=args.listen or _default_listen(args.join),
         driver=args.join,

@@ -63,6 +63,8 @@ class ActorEvent:
 class _Spawned:
     role: str
     config: dict[str, Any]
+    settings: dict[str, Any]
+    seed: int
     restart: bool
     process: trio.Process | None = None
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -150,8 +152,12 @@ class Cluster:
     # ------------------------------------------------------------- spawning
 
     async def spawn(self, role: str, name: str | None = None, config: dict[str, Any] | None = None, *,
-                    restart: bool = False, timeout: float = 60.0) -> ActorInfo:
+                    settings: dict[str, Any] | None = None, seed: int = 0, restart: bool = False,
+                    timeout: float = 60.0) -> ActorInfo:
         """Start ``role`` (a built-in role or ``module:Class``) as its own process.
+
+        ``config`` holds the role's own settings; ``settings`` tunes the
+        runtime (ActorSettings fields such as ``inbox_capacity``).
 
         Returns once it has registered. Raises RuntimeError, with the tail of
         its log, if the process exits first or does not register in time.
@@ -159,7 +165,7 @@ class Cluster:
         name = name or f"{role.rpartition(':')[2].lower()}-{len(self._spawned)}"
         if name in self._spawned or name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this job")
-        entry = self._spawned[name] = _Spawned(role, dict(config or {}), restart)
+        entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart)
         await self._start_process(name, entry, timeout)
         return self.actors[name]
 
@@ -168,7 +174,8 @@ class Cluster:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "vime.actor", entry.role, "--name", name, "--join", self.address,
-                   "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config)]
+                   "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config),
+                   "--settings", json.dumps(entry.settings), "--seed", str(entry.seed)]
         if self.transport == "ipc":
             command += ["--listen", f"ipc://{self._socket_dir}/{name}"]
         else:
