@@ -65,7 +65,7 @@ class Inbox:
         self,
         address: str,
         *,
-        max_frame_bytes: int,
+        max_frame_bytes: int = 2 << 30,
         tls: TlsFiles | None = None,
     ) -> None:
         self._sock = pynng.Pull0(recv_max_size=max_frame_bytes)
@@ -144,11 +144,12 @@ class Outbox:
         token: str | None,
         *,
         capacity: int = 1024,
-        max_frame_bytes: int = 4 << 20,
+        max_frame_bytes: int = 1 << 20,
         tls: TlsFiles | None = None,
     ) -> None:
         self.address = address
-        self._sock = pynng.Push0(send_buffer_size=64)
+        # nng buffers whole frames: keep few, so a slow peer pushes back on tell() soon.
+        self._sock = pynng.Push0(send_buffer_size=8)
         if tls is not None:
             self._sock.tls_config = tls.config(server=False)
         elif address.startswith("tls+"):

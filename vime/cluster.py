@@ -108,6 +108,7 @@ class Cluster:
         self._spawned: dict[str, _Spawned] = {}
         self._socket_dir = Path(tempfile.mkdtemp(prefix="vime-"))
         self._nursery: trio.Nursery | None = None
+        self._closing = False
         self.driver: _Driver | None = None
 
     @classmethod
@@ -255,7 +256,10 @@ class Cluster:
         info = self.actors.pop(name, None)
         if info is None:
             return
-        self.driver.log.error("actor died", name=name, role=info.role, pid=info.pid, how=how)
+        if self._closing:
+            self.driver.log.info("actor exited", name=name, role=info.role, pid=info.pid, how=how)
+        else:
+            self.driver.log.error("actor died", name=name, role=info.role, pid=info.pid, how=how)
         self._post(ActorEvent("died", name, how, time.time()))
         self._publish_directory()
 
@@ -314,6 +318,7 @@ class Cluster:
         await self.driver.tell(name, payload)
 
     async def _shutdown_all(self) -> None:
+        self._closing = True
         for entry in self._spawned.values():
             entry.restart = False
         for name in list(self.actors):

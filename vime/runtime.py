@@ -427,7 +427,7 @@ class Actor:
             self._log_writer.write("in", peer or "", buffer, attachments, wall_time=arrived)
             attachments.clear()
         if self.settings.token is not None and frame.token != self.settings.token:
-            self._refuse_frame(frame)
+            self._refuse_frame(frame, arrived)
             return
         for item in frame.messages:
             if isinstance(item, BadMessage):
@@ -437,8 +437,20 @@ class Actor:
                     self._learned[item.sender] = frame.reply_address
                 self._route(item, arrived)
 
-    def _refuse_frame(self, frame: Any) -> None:
-        self.errors["unauthorized"] += len(frame.messages)
+    def _refuse_frame(self, frame: Any, arrived: float) -> None:
+        """Refuse a frame whose token is wrong -- except a refusal of our own ask.
+
+        The peer that refuses us cannot sign its answer with a token we hold;
+        letting "unauthorized" answers to our pending asks through is what
+        lets a joiner with a wrong token say why it was turned away.
+        """
+        refusals = [m for m in frame.messages if isinstance(m, Envelope) and isinstance(m.payload, ErrorReply)
+                    and m.payload.reason == "unauthorized" and m.reply_to in self._pending]
+        for refusal in refusals:
+            self._route(refusal, arrived)
+        if len(refusals) == len(frame.messages):
+            return
+        self.errors["unauthorized"] += len(frame.messages) - len(refusals)
         senders = sorted({m.sender or "?" for m in frame.messages})
         self.log.warning("refused messages with a wrong or missing token", senders=senders,
                          reply_address=frame.reply_address)

@@ -1,0 +1,25 @@
+"""Shared fixtures: a running job (driver + real actor processes) in a temp folder."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from vime import Cluster
+from vime.logs import configure
+
+configure("warning")
+
+
+@contextlib.asynccontextmanager
+async def open_job(run_dir: Path, transport: str = "ipc", **kwargs: Any) -> AsyncIterator[Cluster]:
+    async with Cluster.open(run_dir, transport=transport, **kwargs) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param

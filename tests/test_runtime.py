@@ -1,0 +1,241 @@
+"""The runtime across real processes and sockets: ask/tell, backpressure,
+supervision, joining, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import pynng
+import pytest
+import torch
+import trio
+
+from conftest import open_job
+from vime import PeerGone, RemoteError
+from vime.messages import ErrorReply, StatusQuery
+from vime.probe import Blob, Count, CountQuery, Nap, Note, Ping, Pong
+from vime.transports.codec import Encoded, Envelope, decode_frame, encode, encode_frame
+from vime.transports.sockets import Inbox
+
+
+async def test_ask_and_tell_in_order(tmp_path, transport):
+    async with open_job(tmp_path, transport) as job:
+        await job.spawn("echo", "echo0")
+        assert await job.ask("echo0", Ping(payload=b"hello")) == Pong(payload=b"hello")
+        for seq in range(3000):
+            await job.tell("echo0", Note(seq=seq, body=b"n" * 60))
+        assert await job.ask("echo0", CountQuery()) == Count(received=3000, out_of_order=0)
+
+
+async def test_tensors_cross_processes_intact(tmp_path, transport):
+    async with open_job(tmp_path, transport) as job:
+        await job.spawn("echo", "echo0")
+        big = torch.randn(1 << 20)  # 4 MiB: shared memory over ipc, inline over tcp
+        halves = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4).transpose(0, 2)
+        for tensor in (big, halves):
+            reply = await job.ask("echo0", Blob(tensor=tensor, echo=True))
+            assert reply.nbytes == tensor.nbytes
+            assert reply.tensor.dtype == tensor.dtype and torch.equal(reply.tensor, tensor)
+
+
+async def test_actors_json_tracks_live_actors(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0")
+        rows = json.loads((tmp_path / "actors.json").read_text())["actors"]
+        assert [(r["name"], r["role"], r["pid"], r["address"]) for r in rows] == [
+            ("echo0", "echo", info.pid, info.address)]
+
+
+async def test_backpressure_blocks_the_sender_and_loses_nothing(tmp_path):
+    async with open_job(tmp_path) as job:
+        await job.spawn("echo", "echo0", settings={"inbox_capacity": 8})
+        await job.tell("echo0", Nap(seconds=1.5))
+        sent = 0
+        total = 20_000
+
+        async def flood() -> None:
+            nonlocal sent
+            for seq in range(total):
+                await job.tell("echo0", Note(seq=seq, body=b"b" * 2000))
+                sent += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            await trio.sleep(0.8)
+            stuck_at = sent
+        assert stuck_at < total, "the sender was never held back while the receiver slept"
+        count = await job.ask("echo0", CountQuery())
+        assert count == Count(received=total, out_of_order=0)
+        status = await job.ask("echo0", StatusQuery())
+        assert status.errors == {}
+
+
+async def test_killed_actor_is_reported_within_5s_and_can_restart(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0")
+        started = time.monotonic()
+        os.kill(info.pid, signal.SIGKILL)
+        event = await job.wait_event("died", "echo0", timeout=5)
+        assert time.monotonic() - started < 5
+        assert "SIGKILL" in event.detail
+        assert json.loads((tmp_path / "actors.json").read_text())["actors"] == []
+        with pytest.raises(LookupError):
+            await job.ask("echo0", Ping(payload=b"?"), timeout=1)
+        restarted = await job.restart("echo0")
+        assert restarted.pid != info.pid
+        assert await job.ask("echo0", Ping(payload=b"again")) == Pong(payload=b"again")
+
+
+async def test_ask_waiting_on_a_dying_actor_fails_fast(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0")
+        await job.tell("echo0", Nap(seconds=30))
+
+        async def kill_soon() -> None:
+            await trio.sleep(0.3)
+            os.kill(info.pid, signal.SIGKILL)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill_soon)
+            started = time.monotonic()
+            with pytest.raises(PeerGone):
+                await job.ask("echo0", Ping(payload=b"x"), timeout=20)
+        assert time.monotonic() - started < 5
+
+
+async def test_auto_restart(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0", restart=True)
+        os.kill(info.pid, signal.SIGKILL)
+        await job.wait_event("restarted", "echo0", timeout=30)
+        assert await job.ask("echo0", Ping(payload=b"back")) == Pong(payload=b"back")
+
+
+def _join(address: str, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"}
+    return subprocess.Popen([sys.executable, "-m", "vime.actor", "echo", "--join", address, *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+async def test_join_with_right_token_then_killed_is_noticed(tmp_path):
+    async with open_job(tmp_path, "tcp", dead_after_s=3.0) as job:
+        process = _join(job.address, "--token", job.token, "--name", "remote0")
+        try:
+            await job.wait_event("joined", "remote0", timeout=30)
+            assert await job.ask("remote0", Ping(payload=b"hi")) == Pong(payload=b"hi")
+            assert job.actors["remote0"].joined
+            started = time.monotonic()
+            process.kill()
+            await job.wait_event("died", "remote0", timeout=5)
+            assert time.monotonic() - started < 5
+        finally:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("token_args", [["--token", "not-the-token"], []], ids=["wrong", "missing"])
+async def test_join_with_bad_token_is_refused_on_both_sides(tmp_path, token_args):
+    async with open_job(tmp_path, "tcp") as job:
+        process = _join(job.address, *token_args, "--name", "intruder")
+        _, stderr = await trio.to_thread.run_sync(process.communicate, None, 60)
+        assert process.returncode == 2
+        assert "join refused" in stderr and "token" in stderr
+        assert "intruder" not in job.actors
+        assert job.driver.errors["unauthorized"] >= 1
+
+
+# ------------------------------------------------------------- bad input
+
+
+class RawPeer:
+    """A hand-made nng peer that writes arbitrary bytes into an actor's inbox."""
+
+    def __init__(self, address: str, reply_inbox: Inbox) -> None:
+        self.push = pynng.Push0()
+        self.push.dial(address, block=True)
+        self.inbox = reply_inbox
+
+    def send(self, data: bytes) -> None:
+        self.push.send(data)
+
+    def frame(self, *headers: bytes, token: str | None = None) -> bytes:
+        return bytes(encode_frame(self.inbox.address, token, [Encoded(h, [], 0, []) for h in headers]))
+
+    async def reply(self) -> Envelope:
+        with trio.fail_after(10):
+            buffer = await self.inbox.receive()
+        (message,) = decode_frame(buffer, max_message_bytes=1 << 30).messages
+        return message
+
+    def close(self) -> None:
+        self.push.close()
+        self.inbox.close()
+
+
+def header(kind: str, fields: object, msg_id: int = 1, wants_reply: bool = True) -> bytes:
+    return msgpack.packb([kind, "tester", "echo0", msg_id, None, 0.0, None, wants_reply, fields])
+
+
+async def test_bad_input_is_answered_counted_and_harmless(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0", settings={"max_message_bytes": 64 << 10})
+        for seq in range(100):  # state accepted before the attack
+            await job.tell("echo0", Note(seq=seq, body=b""))
+        peer = RawPeer(info.address, Inbox(f"ipc://{tmp_path}/tester"))
+        try:
+            peer.send(b"\x00garbage that is not a frame")
+            peer.send(peer.frame(header("Note", {"seq": 1, "body": b""}))[:-3])
+            peer.send(peer.frame(header("NoSuchKind", {}, msg_id=11)))
+            assert (await peer.reply()).payload.reason == "schema"
+            peer.send(peer.frame(header("Ping", {"payload": 42}, msg_id=12)))
+            reply = await peer.reply()
+            assert reply.reply_to == 12 and reply.payload.reason == "schema"
+            assert "expected bytes" in reply.payload.error
+            peer.send(peer.frame(header("Ping", {"payload": b"x" * (100 << 10)}, msg_id=13)))
+            reply = await peer.reply()
+            assert reply.reply_to == 13 and reply.payload.reason == "oversized"
+            peer.send(peer.frame(header("Blob", {"tensor": None}, msg_id=14)))
+            reply = await peer.reply()
+            assert isinstance(reply.payload, ErrorReply) and reply.payload.reason == "handler"
+        finally:
+            peer.close()
+        with pytest.raises(RemoteError, match="oversized"):
+            await job.ask("echo0", Ping(payload=b"x" * (100 << 10)))
+        assert await job.ask("echo0", Ping(payload=b"still here")) == Pong(payload=b"still here")
+        assert await job.ask("echo0", CountQuery()) == Count(received=100, out_of_order=0)
+        errors = (await job.ask("echo0", StatusQuery())).errors
+        assert errors["malformed"] == 1
+        assert errors["truncated"] == 1
+        assert errors["schema"] == 2
+        assert errors["oversized"] == 2
+        assert errors["handler"] == 1
+
+
+async def test_frames_without_the_job_token_are_refused(tmp_path):
+    async with open_job(tmp_path, "tcp") as job:
+        info = await job.spawn("echo", "echo0")
+        peer = RawPeer(info.address, Inbox("tcp://127.0.0.1:0"))
+        try:
+            peer.send(peer.frame(header("Ping", {"payload": b"x"}, msg_id=5), token="guess"))
+            reply = await peer.reply()
+            assert reply.payload.reason == "unauthorized"
+            peer.send(peer.frame(header("Ping", {"payload": b"x"}, msg_id=6), token=job.token))
+            assert (await peer.reply()).payload == Pong(payload=b"x")
+        finally:
+            peer.close()
+
+
+async def test_ask_times_out_with_a_useful_message(tmp_path):
+    async with open_job(tmp_path) as job:
+        await job.spawn("echo", "echo0")
+        await job.tell("echo0", Nap(seconds=2))
+        with pytest.raises(TimeoutError, match="no reply from echo0"):
+            await job.ask("echo0", Ping(payload=b"x"), timeout=0.3)
+        assert await job.ask("echo0", Ping(payload=b"late")) == Pong(payload=b"late")
+        assert job.driver.counters["late_replies"] == 1
