@@ -73,18 +73,29 @@ ECHO = "echo0"
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """How much each transport is measured; each round does all three measurements."""
+    """How much each transport is measured; every round does all three measurements.
+
+    Ray and naive pynng are 3-20x slower per message, so they get fewer
+    round trips and messages (``slow_*``): enough for a p99, and --quick stays
+    under 40 s.
+    """
 
     rounds: int
-    round_trips: int  # per round, after ``warm_up`` untimed ones
-    warm_up: int
-    burst: int  # one-way messages per round, for transports doing ~50k msgs/s and more
-    slow_burst: int  # the same for Ray and naive pynng (~5-15k msgs/s), so --quick stays quick
+    warm_up: int  # untimed round trips first
+    round_trips: int  # per round
+    slow_round_trips: int
+    burst: int  # one-way messages per round
+    slow_burst: int
     tensors: int  # 64 MiB requests per round
 
+    def counts(self, slow: bool) -> tuple[int, int]:
+        """Round trips and one-way messages per round."""
+        return (self.slow_round_trips, self.slow_burst) if slow else (self.round_trips, self.burst)
 
-QUICK = Sizes(rounds=3, round_trips=700, warm_up=200, burst=8_000, slow_burst=1_000, tensors=1)
-FULL = Sizes(rounds=5, round_trips=3_000, warm_up=500, burst=40_000, slow_burst=5_000, tensors=2)
+
+QUICK = Sizes(rounds=3, warm_up=100, round_trips=700, slow_round_trips=300, burst=8_000, slow_burst=800, tensors=1)
+FULL = Sizes(rounds=5, warm_up=500, round_trips=4_000, slow_round_trips=1_500, burst=40_000, slow_burst=4_000,
+             tensors=2)
 
 
 class Link(Protocol):
@@ -148,14 +159,14 @@ async def time_calls(call: Callable[[], Awaitable[None]], count: int) -> list[fl
 
 async def measure(transport: Transport, sizes: Sizes, tensor: torch.Tensor) -> Samples:
     """Open the transport, warm it up, then run the rounds."""
-    burst = sizes.slow_burst if transport.slow else sizes.burst
+    round_trips, burst = sizes.counts(transport.slow)
     samples = Samples()
     async with transport.open() as link:
         await time_calls(link.round_trip, sizes.warm_up)
         await link.burst(burst // 10)
         await link.carry(tensor)  # first mapping, first object-store put, first page faults
         for _ in range(sizes.rounds):
-            samples.round_trip_s += await time_calls(link.round_trip, sizes.round_trips)
+            samples.round_trip_s += await time_calls(link.round_trip, round_trips)
             [seconds] = await time_calls(functools.partial(link.burst, burst), 1)
             samples.msgs_per_s.append(burst / seconds)
             samples.tensor_s += await time_calls(functools.partial(link.carry, tensor), sizes.tensors)

@@ -66,6 +66,7 @@ class _Spawned:
     settings: dict[str, Any]
     seed: int
     restart: bool
+    record: bool
     process: trio.Process | None = None
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
 
@@ -154,11 +155,12 @@ class Cluster:
 
     async def spawn(self, role: str, name: str | None = None, config: dict[str, Any] | None = None, *,
                     settings: dict[str, Any] | None = None, seed: int = 0, restart: bool = False,
-                    timeout: float = 60.0) -> ActorInfo:
+                    record: bool | None = None, timeout: float = 60.0) -> ActorInfo:
         """Start ``role`` (a built-in role or ``module:Class``) as its own process.
 
         ``config`` holds the role's own settings; ``settings`` tunes the
-        runtime (ActorSettings fields such as ``inbox_capacity``).
+        runtime (ActorSettings fields such as ``inbox_capacity``); ``record``
+        overrides the job's ``record`` for this actor.
 
         Returns once it has registered. Raises RuntimeError, with the tail of
         its log, if the process exits first or does not register in time.
@@ -166,7 +168,8 @@ class Cluster:
         name = name or f"{role.rpartition(':')[2].lower()}-{len(self._spawned)}"
         if name in self._spawned or name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this job")
-        entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart)
+        entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart,
+                                                   self.record if record is None else record)
         await self._start_process(name, entry, timeout)
         return self.actors[name]
 
@@ -181,7 +184,7 @@ class Cluster:
             command += ["--listen", f"ipc://{self._socket_dir}/{name}"]
         else:
             command += ["--listen", f"{self.transport}://{self.host}:0"]
-        if self.record:
+        if entry.record:
             command.append("--record")
         for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
             if key in self.tls:

@@ -1,0 +1,46 @@
+"""Entry points as a user runs them, and the public surface."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import vime
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_of_every_entry_point():
+    for module in ("vime.actor", "vime.replay", "vime.scenario"):
+        result = run(module, "--help")
+        assert result.returncode == 0 and "usage: python -m " + module in result.stdout
+
+
+def test_scenario_list():
+    result = run("vime.scenario", "--list")
+    assert result.returncode == 0 and result.stdout.startswith("selfcheck")
+
+
+def test_default_scenario_runs_the_self_check(tmp_path):
+    result = run("vime.scenario", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED" in result.stdout and "no divergence" in result.stdout
+    figures = json.loads((tmp_path / "run" / "selfcheck.json").read_text())
+    assert figures["passed"] and figures["death_noticed_s"] < 5
+
+
+def test_unknown_role_says_what_exists():
+    result = run("vime.actor", "nosuchrole", "--join", "tcp://127.0.0.1:9")
+    assert result.returncode != 0 and "built-in roles" in result.stderr
+
+
+def test_public_api_is_stable():
+    assert sorted(vime.__all__) == [
+        "Actor", "ActorEvent", "ActorInfo", "ActorSettings", "AsyncioBridge", "BridgeCancelled", "Cluster",
+        "Envelope", "PeerGone", "RemoteError", "handles", "message",
+    ]
+    for name in vime.__all__:
+        assert getattr(vime, name) is not None

@@ -1,0 +1,109 @@
+"""Message logs and replay: crash safety, a recorded run replayed with no
+divergence, and a planted divergence found."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import trio
+
+from conftest import open_job
+from vime.probe import Add, Blob, Snapshot, Total, Totals
+from vime.replay import replay
+from vime.transports.codec import decode_frame, encode, encode_frame
+from vime.transports.msglog import LogWriter, scan
+
+
+def test_log_round_trip_and_torn_tail_is_skipped_then_cut(tmp_path):
+    path = tmp_path / "a.vlog"
+    writer = LogWriter(path, {"name": "a", "role": "tally"})
+    writer.write("in", "peer", b"frame-1", {"seg": b"attached"})
+    writer.write("out", "peer", b"frame-2", {})
+    writer.close()
+    intact = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00half a rec")  # a crash mid-write
+    log = scan(path)
+    assert [r.direction for r in log.records] == ["open", "in", "out"]
+    assert log.records[1].frame == b"frame-1" and log.records[1].attachments == {"seg": b"attached"}
+    assert "torn record" in log.problem and log.good_end == intact
+    writer = LogWriter(path, {"name": "a", "role": "tally"})  # a restarted actor appends after the cut
+    writer.write("in", "peer", b"frame-3", {})
+    writer.close()
+    log = scan(path)
+    assert log.problem is None
+    assert [r.frame for r in log.records if r.direction == "in"] == [b"frame-1", b"frame-3"]
+
+
+def test_corruption_in_the_middle_stops_reading_there(tmp_path):
+    path = tmp_path / "a.vlog"
+    writer = LogWriter(path, {"name": "a"})
+    for i in range(3):
+        writer.write("in", "p", b"x" * 10 + bytes([i]), {})
+    writer.close()
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    log = scan(path)
+    assert len(log.records) == 3 and "checksum" in log.problem
+
+
+async def record_tally_run(run_dir: Path) -> Path:
+    async with open_job(run_dir, record=True) as job:
+        await job.spawn("tally", "tally0", seed=7)
+        totals = {}
+        for i in range(40):
+            total = await job.ask("tally0", Add(key=f"k{i % 4}", amount=i))
+            totals[total.key] = total.total
+        assert await job.ask("tally0", Snapshot()) == Totals(totals=totals, changes=40)
+    return run_dir / "messages" / "tally0.vlog"
+
+
+async def test_replay_of_a_recorded_actor_shows_no_divergence(tmp_path):
+    log_path = await record_tally_run(tmp_path)
+    result = await trio.to_thread.run_sync(replay, log_path)
+    assert result.divergence is None, str(result.divergence)
+    assert result.compared == 41 and result.problem is None
+    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(log_path)], capture_output=True, text=True)
+    assert cli.returncode == 0 and "no divergence" in cli.stdout
+    shown = subprocess.run([sys.executable, "-m", "vime.replay", "show", str(log_path)],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0
+    assert "Add" in shown.stdout and "Total" in shown.stdout and "role=tally" in shown.stdout
+
+
+async def test_replay_finds_a_planted_divergence(tmp_path):
+    log_path = await record_tally_run(tmp_path)
+    records = scan(log_path).records
+    tampered = tmp_path / "tampered.vlog"
+    writer = LogWriter(tampered, records[0].meta)
+    outgoing_totals = 0
+    for record in records[1:]:
+        frame = record.frame
+        if record.direction == "out":
+            (message,) = decode_frame(bytearray(frame), max_message_bytes=1 << 30).messages
+            if isinstance(message.payload, Total):
+                outgoing_totals += 1
+                if outgoing_totals == 17:  # the 17th answer now claims one more
+                    message.payload.total += 1
+                    frame = bytes(encode_frame("x", None, [encode(message)]))
+        writer.write(record.direction, record.peer, frame, record.attachments, wall_time=record.wall_time)
+    writer.close()
+    result = await trio.to_thread.run_sync(replay, tampered)
+    assert result.divergence is not None
+    assert result.divergence.index == 16 and result.divergence.field == "payload"
+    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(tampered)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "first divergence at sent message #16" in cli.stdout
+
+
+async def test_replay_restores_shared_memory_tensors_from_the_log(tmp_path):
+    async with open_job(tmp_path, record=True) as job:
+        await job.spawn("echo", "echo0")
+        tensor = torch.randn(1 << 19)  # 2 MiB: over the shared-memory threshold
+        reply = await job.ask("echo0", Blob(tensor=tensor, echo=True))
+        assert torch.equal(reply.tensor, tensor)
+    result = await trio.to_thread.run_sync(replay, tmp_path / "messages" / "echo0.vlog")
+    assert result.divergence is None and result.compared == 1
