@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,3 +240,55 @@ async def test_ask_times_out_with_a_useful_message(tmp_path):
             await job.ask("echo0", Ping(payload=b"x"), timeout=0.3)
         assert await job.ask("echo0", Ping(payload=b"late")) == Pong(payload=b"late")
         assert job.driver.counters["late_replies"] == 1
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """A throw-away CA and one certificate for localhost, made with the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make test certificates")
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=vime-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
+    (d / "bundle.pem").write_text((d / "node.pem").read_text() + (d / "node.key").read_text())
+    return {"cert_key": str(d / "bundle.pem"), "ca": str(d / "ca.pem")}
+
+
+async def test_tls_transport_with_token(tmp_path, tls_files):
+    async with open_job(tmp_path, "tls+tcp", tls=tls_files) as job:
+        assert job.address.startswith("tls+tcp://")
+        await job.spawn("echo", "echo0")
+        assert job.actors["echo0"].address.startswith("tls+tcp://")
+        assert await job.ask("echo0", Ping(payload=b"secret")) == Pong(payload=b"secret")
+        tensor = torch.randn(1 << 18)
+        assert torch.equal((await job.ask("echo0", Blob(tensor=tensor, echo=True))).tensor, tensor)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_signal_shuts_an_actor_down_gracefully(tmp_path, sig):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0")
+        os.kill(info.pid, sig)
+        event = await job.wait_event("died", "echo0", timeout=10)
+        assert event.detail == "exited with code 0"
+        log = (tmp_path / "logs" / "echo0.log").read_text()
+        assert "signal received; shutting down" in log
+
+
+async def test_heartbeats_carry_status_to_the_driver(tmp_path):
+    async with open_job(tmp_path) as job:
+        await job.spawn("echo", "echo0")
+        await job.tell("echo0", Note(seq=0, body=b""))
+        with trio.fail_after(5):
+            while job.actors["echo0"].status.get("counters", {}).get("handled", 0) < 1:
+                await trio.sleep(0.1)
+        assert job.actors["echo0"].status["role"] == "echo"

@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import pynng
 import trio
@@ -40,13 +41,14 @@ class TlsFiles:
 
     cert_key_file: str
     ca_file: str
-    server_name: str = "localhost"
 
-    def config(self, server: bool) -> pynng.TLSConfig:
-        mode = pynng.TLSConfig.MODE_SERVER if server else pynng.TLSConfig.MODE_CLIENT
+    def config(self, server_name: str | None = None) -> pynng.TLSConfig:
+        """Server side when ``server_name`` is None; else a client that checks the
+        peer's certificate names ``server_name`` (the host it dials)."""
+        mode = pynng.TLSConfig.MODE_SERVER if server_name is None else pynng.TLSConfig.MODE_CLIENT
         return pynng.TLSConfig(
             mode,
-            server_name=None if server else self.server_name,
+            server_name=server_name,
             ca_files=[self.ca_file],
             cert_key_file=self.cert_key_file,
             auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED,
@@ -72,7 +74,7 @@ class Inbox:
         if address.startswith("tls+") and tls is None:
             raise ValueError(f"{address} needs TLS files (--tls-cert-key, --tls-ca)")
         if tls is not None:
-            self._sock.tls_config = tls.config(server=True)
+            self._sock.tls_config = tls.config()
         listener = self._sock.listen(address)
         self.address = _bound_address(address, listener)
         self._fd = self._sock.recv_fd
@@ -151,7 +153,7 @@ class Outbox:
         # nng buffers whole frames: keep few, so a slow peer pushes back on tell() soon.
         self._sock = pynng.Push0(send_buffer_size=8)
         if tls is not None:
-            self._sock.tls_config = tls.config(server=False)
+            self._sock.tls_config = tls.config(urlsplit(address).hostname)
         elif address.startswith("tls+"):
             raise ValueError(f"{address} needs TLS files (--tls-cert-key, --tls-ca)")
         self._sock.dial(address, block=False)

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+import pynng
 import structlog
 import trio
 
@@ -278,14 +279,14 @@ class Actor:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if handle_signals:
+                    await nursery.start(self._watch_signals)
                 nursery.start_soon(self._receive_loop)
                 if settings.driver is not None:
                     await self._register()
                     nursery.start_soon(self._heartbeat_loop)
                 await self.on_start()
                 nursery.start_soon(self._handle_loop)
-                if handle_signals:
-                    nursery.start_soon(self._watch_signals)
                 task_status.started()
                 await self._stopping.wait()
                 await self._drain_and_stop()
@@ -308,12 +309,16 @@ class Actor:
         if self._log_writer is not None:
             self._log_writer.close()
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Turn SIGINT/SIGTERM into a graceful stop; installed before registering,
+        so a signal during start-up is not a traceback."""
         try:
             receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
         except RuntimeError:  # not the main thread: the embedding program handles signals
+            task_status.started()
             return
         with receiver as signals:
+            task_status.started()
             async for signum in signals:
                 self.log.info("signal received; shutting down", signal=signal.Signals(signum).name)
                 self._stopping.set()
@@ -465,12 +470,17 @@ class Actor:
         self.errors[bad.reason] += 1
         self.log.warning("rejected message", reason=bad.reason, error=bad.error, kind=bad.kind, sender=bad.sender)
         if bad.wants_reply and bad.sender and bad.id is not None:
-            self._learned.setdefault(bad.sender, reply_address)
+            if reply_address and bad.sender not in self.directory:
+                self._learned.setdefault(bad.sender, reply_address)
             error = ErrorReply(reason=bad.reason, error=bad.error, kind=bad.kind)
             self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error)
 
     async def _reply_error(self, to: str, msg_id: int, error: ErrorReply) -> None:
-        await self._send(to, error, weight_version=None, reply_to=msg_id)
+        """Answer bad input; a peer we cannot answer (bogus address) only gets logged."""
+        try:
+            await self._send(to, error, weight_version=None, reply_to=msg_id)
+        except (LookupError, pynng.NNGException) as err:
+            self.log.warning("could not send an error reply", to=to, error=str(err))
 
     def _route(self, envelope: Envelope, arrived: float) -> None:
         self.counters["received"] += 1
@@ -485,7 +495,7 @@ class Actor:
         if envelope.kind not in self._handlers:
             self._reject(BadMessage("unhandled", f"{self.role} has no handler for {envelope.kind}",
                                     envelope.kind, envelope.sender, envelope.id, envelope.wants_reply),
-                         self._learned.get(envelope.sender, ""))
+                         self._learned.get(envelope.sender) or self.directory.get(envelope.sender, ""))
             return
         self._queue.append((envelope, arrived))
         self._queue_ready.unpark()

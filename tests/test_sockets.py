@@ -1,0 +1,68 @@
+"""nng inbox/outbox in one process: zero-copy lifetime, batching, addresses."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import trio
+
+from vime.probe import Blob, Note
+from vime.transports.codec import Envelope, decode_frame, encode
+from vime.transports.sockets import Inbox, Outbox
+
+
+def envelope(payload, msg_id: int = 1) -> Envelope:
+    return Envelope(type(payload).__name__, "a", "b", msg_id, None, 0.0, None, False, payload)
+
+
+async def test_received_tensor_outlives_every_other_reference_to_its_frame(tmp_path):
+    inbox = Inbox(f"ipc://{tmp_path}/in")
+    outbox = Outbox(inbox.address, "ipc://unused", None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.pump)
+        expected = torch.arange(1 << 16, dtype=torch.float32)
+        await outbox.put(encode(envelope(Blob(tensor=expected))))
+        buffer = await inbox.receive()
+        (message,) = decode_frame(buffer, max_message_bytes=1 << 30).messages
+        tensor = message.payload.tensor
+        del buffer, message
+        gc.collect()
+        torch.zeros(1 << 20)  # churn the allocator: a freed frame would now hold garbage
+        assert torch.equal(tensor, expected)
+        nursery.cancel_scope.cancel()
+    outbox.close()
+    inbox.close()
+
+
+async def test_a_burst_of_tells_is_shipped_in_few_frames(tmp_path):
+    inbox = Inbox(f"ipc://{tmp_path}/in")
+    outbox = Outbox(inbox.address, "ipc://unused", None)
+    async with trio.open_nursery() as nursery:
+        for seq in range(500):
+            outbox.put_nowait(encode(envelope(Note(seq=seq, body=b"x" * 50), seq)))
+        nursery.start_soon(outbox.pump)
+        seqs, frames = [], 0
+        while len(seqs) < 500:
+            frame = decode_frame(await inbox.receive(), max_message_bytes=1 << 30)
+            frames += 1
+            seqs += [m.payload.seq for m in frame.messages]
+        assert seqs == list(range(500))
+        assert frames <= 5
+        nursery.cancel_scope.cancel()
+    outbox.close()
+    inbox.close()
+
+
+def test_tcp_port_zero_is_replaced_by_the_bound_port():
+    inbox = Inbox("tcp://127.0.0.1:0")
+    host, port = inbox.address.removeprefix("tcp://").rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    again = Outbox(inbox.address, "x", None)  # dialable: the pipe comes up
+    for _ in range(200):
+        if again.connected:
+            break
+        trio.run(trio.sleep, 0.01)
+    assert again.connected
+    again.close()
+    inbox.close()
