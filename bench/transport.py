@@ -110,6 +110,8 @@ class Link(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Transport:
+    """One row of the table."""
+
     key: str  # prefix of its JSON keys
     label: str
     open: Callable[[], AsyncContextManager[Link]]
@@ -119,6 +121,8 @@ class Transport:
 
 @dataclasses.dataclass
 class Samples:
+    """Raw timings of one transport, pooled over its rounds."""
+
     round_trip_s: list[float] = dataclasses.field(default_factory=list)
     msgs_per_s: list[float] = dataclasses.field(default_factory=list)
     tensor_s: list[float] = dataclasses.field(default_factory=list)
@@ -157,10 +161,10 @@ async def time_calls(call: Callable[[], Awaitable[None]], count: int) -> list[fl
     return seconds
 
 
-def confirm(what: str, seen: int, sent: int) -> None:
+def confirm(what: str, reported: int, expected: int) -> None:
     """A benchmark that lost data measured nothing: stop rather than print its numbers."""
-    if seen != sent:
-        raise RuntimeError(f"the echo saw {seen} {what} of {sent} sent")
+    if reported != expected:
+        raise RuntimeError(f"the echo reported {reported} {what}, expected {expected}")
 
 
 async def measure(transport: Transport, sizes: Sizes, tensor: torch.Tensor) -> Samples:
@@ -196,8 +200,9 @@ class VimeLink:
         for _ in range(count):
             await self.cluster.tell(ECHO, Note(seq=self.notes_sent, body=NOTE_BODY))
             self.notes_sent += 1
-        count = await self.cluster.ask(ECHO, CountQuery(), timeout=60)
-        confirm("one-way messages in order", count.received - count.out_of_order, self.notes_sent)
+        tally = await self.cluster.ask(ECHO, CountQuery(), timeout=60)
+        confirm("one-way messages", tally.received, self.notes_sent)
+        confirm("messages out of order", tally.out_of_order, 0)
 
     async def carry(self, tensor: torch.Tensor) -> None:
         ack = await self.cluster.ask(ECHO, Blob(tensor=tensor), timeout=60)
@@ -308,7 +313,7 @@ async def naive_echo(address: str) -> None:
 
 
 class NaiveLink:
-    """pynng Pair0 with trio ``asend``/``arecv`` and msgpack, as vime's first prototype did."""
+    """pynng Pair0 with trio ``asend``/``arecv`` and msgpack: the design research timed before vime's runtime."""
 
     def __init__(self, sock: pynng.Pair0) -> None:
         self.sock = sock
@@ -362,8 +367,8 @@ async def open_ray() -> AsyncIterator[RayLink]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # read at import: no network, no prompt
     import ray  # the bench extra; imported here so that spawned children do not pay for it
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    try:
+    try:  # inside: shutdown also reaps what a half-finished init started
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         actor = ray.remote(PlainEcho).remote()
         ray.get(actor.count.remote())  # waits for its worker process
         yield RayLink(ray, actor)
@@ -394,7 +399,7 @@ def table(rows: list[Transport], results: dict[str, dict[str, float] | None]) ->
     for transport in rows:
         values = results[transport.key]
         if values is None:
-            lines.append([transport.label, transport.missing or "failed", "", "", "", "", "", ""])
+            lines.append([f"{transport.label} ({transport.missing})", *["-"] * (len(header) - 1)])
             continue
         ratios = [f"{values[m] / base[m]:.2f}x" if base else "-"
                   for m in ("rtt_p50_us", "small_msgs_per_s", "64mib_gbps")]
@@ -468,15 +473,19 @@ def main() -> None:
     results: dict[str, dict[str, float] | None] = {}
     seconds: dict[str, float] = {}
     for transport in rows:
+        results[transport.key] = None
+        if transport.missing:
+            print(f"{transport.label}: skipped, {transport.missing}", file=sys.stderr)
+            continue
         began = time.perf_counter()
-        results[transport.key] = None if transport.missing else trio.run(measure, transport, sizes, tensor).summary()
+        results[transport.key] = trio.run(measure, transport, sizes, tensor).summary()
         seconds[transport.key] = round(time.perf_counter() - began, 2)
         print(f"{transport.label}: {seconds[transport.key]:.1f} s", file=sys.stderr)
     flat = {json_key(t.key, m): (results[t.key] or {}).get(m) for t in rows for m in METRICS}
     verdicts = checks(flat)
     wall_s = time.perf_counter() - started
-    print(table(rows, results), "", *verdicts, "", f"wall time {wall_s:.1f} s after imports ({'quick' if args.quick else 'full'})",
-          sep="\n")
+    mode = "quick" if args.quick else "full"
+    print(table(rows, results), "", *verdicts, "", f"wall time {wall_s:.1f} s after imports ({mode})", sep="\n")
     if args.json:
         document = {**flat, "checks": verdicts, "machine": facts, "sizes": dataclasses.asdict(sizes),
                     "seconds_per_transport": seconds, "wall_s": round(wall_s, 2)}

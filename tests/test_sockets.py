@@ -6,6 +6,7 @@ import gc
 
 import torch
 import trio
+import trio.testing
 
 from vime.probe import Blob, Note
 from vime.transports.codec import Envelope, decode_frame, encode
@@ -65,4 +66,23 @@ def test_tcp_port_zero_is_replaced_by_the_bound_port():
         trio.run(trio.sleep, 0.01)
     assert again.connected
     again.close()
+    inbox.close()
+
+
+async def test_direct_sends_never_overtake_queued_messages(tmp_path):
+    inbox = Inbox(f"ipc://{tmp_path}/in")
+    outbox = Outbox(inbox.address, "ipc://unused", None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.pump)
+        await trio.testing.wait_all_tasks_blocked()  # the pump waits for work
+        outbox.put_nowait(encode(envelope(Note(seq=0, body=b""))))  # handed straight to the pump
+        assert not outbox.send_now(encode(envelope(Note(seq=1, body=b""))))
+        seqs = []
+        outbox.put_nowait(encode(envelope(Note(seq=1, body=b""))))
+        while len(seqs) < 2:
+            seqs += [m.payload.seq for m in decode_frame(await inbox.receive(), max_message_bytes=1 << 20).messages]
+        assert seqs == [0, 1]
+        assert outbox.send_now(encode(envelope(Note(seq=2, body=b""))))  # idle again: the fast path is open
+        nursery.cancel_scope.cancel()
+    outbox.close()
     inbox.close()

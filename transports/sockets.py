@@ -161,7 +161,7 @@ class Outbox:
         self._reply_address = reply_address
         self._token = token
         self._max_frame_bytes = max_frame_bytes
-        self._shipping = False
+        self._unshipped = 0
         self._send_queue, self._queue = trio.open_memory_channel[Encoded](capacity)
 
     @property
@@ -171,6 +171,7 @@ class Outbox:
     def put_nowait(self, message: Encoded) -> None:
         """Queue a message; raises trio.WouldBlock when the queue is full."""
         self._send_queue.send_nowait(message)
+        self._unshipped += 1
 
     async def put(self, message: Encoded) -> None:
         """Queue a message, waiting for room when the queue is full."""
@@ -178,10 +179,13 @@ class Outbox:
             self._send_queue.send_nowait(message)
         except trio.WouldBlock:
             await self._send_queue.send(message)
+        self._unshipped += 1
 
     @property
     def queued(self) -> int:
-        return self._queue.statistics().current_buffer_used
+        """Messages accepted but not yet handed to nng (the channel's count misses
+        one that went straight to the waiting pump, hence our own)."""
+        return self._unshipped
 
     def send_now(self, message: Encoded) -> bool:
         """Ship one message at once, skipping the queue, if that keeps order.
@@ -190,7 +194,7 @@ class Outbox:
         the pump task. Returns False when the message must be queued instead
         (others are waiting, or nng cannot take it without blocking).
         """
-        if self._shipping or self.queued:
+        if self._unshipped:
             return False
         msg = self._frame([message])
         rv = _lib.nng_sendmsg(self._sock.socket, msg, _NONBLOCK)
@@ -212,11 +216,8 @@ class Outbox:
                     break
                 batch.append(message)
                 size += message.size
-            self._shipping = True
-            try:
-                await self._ship(self._frame(batch))
-            finally:
-                self._shipping = False
+            await self._ship(self._frame(batch))
+            self._unshipped -= len(batch)
 
     def _frame(self, batch: list[Encoded]) -> Any:
         """An nng message holding ``batch`` as one frame (caller owns it)."""
