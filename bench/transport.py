@@ -48,6 +48,7 @@ import platform
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -454,8 +455,18 @@ def machine() -> dict[str, Any]:
         "pynng": version("pynng"),
         "trio": version("trio"),
         "ray": version("ray"),
+        "vime_commit": git_commit(),
         "command": shlex.join([sys.executable, *sys.argv]),
     }
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout this file lives in; None outside one."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    except OSError:
+        return None
+    return done.stdout.strip() or None
 
 
 def main() -> None:
