@@ -23,7 +23,7 @@ from vime.transports.codec import (
     encode_frame,
 )
 from vime.transports.records import SchemaError, build, message
-from vime.transports.shm import SegmentWriter, map_segment
+from vime.transports.shm import SegmentPool, map_segment
 
 
 @message
@@ -158,30 +158,45 @@ def test_received_tensors_view_the_frame_without_copy() -> None:
 
 
 def test_large_tensors_travel_through_shared_memory(tmp_path) -> None:
-    writer = SegmentWriter(tmp_path)
+    pool = SegmentPool(tmp_path)
     tensor = torch.randn(300_000)
     (decoded,) = roundtrip(
         envelope(Blob(tensor=tensor)),
-        shm_writer=writer.write,
+        shm_writer=lambda data: pool.lend(data, "b"),
         shm_threshold=1 << 20,
         resolve_shm=lambda name, nbytes: map_segment(name, nbytes, tmp_path),
     )
     assert torch.equal(decoded.payload.tensor, tensor)
-    assert list(tmp_path.iterdir()) == []  # the receiver unlinked it on mapping
-    writer.close()
+    assert pool.lent == 1
+    pool.close()
+    assert list(tmp_path.iterdir()) == []
+    assert torch.equal(decoded.payload.tensor, tensor)  # the mapping outlives the file
+
+
+def test_segments_are_reused_only_once_given_back(tmp_path) -> None:
+    pool = SegmentPool(tmp_path)
+    first = pool.lend(memoryview(b"a" * (3 << 20)), "b")
+    second = pool.lend(memoryview(b"b" * (3 << 20)), "b")
+    assert first != second  # the first is still lent
+    pool.give_back([first])
+    assert pool.lend(memoryview(b"c" * (2 << 20)), "b") == first
+    assert pool.lend(memoryview(b"d" * 10), "b") not in (first, second)  # too small to waste a big one on
+    pool.reclaim("b")
+    assert pool.lent == 0
+    pool.close()
+
+
+def test_idle_segments_beyond_the_cap_are_unlinked(tmp_path) -> None:
+    pool = SegmentPool(tmp_path, max_idle_bytes=4 << 20)
+    names = [pool.lend(memoryview(bytes(3 << 20)), "b") for _ in range(3)]
+    pool.give_back(names)
+    assert len(list(tmp_path.iterdir())) == 1
+    pool.close()
 
 
 def test_shared_memory_names_cannot_escape_the_segment_folder(tmp_path) -> None:
     with pytest.raises(ValueError, match="not a vime segment name"):
         map_segment("../../etc/passwd", 10, tmp_path)
-
-
-def test_unsent_segments_are_removed_on_close(tmp_path) -> None:
-    writer = SegmentWriter(tmp_path)
-    writer.write(memoryview(b"x" * 100))
-    assert len(list(tmp_path.iterdir())) == 1
-    writer.close()
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("garbage", [b"", b"\x00", b"hello world, not a frame", bytes(range(256)) * 4])

@@ -3,6 +3,7 @@ supervision, joining, and every kind of bad input."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -292,3 +293,23 @@ async def test_heartbeats_carry_status_to_the_driver(tmp_path):
             while job.actors["echo0"].status.get("counters", {}).get("handled", 0) < 1:
                 await trio.sleep(0.1)
         assert job.actors["echo0"].status["role"] == "echo"
+
+
+async def test_shared_memory_segments_are_given_back_and_reused(tmp_path):
+    async with open_job(tmp_path) as job:
+        await job.spawn("echo", "echo0")
+        tensor = torch.randn(1 << 20)  # 4 MiB
+        for _ in range(5):
+            assert (await job.ask("echo0", Blob(tensor=tensor))).nbytes == tensor.nbytes
+        pool = job.driver._segments
+        with trio.fail_after(5):
+            while pool.lent:
+                await trio.sleep(0.01)
+        assert len(pool._segments) <= 2  # reused, not one new segment per message
+        reply = await job.ask("echo0", Blob(tensor=tensor, echo=True))
+        assert torch.equal(reply.tensor, tensor)
+        del reply
+        gc.collect()
+        with trio.fail_after(5):  # our views are gone, so the echo gets its segment back
+            while (await job.ask("echo0", StatusQuery())).counters.get("segments_lent", 0):
+                await trio.sleep(0.01)

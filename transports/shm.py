@@ -1,17 +1,23 @@
 """Shared-memory segments for large tensors between actors on one host.
 
-The sender copies the bytes once into a fresh file in a tmpfs folder and sends
-only its name; the receiver maps the file (no copy) and unlinks it at once, so
-the memory is freed when the last tensor viewing it is gone -- even if the
-receiver dies later. A segment whose message never arrived is removed by the
-sender's :meth:`SegmentWriter.close` (an actor calls it on shutdown).
+The sender copies the bytes once into a segment -- a file in a tmpfs folder
+-- and sends only its name; the receiver maps it (no copy) and builds tensors
+that view the mapping. When the last of those views is gone the receiver
+gives the segment back (the runtime sends ``SegmentsFree``), and the sender
+reuses it for a later message. Reuse is the point: writing into pages that
+already exist runs at memory speed, while fresh tmpfs pages must first be
+allocated and zeroed, which costs more than the copy itself.
 
-Names are checked against the writer's pattern before anything is opened: a
-received name can never point outside the segment folder.
+A segment is never written while lent. A borrower that dies keeps its loans;
+the runtime reclaims them when the driver reports the death. Segments left
+when the sender closes are unlinked. Names are checked against the writer's
+pattern before anything is opened, so a received name can never point
+outside the segment folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import mmap
 import os
@@ -20,7 +26,10 @@ import secrets
 import tempfile
 from pathlib import Path
 
+import torch
+
 _NAME = re.compile(r"^vime-[0-9]+-[0-9a-f]{8}-[0-9]+$")
+_GRAIN = 1 << 20  # segment sizes round up to this, so near sizes share segments
 
 
 def segment_dir() -> Path:
@@ -29,61 +38,108 @@ def segment_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-class SegmentWriter:
-    """Creates segments for one sending actor and remembers them until closed."""
+@dataclasses.dataclass
+class _Segment:
+    name: str
+    fd: int
+    capacity: int
+    mapping: mmap.mmap
+    borrower: str | None = None
 
-    def __init__(self, folder: Path | None = None) -> None:
+
+class SegmentPool:
+    """The segments one sending actor lends to same-host receivers."""
+
+    def __init__(self, folder: Path | None = None, max_idle_bytes: int = 1 << 30) -> None:
         self.folder = folder or segment_dir()
+        self.max_idle_bytes = max_idle_bytes
         self._prefix = f"vime-{os.getpid()}-{secrets.token_hex(4)}-"
         self._counter = itertools.count()
-        self._written: list[Path] = []
+        self._segments: dict[str, _Segment] = {}
 
-    def write(self, data: memoryview) -> str:
-        """Copy ``data`` into a new segment and return its name."""
+    def lend(self, data: memoryview, borrower: str) -> str:
+        """Copy ``data`` into a free (or new) segment lent to ``borrower``; returns its name."""
+        view = data.cast("B")
+        segment = self._free_segment(len(view)) or self._new_segment(len(view))
+        segment.borrower = borrower
+        if len(view):
+            _copy(view, segment.mapping)
+        return segment.name
+
+    def give_back(self, names: list[str]) -> None:
+        """The borrower no longer uses these segments: they may be written again."""
+        for name in names:
+            segment = self._segments.get(name)
+            if segment is not None:
+                segment.borrower = None
+        self._trim()
+
+    def reclaim(self, borrower: str) -> None:
+        """Take back everything lent to a borrower that died."""
+        self.give_back([s.name for s in self._segments.values() if s.borrower == borrower])
+
+    @property
+    def lent(self) -> int:
+        return sum(1 for s in self._segments.values() if s.borrower is not None)
+
+    def _free_segment(self, nbytes: int) -> _Segment | None:
+        """The smallest free segment that fits, unless it would waste more than half."""
+        fits = [s for s in self._segments.values() if s.borrower is None and nbytes <= s.capacity <= 2 * nbytes + _GRAIN]
+        return min(fits, key=lambda s: s.capacity, default=None)
+
+    def _new_segment(self, nbytes: int) -> _Segment:
         name = f"{self._prefix}{next(self._counter)}"
-        path = self.folder / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        try:
-            view = data.cast("B")
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-        finally:
-            os.close(fd)
-        self._written.append(path)
-        if len(self._written) > 4096:
-            self._forget_consumed()
-        return name
+        fd = os.open(self.folder / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        capacity = max(_GRAIN, -(-nbytes // _GRAIN) * _GRAIN)
+        os.ftruncate(fd, capacity)
+        segment = self._segments[name] = _Segment(name, fd, capacity, mmap.mmap(fd, capacity))
+        return segment
 
-    def _forget_consumed(self) -> None:
-        self._written = [p for p in self._written if p.exists()]
+    def _trim(self) -> None:
+        idle = sorted((s for s in self._segments.values() if s.borrower is None), key=lambda s: -s.capacity)
+        total = sum(s.capacity for s in idle)
+        for segment in idle:
+            if total <= self.max_idle_bytes:
+                break
+            total -= segment.capacity
+            self._remove(segment)
+
+    def _remove(self, segment: _Segment) -> None:
+        segment.mapping.close()
+        os.close(segment.fd)
+        (self.folder / segment.name).unlink(missing_ok=True)
+        del self._segments[segment.name]
 
     def close(self) -> None:
-        """Remove the segments no receiver has taken (their messages were lost)."""
-        for path in self._written:
-            path.unlink(missing_ok=True)
-        self._written.clear()
+        """Unlink every segment, lent or not (receivers' mappings stay valid)."""
+        for segment in list(self._segments.values()):
+            self._remove(segment)
+
+
+def _copy(source: memoryview, mapping: mmap.mmap) -> None:
+    """Copy into a segment with torch's threaded copy (a plain memcpy when the source is read-only)."""
+    if source.readonly:
+        mapping[: len(source)] = source
+        return
+    target = torch.frombuffer(mapping, dtype=torch.uint8, count=len(source))
+    target.copy_(torch.frombuffer(source, dtype=torch.uint8))
 
 
 def map_segment(name: str, nbytes: int, folder: Path | None = None) -> mmap.mmap:
-    """Map a received segment and unlink it; the mapping lives as long as its views."""
+    """Map ``nbytes`` of a received segment; the mapping lives as long as its views."""
     if not _NAME.match(name):
         raise ValueError(f"refusing shared-memory name {name!r}: not a vime segment name")
-    path = (folder or segment_dir()) / name
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open((folder or segment_dir()) / name, os.O_RDWR)
     except FileNotFoundError:
         raise ValueError(
-            f"shared-memory segment {name} is gone: was the sender on another host, or was it already consumed?"
+            f"shared-memory segment {name} is gone: was the sender on another host, or has it exited?"
         ) from None
     try:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ValueError(f"shared-memory segment {name} holds {size} bytes, message says {nbytes}")
-        if size == 0:
-            return mmap.mmap(-1, 1)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags=flags)
+        # Lazy: pages are mapped when touched, so what is never read costs nothing.
+        return mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)

@@ -77,3 +77,10 @@ class ErrorReply:
     reason: str
     error: str
     kind: str | None = None
+
+
+@message
+class SegmentsFree:
+    """actor -> actor that sent it shared-memory tensors: no view of these segments is left."""
+
+    names: list[str]

@@ -27,12 +27,15 @@ pending the inbox may overflow, so a reply is never stuck behind a full one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import random
 import signal
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -46,18 +49,20 @@ from vime.messages import (
     Heartbeat,
     Register,
     Registered,
+    SegmentsFree,
     Shutdown,
     Status,
     StatusQuery,
 )
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter
-from vime.transports.shm import SegmentWriter, map_segment
+from vime.transports.shm import SegmentPool, map_segment
 from vime.transports.sockets import Inbox, Outbox, TlsFiles
 
-# Runtime chatter that depends on wall-clock timers, not on what the actor was
-# sent; replay does not expect a fresh instance to reproduce it.
-UNREPLAYED_KINDS = frozenset({"Heartbeat", "Register"})
+# Runtime chatter that depends on wall-clock timers or the garbage collector,
+# not on what the actor was sent; replay does not expect a fresh instance to
+# reproduce it.
+UNREPLAYED_KINDS = frozenset({"Heartbeat", "Register", "SegmentsFree"})
 
 
 class RemoteError(RuntimeError):
@@ -160,7 +165,10 @@ class Actor:
         self._nursery: trio.Nursery | None = None
         self._stopping = trio.Event()
         self._inbox: Inbox | None = None
-        self._segments = SegmentWriter()
+        self._segments = SegmentPool()
+        self._released: dict[str, list[str]] = {}  # owner -> segments whose views all died
+        self._release_ready = trio.lowlevel.ParkingLot()
+        self._trio_token: trio.lowlevel.TrioToken | None = None
         self._log_writer: LogWriter | None = None
         self._send_hook: Callable[[Envelope], None] | None = None  # replay captures sends here
 
@@ -236,7 +244,7 @@ class Actor:
         return Status(
             name=self.name,
             role=self.role,
-            counters=dict(self.counters),
+            counters={**self.counters, "segments_lent": self._segments.lent},
             errors=dict(self.errors),
             inbox_depth=len(self._queue),
             pending_asks=len(self._pending),
@@ -288,7 +296,9 @@ class Actor:
                 self._nursery = nursery
                 if handle_signals:
                     await nursery.start(self._watch_signals)
+                self._trio_token = trio.lowlevel.current_trio_token()
                 nursery.start_soon(self._receive_loop)
+                nursery.start_soon(self._release_loop)
                 if settings.driver is not None:
                     await self._register()
                     nursery.start_soon(self._heartbeat_loop)
@@ -355,6 +365,7 @@ class Actor:
             if pending.peer == name and not pending.done.is_set():
                 pending.error = PeerGone(f"{name} left or died before answering {pending.kind}")
                 pending.done.set()
+        self._segments.reclaim(name)
         address = self._learned.pop(name, None)
         if address in self._outboxes and address not in self.directory.values():
             self._outboxes.pop(address).close()
@@ -387,7 +398,8 @@ class Actor:
             return
         address = self._address_of(to)
         same_host = address.startswith("ipc://")
-        encoded = encode(envelope, self._segments.write if same_host else None, self.settings.shm_threshold)
+        lend = functools.partial(self._segments.lend, borrower=to) if same_host else None
+        encoded = encode(envelope, lend, self.settings.shm_threshold)
         if self._log_writer is not None:
             self._log_writer.write("out", to, encode_frame(self.address, None, [encoded]), dict(encoded.shm))
         self.counters["sent"] += 1
@@ -417,15 +429,19 @@ class Actor:
             while len(self._queue) >= self.settings.inbox_capacity and not self._pending:
                 await self._queue_space.park()
 
-    def _accept_frame(self, buffer: Any, arrived: float, shm: Callable[[str, int], Any] = map_segment) -> None:
-        """Decode, log and route one frame; never raises for bad input."""
-        attachments: dict[str, Any] = {}
+    def _accept_frame(self, buffer: Any, arrived: float, shm: Callable[[str, int], Any] | None = None) -> None:
+        """Decode, log and route one frame; never raises for bad input.
+
+        ``shm`` stands in for shared memory (replay serves segments from the
+        log); live segments are mapped and given back to their sender once
+        the last tensor viewing them is gone.
+        """
+        mapped: list[tuple[str, Any]] = []
 
         def resolve_shm(name: str, nbytes: int) -> Any:
-            mapped = shm(name, nbytes)
-            if self._log_writer is not None:
-                attachments[name] = memoryview(mapped)[:nbytes]
-            return mapped
+            segment = (shm or map_segment)(name, nbytes)
+            mapped.append((name, segment))
+            return segment
 
         self.counters["frames_in"] += 1
         try:
@@ -434,10 +450,16 @@ class Actor:
             self.errors["malformed"] += 1
             self.log.warning("dropped unreadable frame", error=str(err), size=len(buffer))
             return
+        if mapped and shm is None:
+            owner = next((m.sender for m in frame.messages if m.sender), None)
+            for name, segment in mapped:
+                weakref.finalize(segment, self._segment_released, owner, name)
         if self._log_writer is not None:
             peer = next((m.sender for m in frame.messages if m.sender), frame.reply_address)
+            attachments = {name: memoryview(segment)[:len(segment)] for name, segment in mapped}
             self._log_writer.write("in", peer or "", buffer, attachments, wall_time=arrived)
             attachments.clear()
+        mapped.clear()
         if self.settings.token is not None and frame.token != self.settings.token:
             self._refuse_frame(frame, arrived)
             return
@@ -482,6 +504,23 @@ class Actor:
             error = ErrorReply(reason=bad.reason, error=bad.error, kind=bad.kind)
             self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error)
 
+    def _segment_released(self, owner: str | None, name: str) -> None:
+        """Finalizer of a received segment's mapping: may run in any thread, at any time."""
+        if owner is None or self._trio_token is None:
+            return
+        self._released.setdefault(owner, []).append(name)
+        with contextlib.suppress(trio.RunFinishedError):
+            self._trio_token.run_sync_soon(self._release_ready.unpark_all)
+
+    async def _release_loop(self) -> None:
+        """Give segments back to their senders, batched per sender."""
+        while True:
+            await self._release_ready.park()
+            released, self._released = self._released, {}
+            for owner, names in released.items():
+                with contextlib.suppress(LookupError, pynng.NNGException):
+                    await self._send(owner, SegmentsFree(names=names), weight_version=None)
+
     async def _reply_error(self, to: str, msg_id: int, error: ErrorReply) -> None:
         """Answer bad input; a peer we cannot answer (bogus address) only gets logged."""
         try:
@@ -491,6 +530,9 @@ class Actor:
 
     def _route(self, envelope: Envelope, arrived: float) -> None:
         self.counters["received"] += 1
+        if type(envelope.payload) is SegmentsFree:  # runtime bookkeeping: never waits behind a handler
+            self._segments.give_back(envelope.payload.names)
+            return
         if envelope.reply_to is not None:
             pending = self._pending.get(envelope.reply_to)
             if pending is not None and envelope.sender == pending.peer:
@@ -520,6 +562,7 @@ class Actor:
                 await self._dispatch(envelope, arrived)
             finally:
                 self._busy = False
+            del envelope  # its tensors may view shared memory that the sender wants back
 
     async def _dispatch(self, envelope: Envelope, arrived: float) -> None:
         handler = getattr(self, self._handlers[envelope.kind])
