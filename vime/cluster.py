@@ -248,7 +248,7 @@ class Cluster:
         now = time.monotonic()
         self.actors[msg.name] = ActorInfo(msg.name, msg.role, msg.pid, msg.address, msg.host,
                                           joined=spawned is None, started_at=time.time(), last_heartbeat=now)
-        self.driver.log.info("actor registered", name=msg.name, role=msg.role, pid=msg.pid, address=msg.address)
+        self.driver.log.info("actor registered", peer=msg.name, peer_role=msg.role, pid=msg.pid, address=msg.address)
         self._post(ActorEvent("joined", msg.name, f"{msg.role} pid {msg.pid} at {msg.address}", time.time()))
         self._publish_directory()
         if spawned is not None:
@@ -260,9 +260,9 @@ class Cluster:
         if info is None:
             return
         if self._closing:
-            self.driver.log.info("actor exited", name=name, role=info.role, pid=info.pid, how=how)
+            self.driver.log.info("actor exited", peer=name, peer_role=info.role, pid=info.pid, how=how)
         else:
-            self.driver.log.error("actor died", name=name, role=info.role, pid=info.pid, how=how)
+            self.driver.log.error("actor died", peer=name, peer_role=info.role, pid=info.pid, how=how)
         self._post(ActorEvent("died", name, how, time.time()))
         self._publish_directory()
 

@@ -93,7 +93,7 @@ class ActorSettings:
     outbox_capacity: int = 1024
     max_message_bytes: int = 1 << 30
     heartbeat_s: float = 1.0
-    spin_us: float = 400.0
+    spin_us: float = 400.0  # poll this long for the next frame before parking (0: never poll)
     shm_threshold: int = 1 << 20
     tls_cert_key: str | None = None
     tls_ca: str | None = None
