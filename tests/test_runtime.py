@@ -313,3 +313,26 @@ async def test_shared_memory_segments_are_given_back_and_reused(tmp_path):
         with trio.fail_after(5):  # our views are gone, so the echo gets its segment back
             while (await job.ask("echo0", StatusQuery())).counters.get("segments_lent", 0):
                 await trio.sleep(0.01)
+
+
+async def test_a_peer_dying_with_messages_queued_for_it_fails_only_those_sends(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0", settings={"inbox_capacity": 4})
+        await job.tell("echo0", Nap(seconds=30))
+        outcome = []
+
+        async def flood() -> None:
+            try:
+                for seq in range(100_000):
+                    await job.tell("echo0", Note(seq=seq, body=b"f" * 4000))
+            except PeerGone as err:
+                outcome.append(err)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            await trio.sleep(1.0)  # the flood is now stuck behind the napping actor
+            os.kill(info.pid, signal.SIGKILL)
+            await job.wait_event("died", "echo0", timeout=5)
+        assert len(outcome) == 1 and "echo0" in str(outcome[0])
+        await job.spawn("echo", "echo1")  # the driver is unharmed
+        assert await job.ask("echo1", Ping(payload=b"ok")) == Pong(payload=b"ok")

@@ -206,7 +206,17 @@ class Outbox:
         return True
 
     async def pump(self) -> None:
-        """Ship queued messages, batching whatever is waiting, until closed."""
+        """Ship queued messages, batching whatever is waiting, until closed.
+
+        Returns quietly when the outbox is closed under it (its peer died):
+        what was still queued is dropped, which is what close() promises.
+        """
+        try:
+            await self._pump()
+        except (trio.ClosedResourceError, pynng.Closed):
+            pass
+
+    async def _pump(self) -> None:
         async for first in self._queue:
             batch, size = [first], first.size
             while size < self._max_frame_bytes:
@@ -245,6 +255,11 @@ class Outbox:
             _check(rv)
 
     def close(self) -> None:
-        """Stop the pump; anything still queued is dropped (the peer is gone)."""
+        """Stop the pump; anything still queued is dropped (the peer is gone).
+
+        Senders waiting for room get trio.ClosedResourceError.
+        """
         self._send_queue.close()
+        self._queue.close()
+        trio.lowlevel.notify_closing(self._fd)
         self._sock.close()

@@ -405,7 +405,10 @@ class Actor:
         self.counters["sent"] += 1
         outbox = self._outbox(address)
         if not ((wants_reply or reply_to is not None) and outbox.send_now(encoded)):
-            await outbox.put(encoded)
+            try:
+                await outbox.put(encoded)
+            except trio.ClosedResourceError:
+                raise PeerGone(f"{to} left or died before {envelope.kind} could be sent") from None
 
     def _outbox(self, address: str) -> Outbox:
         outbox = self._outboxes.get(address)
