@@ -17,6 +17,7 @@ Addresses: ``ipc://PATH`` on one host, ``tcp://HOST:PORT`` across hosts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -261,5 +262,6 @@ class Outbox:
         """
         self._send_queue.close()
         self._queue.close()
-        trio.lowlevel.notify_closing(self._fd)
+        with contextlib.suppress(RuntimeError):  # outside a trio run nobody can be waiting on it
+            trio.lowlevel.notify_closing(self._fd)
         self._sock.close()

@@ -166,7 +166,7 @@ class Actor:
         self._stopping = trio.Event()
         self._inbox: Inbox | None = None
         self._segments = SegmentPool()
-        self._released: dict[str, list[str]] = {}  # owner -> segments whose views all died
+        self._released: collections.deque[tuple[str, str]] = collections.deque()  # (owner, segment); thread-safe
         self._release_ready = trio.lowlevel.ParkingLot()
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._log_writer: LogWriter | None = None
@@ -396,6 +396,8 @@ class Actor:
         if self._send_hook is not None:
             self._send_hook(envelope)
             return
+        if self._released and type(payload) is not SegmentsFree:
+            await self._give_segments_back()  # so a sender learns of freed segments before our reply
         address = self._address_of(to)
         same_host = address.startswith("ipc://")
         lend = functools.partial(self._segments.lend, borrower=to) if same_host else None
@@ -511,18 +513,24 @@ class Actor:
         """Finalizer of a received segment's mapping: may run in any thread, at any time."""
         if owner is None or self._trio_token is None:
             return
-        self._released.setdefault(owner, []).append(name)
+        self._released.append((owner, name))
         with contextlib.suppress(trio.RunFinishedError):
             self._trio_token.run_sync_soon(self._release_ready.unpark_all)
 
     async def _release_loop(self) -> None:
-        """Give segments back to their senders, batched per sender."""
         while True:
             await self._release_ready.park()
-            released, self._released = self._released, {}
-            for owner, names in released.items():
-                with contextlib.suppress(LookupError, pynng.NNGException):
-                    await self._send(owner, SegmentsFree(names=names), weight_version=None)
+            await self._give_segments_back()
+
+    async def _give_segments_back(self) -> None:
+        """Tell each sender which of its segments we no longer view."""
+        by_owner: dict[str, list[str]] = {}
+        while self._released:
+            owner, name = self._released.popleft()
+            by_owner.setdefault(owner, []).append(name)
+        for owner, names in by_owner.items():
+            with contextlib.suppress(LookupError, PeerGone, pynng.NNGException):
+                await self._send(owner, SegmentsFree(names=names), weight_version=None)
 
     async def _reply_error(self, to: str, msg_id: int, error: ErrorReply) -> None:
         """Answer bad input; a peer we cannot answer (bogus address) only gets logged."""
@@ -558,31 +566,34 @@ class Actor:
                 self._poll_for(lambda: bool(self._queue))
             while not self._queue:
                 await self._queue_ready.park()
-            envelope, arrived = self._queue.popleft()
             self._queue_space.unpark()
             self._busy = True
             try:
-                await self._dispatch(envelope, arrived)
+                # No local keeps the envelope: _dispatch must be able to drop the last reference.
+                await self._dispatch(*self._queue.popleft())
             finally:
                 self._busy = False
-            del envelope  # its tensors may view shared memory that the sender wants back
 
     async def _dispatch(self, envelope: Envelope, arrived: float) -> None:
         handler = getattr(self, self._handlers[envelope.kind])
+        kind, sender, msg_id, wants_reply = envelope.kind, envelope.sender, envelope.id, envelope.wants_reply
         self._handling_time = arrived
         try:
-            reply = await handler(envelope.payload, envelope)
-            self.counters["handled"] += 1
-        except Exception as err:
-            self.errors["handler"] += 1
-            self.log.exception("handler failed", kind=envelope.kind, sender=envelope.sender)
-            reply = ErrorReply(reason="handler", error=f"{type(err).__name__}: {err}", kind=envelope.kind)
-        try:
-            if envelope.wants_reply:
+            try:
+                reply = await handler(envelope.payload, envelope)
+                self.counters["handled"] += 1
+            except Exception as err:
+                self.errors["handler"] += 1
+                self.log.exception("handler failed", kind=kind, sender=sender)
+                reply = ErrorReply(reason="handler", error=f"{type(err).__name__}: {err}", kind=kind)
+            # Dropping the request now frees the shared memory its tensors viewed,
+            # so the sender hears SegmentsFree before it hears the reply.
+            del envelope
+            if wants_reply:
                 if reply is None:
-                    reply = ErrorReply(reason="no-reply", kind=envelope.kind,
-                                       error=f"{self.role} handled {envelope.kind} but returned no answer")
-                await self._send(envelope.sender, reply, weight_version=None, reply_to=envelope.id)
+                    reply = ErrorReply(reason="no-reply", kind=kind,
+                                       error=f"{self.role} handled {kind} but returned no answer")
+                await self._send(sender, reply, weight_version=None, reply_to=msg_id)
         finally:
             self._handling_time = None
 
