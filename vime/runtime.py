@@ -381,7 +381,8 @@ class Actor:
         return address
 
     async def _send(self, to: str, payload: Any, *, weight_version: int | None, msg_id: int | None = None,
-                    wants_reply: bool = False, reply_to: int | None = None) -> None:
+                    wants_reply: bool = False, reply_to: int | None = None, address: str | None = None) -> None:
+        """Encode and queue one message; ``address`` overrides the lookup of ``to``."""
         envelope = Envelope(
             kind=type(payload).__name__,
             sender=self.name,
@@ -398,7 +399,7 @@ class Actor:
             return
         if self._released and type(payload) is not SegmentsFree:
             await self._give_segments_back()  # so a sender learns of freed segments before our reply
-        address = self._address_of(to)
+        address = address or self._address_of(to)
         same_host = address.startswith("ipc://")
         lend = functools.partial(self._segments.lend, borrower=to) if same_host else None
         encoded = encode(envelope, lend, self.settings.shm_threshold)
@@ -494,20 +495,17 @@ class Actor:
         self.log.warning("refused messages with a wrong or missing token", senders=senders,
                          reply_address=frame.reply_address)
         for item in frame.messages:
-            if item.wants_reply and item.sender:
-                self._learned.setdefault(item.sender, frame.reply_address)
+            if item.wants_reply and item.sender:  # answered at its address, which we do not learn
                 error = ErrorReply(reason="unauthorized", kind=item.kind,
                                    error="wrong or missing join token; pass --token with the job's token")
-                self._nursery.start_soon(self._reply_error, item.sender, item.id, error)
+                self._nursery.start_soon(self._reply_error, item.sender, item.id, error, frame.reply_address)
 
     def _reject(self, bad: BadMessage, reply_address: str) -> None:
         self.errors[bad.reason] += 1
         self.log.warning("rejected message", reason=bad.reason, error=bad.error, kind=bad.kind, sender=bad.sender)
         if bad.wants_reply and bad.sender and bad.id is not None:
-            if reply_address and bad.sender not in self.directory:
-                self._learned.setdefault(bad.sender, reply_address)
             error = ErrorReply(reason=bad.reason, error=bad.error, kind=bad.kind)
-            self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error)
+            self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error, reply_address)
 
     def _segment_released(self, owner: str | None, name: str) -> None:
         """Finalizer of a received segment's mapping: may run in any thread, at any time."""
@@ -532,10 +530,10 @@ class Actor:
             with contextlib.suppress(LookupError, PeerGone, pynng.NNGException):
                 await self._send(owner, SegmentsFree(names=names), weight_version=None)
 
-    async def _reply_error(self, to: str, msg_id: int, error: ErrorReply) -> None:
+    async def _reply_error(self, to: str, msg_id: int, error: ErrorReply, address: str | None) -> None:
         """Answer bad input; a peer we cannot answer (bogus address) only gets logged."""
         try:
-            await self._send(to, error, weight_version=None, reply_to=msg_id)
+            await self._send(to, error, weight_version=None, reply_to=msg_id, address=address or None)
         except (LookupError, pynng.NNGException) as err:
             self.log.warning("could not send an error reply", to=to, error=str(err))
 
@@ -554,8 +552,7 @@ class Actor:
             return
         if envelope.kind not in self._handlers:
             self._reject(BadMessage("unhandled", f"{self.role} has no handler for {envelope.kind}",
-                                    envelope.kind, envelope.sender, envelope.id, envelope.wants_reply),
-                         self._learned.get(envelope.sender) or self.directory.get(envelope.sender, ""))
+                                    envelope.kind, envelope.sender, envelope.id, envelope.wants_reply), "")
             return
         self._queue.append((envelope, arrived))
         self._queue_ready.unpark()
