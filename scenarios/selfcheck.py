@@ -58,11 +58,14 @@ async def run(run_dir: Path, transport: str, say: Callable[[str], None]) -> dict
         say(f"{count} tells: {figures['small_msgs_per_s']:,.0f} msgs/s, all in order: {figures['notes_intact']}")
 
         tensor = torch.randn(16 << 20)
-        t0 = time.perf_counter()
-        ack = await job.ask("echo0", Blob(tensor=tensor))
-        figures["tensor_64mib_gbps"] = tensor.nbytes / (time.perf_counter() - t0) / 1e9
+        seconds = []
+        for _ in range(3):  # the first creates a shared-memory segment; later ones reuse it
+            t0 = time.perf_counter()
+            ack = await job.ask("echo0", Blob(tensor=tensor))
+            seconds.append(time.perf_counter() - t0)
+        figures["tensor_64mib_gbps"] = tensor.nbytes / statistics.median(seconds) / 1e9
         figures["tensor_intact"] = ack.nbytes == tensor.nbytes
-        say(f"64 MiB tensor: {figures['tensor_64mib_gbps']:.2f} GB/s")
+        say(f"64 MiB tensor, median of 3: {figures['tensor_64mib_gbps']:.2f} GB/s")
 
         for i in range(50):
             await job.ask("tally0", Add(key=f"k{i % 5}", amount=i))
