@@ -1,5 +1,5 @@
 """Transport benchmark: vime actors over ipc and tcp, side by side with Ray,
-multiprocessing pipes and a naive trio+pynng loop.
+multiprocessing pipes, a naive trio+pynng loop and blocking pynng.
 
 For each transport, between two OS processes on this host, it measures:
 
@@ -14,7 +14,9 @@ calls (``ray.get(actor.echo.remote(m))``; tensors go as numpy arrays through
 Ray's shared-memory object store); a ``multiprocessing`` spawn child behind a
 Pipe, pickling everything; and the naive design vime replaced -- pynng Pair0
 with trio ``asend``/``arecv`` and msgpack, tensors as msgpack bytes -- which
-research measured at ~224 us per round trip (shared/research/cpu-stack.md, 2).
+research measured at ~224 us per round trip (shared/research/cpu-stack.md, 2);
+and the same Pair0 loop with blocking calls on both sides, the floor that nng
+itself sets under any runtime built on it.
 
 Transports run one after another, each alone, so that an idle Ray or a second
 cluster does not take one of the two cores; within a transport the three
@@ -300,8 +302,20 @@ async def open_pipe() -> AsyncIterator[PipeLink]:
         yield PipeLink(ours)
 
 
-def serve_naive(address: str) -> None:
-    trio.run(naive_echo, address)
+def serve_naive(address: str, blocking: bool) -> None:
+    if blocking:
+        echo_blocking(address)
+    else:
+        trio.run(naive_echo, address)
+
+
+def echo_blocking(address: str) -> None:
+    echo = PlainEcho()
+    with pynng.Pair0(dial=address, recv_max_size=0) as sock:
+        while True:
+            reply = echo.handle(msgpack.unpackb(sock.recv()))
+            if reply is not None:
+                sock.send(msgpack.packb(reply))
 
 
 async def naive_echo(address: str) -> None:
@@ -314,22 +328,32 @@ async def naive_echo(address: str) -> None:
 
 
 class NaiveLink:
-    """pynng Pair0 with trio ``asend``/``arecv`` and msgpack: the design research timed before vime's runtime."""
+    """pynng Pair0 and msgpack, no runtime: with trio ``asend``/``arecv`` (the design
+    research timed before vime's runtime), or with blocking calls on both sides
+    (what nng itself costs: the floor under any runtime built on it)."""
 
-    def __init__(self, sock: pynng.Pair0) -> None:
+    def __init__(self, sock: pynng.Pair0, blocking: bool) -> None:
         self.sock = sock
+        self.blocking = blocking
         self.notes_sent = 0
 
+    async def send(self, *request: Any) -> None:
+        data = msgpack.packb(request)
+        if self.blocking:
+            self.sock.send(data)
+        else:
+            await self.sock.asend(data)
+
     async def request(self, *request: Any) -> Any:
-        await self.sock.asend(msgpack.packb(request))
-        return msgpack.unpackb(await self.sock.arecv())
+        await self.send(*request)
+        return msgpack.unpackb(self.sock.recv() if self.blocking else await self.sock.arecv())
 
     async def round_trip(self) -> None:
         await self.request("echo", PAYLOAD)
 
     async def burst(self, count: int) -> None:
         for _ in range(count):
-            await self.sock.asend(msgpack.packb(("note", NOTE_BODY)))
+            await self.send("note", NOTE_BODY)
         self.notes_sent += count
         confirm("one-way messages", await self.request("count"), self.notes_sent)
 
@@ -338,11 +362,11 @@ class NaiveLink:
 
 
 @contextlib.asynccontextmanager
-async def open_naive() -> AsyncIterator[NaiveLink]:
+async def open_naive(blocking: bool) -> AsyncIterator[NaiveLink]:
     with tempfile.TemporaryDirectory(prefix="vime-bench-") as folder:
         address = f"ipc://{folder}/naive"
-        with pynng.Pair0(listen=address, recv_max_size=0) as sock, child_process(serve_naive, address):
-            yield NaiveLink(sock)
+        with pynng.Pair0(listen=address, recv_max_size=0) as sock, child_process(serve_naive, address, blocking):
+            yield NaiveLink(sock, blocking)
 
 
 class RayLink:
@@ -384,7 +408,8 @@ def transports() -> list[Transport]:
         Transport("vime_tcp", "vime tcp (inline tensors)", functools.partial(open_vime, "tcp")),
         Transport("ray", "Ray actor calls", open_ray, slow=True, missing=ray_missing),
         Transport("mp_pipe", "mp Pipe + pickle", open_pipe),
-        Transport("naive_trio_pynng", "naive trio+pynng", open_naive, slow=True),
+        Transport("naive_trio_pynng", "naive trio+pynng", functools.partial(open_naive, False), slow=True),
+        Transport("pynng_blocking", "pynng blocking (floor)", functools.partial(open_naive, True)),
     ]
 
 
