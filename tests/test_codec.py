@@ -63,9 +63,9 @@ def envelope(payload: Any, msg_id: int = 1, wants_reply: bool = False) -> Envelo
 
 
 def roundtrip(*envelopes: Envelope, resolve_shm: Any = None, **kwargs: Any) -> list[Envelope | BadMessage]:
-    frame = encode_frame("ipc:///tmp/sender", "tok", [encode(e, **kwargs) for e in envelopes])
+    frame = encode_frame("ipc://peer-inbox", "tok", [encode(e, **kwargs) for e in envelopes])
     decoded = decode_frame(frame, max_message_bytes=1 << 30, resolve_shm=resolve_shm)
-    assert decoded.reply_address == "ipc:///tmp/sender"
+    assert decoded.reply_address == "ipc://peer-inbox"
     assert decoded.token == "tok"
     return decoded.messages
 
