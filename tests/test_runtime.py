@@ -336,3 +336,39 @@ async def test_a_peer_dying_with_messages_queued_for_it_fails_only_those_sends(t
         assert len(outcome) == 1 and "echo0" in str(outcome[0])
         await job.spawn("echo", "echo1")  # the driver is unharmed
         assert await job.ask("echo1", Ping(payload=b"ok")) == Pong(payload=b"ok")
+
+
+DRIVER_SCRIPT = """
+import sys, trio
+from vime import Cluster
+
+async def main():
+    async with Cluster.open(sys.argv[1]) as job:
+        info = await job.spawn("echo", "echo0")
+        print("echo pid", info.pid, flush=True)
+        await trio.sleep(60)
+
+trio.run(main)
+"""
+
+
+async def test_spawned_actors_exit_when_their_driver_is_killed(tmp_path):
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        echo_pid = int((await trio.to_thread.run_sync(driver.stdout.readline)).removeprefix("echo pid "))
+        driver.kill()
+        driver.wait()
+        with trio.fail_after(8):
+            while os.path.exists(f"/proc/{echo_pid}") and "zombie" not in _proc_state(echo_pid):
+                await trio.sleep(0.1)
+    finally:
+        driver.kill()
+    assert "the driver that started this actor is gone" in (tmp_path / "logs" / "echo0.log").read_text()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(line for line in status if line.startswith("State:")).lower()
+    except (OSError, StopIteration):
+        return "zombie"

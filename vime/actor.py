@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default="{}",
                         help="runtime settings as a JSON object, e.g. {\"inbox_capacity\": 64} (see ActorSettings)")
     parser.add_argument("--record", action="store_true", help="write this actor's message log")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="shut down when the parent process (the driver that spawned us) dies")
     parser.add_argument("--tls-cert-key", default=None, help="PEM with our certificate and key (tls+tcp)")
     parser.add_argument("--tls-ca", default=None, help="PEM of the CA that signs the job's certificates")
     parser.add_argument("--log-level", default="info")
@@ -75,7 +77,8 @@ def _runtime_settings(text: str) -> dict:
     return values
 
 
-_IDENTITY = {"name", "listen", "driver", "token", "run_dir", "record", "seed", "tls_cert_key", "tls_ca"}
+_IDENTITY = {"name", "listen", "driver", "token", "run_dir", "record", "seed", "tls_cert_key", "tls_ca",
+             "parent_pid"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         tls_cert_key=args.tls_cert_key,
         tls_ca=args.tls_ca,
+        parent_pid=os.getppid() if args.exit_with_parent else None,
     )
     actor = cls(settings, json.loads(args.config))
     try:

@@ -29,10 +29,12 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import structlog
 import trio
 
+from vime.logs import configure
 from vime.messages import Directory, Heartbeat, Register, Registered, Shutdown
-from vime.runtime import Actor, ActorSettings, handles
+from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
 
@@ -118,6 +120,8 @@ class Cluster:
                    port: int = 0, token: str | None = None, record: bool = False, dead_after_s: float = 4.0,
                    tls: dict[str, str] | None = None) -> AsyncIterator[Cluster]:
         """Start the driver; on exit, shut every actor down (SIGKILL after 5 s)."""
+        if not structlog.is_configured():  # a program embedding the driver gets vime's log format, on stderr
+            configure()
         if transport not in ("ipc", "tcp", "tls+tcp"):
             raise ValueError(f"transport must be ipc, tcp or tls+tcp, not {transport!r}")
         if transport != "ipc" and token is None:
@@ -178,6 +182,7 @@ class Cluster:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "vime.actor", entry.role, "--name", name, "--join", self.address,
+                   "--exit-with-parent",
                    "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config),
                    "--settings", json.dumps(entry.settings), "--seed", str(entry.seed)]
         if self.transport == "ipc":
@@ -276,7 +281,7 @@ class Cluster:
             self._nursery.start_soon(self._tell_quietly, name, Directory(addresses=self._directory()))
 
     async def _tell_quietly(self, name: str, payload: Any) -> None:
-        with contextlib.suppress(LookupError):
+        with contextlib.suppress(LookupError, PeerGone):
             await self.driver.tell(name, payload)
 
     def _write_actors_json(self) -> None:

@@ -97,6 +97,7 @@ class ActorSettings:
     shm_threshold: int = 1 << 20
     tls_cert_key: str | None = None
     tls_ca: str | None = None
+    parent_pid: int | None = None  # stop when this process is no longer our parent (the driver died)
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -351,6 +352,11 @@ class Actor:
     async def _heartbeat_loop(self) -> None:
         while True:
             await trio.sleep(self.settings.heartbeat_s)
+            if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
+                self.log.error("the driver that started this actor is gone; shutting down",
+                               driver_pid=self.settings.parent_pid)
+                self._stopping.set()
+                return
             await self.tell("driver", Heartbeat(name=self.name, status=dataclasses.asdict(self.status())))
 
     def _set_directory(self, addresses: dict[str, str]) -> None:
