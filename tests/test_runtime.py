@@ -372,3 +372,18 @@ def _proc_state(pid: int) -> str:
             return next(line for line in status if line.startswith("State:")).lower()
     except (OSError, StopIteration):
         return "zombie"
+
+
+async def test_a_busy_conversation_does_not_starve_heartbeats(tmp_path):
+    """Polling hands frames straight to the waiting task; timers must still run."""
+    async with open_job(tmp_path, "tcp", dead_after_s=1.5) as job:
+        process = _join(job.address, "--token", job.token, "--name", "busy0")
+        try:
+            await job.wait_event("joined", "busy0", timeout=30)
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                await job.ask("busy0", Ping(payload=b"p"))
+            assert "busy0" in job.actors, "a busy joined actor was declared dead: its heartbeats starved"
+        finally:
+            process.kill()
+            process.wait()

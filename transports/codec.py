@@ -35,6 +35,7 @@ MAGIC = b"VIM1"
 _PREAMBLE = struct.Struct("<4sI")
 _MESSAGE_HEAD = struct.Struct("<IQ")
 _ALIGN = 64
+_ZEROS = bytes(_ALIGN)
 _TENSOR_EXT = 1
 
 TORCH_DTYPES = {
@@ -194,7 +195,7 @@ def write_frame(out: memoryview, meta: bytes, messages: list[Encoded]) -> None:
         _MESSAGE_HEAD.pack_into(out, pos, len(m.header), m.raw_len)
         out[pos + _MESSAGE_HEAD.size : pos + _MESSAGE_HEAD.size + len(m.header)] = m.header
         raw = _raw_start(pos, len(m.header))
-        out[pos + _MESSAGE_HEAD.size + len(m.header) : raw] = bytes(raw - pos - _MESSAGE_HEAD.size - len(m.header))
+        out[pos + _MESSAGE_HEAD.size + len(m.header) : raw] = _ZEROS[: raw - pos - _MESSAGE_HEAD.size - len(m.header)]
         for data, offset in m.tensors:
             out[raw + offset : raw + offset + data.nbytes] = data
         pos = raw + m.raw_len

@@ -79,10 +79,11 @@ class Inbox:
         listener = self._sock.listen(address)
         self.address = _bound_address(address, listener)
         self._fd = self._sock.recv_fd
+        self._msg_p = _ffi.new("nng_msg **")  # reused: only the actor's trio thread receives
 
     def try_receive(self) -> Any | None:
         """A frame buffer if one is waiting, else None; never blocks."""
-        msg_p = _ffi.new("nng_msg **")
+        msg_p = self._msg_p
         rv = _lib.nng_recvmsg(self._sock.socket, msg_p, _NONBLOCK)
         if rv == _EAGAIN:
             return None
@@ -106,10 +107,16 @@ class Inbox:
         return buffer
 
     def poll(self, spin_s: float) -> Any | None:
-        """Poll for a frame for up to ``spin_s`` while no other trio task is runnable."""
+        """Poll for a frame for up to ``spin_s``, unless another trio task is runnable.
+
+        Checking once is enough: while this thread polls, the scheduler does
+        not run, so no task can become runnable. Between polls the CPU is
+        yielded, so nng's own threads -- which move the bytes -- are never starved.
+        """
+        if trio.lowlevel.current_statistics().tasks_runnable:
+            return None
         deadline = time.perf_counter() + spin_s
-        statistics = trio.lowlevel.current_statistics
-        while time.perf_counter() < deadline and statistics().tasks_runnable == 0:
+        while time.perf_counter() < deadline:
             os.sched_yield()
             buffer = self.try_receive()
             if buffer is not None:
@@ -161,6 +168,8 @@ class Outbox:
         self._fd = self._sock.send_fd
         self._reply_address = reply_address
         self._token = token
+        self._single_meta = pack_meta(reply_address, token, 1)  # most frames carry one message
+        self._msg_p = _ffi.new("nng_msg **")
         self._max_frame_bytes = max_frame_bytes
         self._unshipped = 0
         self._send_queue, self._queue = trio.open_memory_channel[Encoded](capacity)
@@ -232,9 +241,9 @@ class Outbox:
 
     def _frame(self, batch: list[Encoded]) -> Any:
         """An nng message holding ``batch`` as one frame (caller owns it)."""
-        meta = pack_meta(self._reply_address, self._token, len(batch))
+        meta = self._single_meta if len(batch) == 1 else pack_meta(self._reply_address, self._token, len(batch))
         size = frame_size(meta, batch)
-        msg_p = _ffi.new("nng_msg **")
+        msg_p = self._msg_p
         _check(_lib.nng_msg_alloc(msg_p, size))
         msg = msg_p[0]
         try:

@@ -163,6 +163,7 @@ class Actor:
         self._learned: dict[str, str] = {}  # names seen on frames -> their reply address
         self._handling_time: float | None = None
         self._busy = False
+        self._fast_paths = 0
         self._nursery: trio.Nursery | None = None
         self._stopping = trio.Event()
         self._inbox: Inbox | None = None
@@ -205,7 +206,7 @@ class Actor:
             await self._send(to, payload, weight_version=weight_version, msg_id=msg_id, wants_reply=True)
             self._poll_for(pending.done.is_set)
             if pending.done.is_set():
-                await trio.lowlevel.checkpoint_if_cancelled()  # the reply is in hand: no need to yield
+                await self._yield_now_and_then()  # the reply is in hand: a full yield is rarely worth it
             else:
                 with trio.move_on_after(timeout):
                     await pending.done.wait()
@@ -221,6 +222,19 @@ class Actor:
         if isinstance(pending.reply.payload, ErrorReply):
             raise RemoteError(to, pending.reply.payload)
         return pending.reply.payload
+
+    async def _yield_now_and_then(self) -> None:
+        """Let other tasks run every 16th call, else only honour cancellation.
+
+        Polling hands frames straight to the waiting task, so a busy
+        conversation may never park; without this, timers (heartbeats) and
+        signal handling would starve while it lasts.
+        """
+        self._fast_paths += 1
+        if self._fast_paths % 16:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            await trio.lowlevel.checkpoint()
 
     def _poll_for(self, done: Callable[[], bool]) -> None:
         """Poll the socket for up to ``spin_us`` until ``done()``, instead of parking.
@@ -576,6 +590,7 @@ class Actor:
                 await self._dispatch(*self._queue.popleft())
             finally:
                 self._busy = False
+            await self._yield_now_and_then()
 
     async def _dispatch(self, envelope: Envelope, arrived: float) -> None:
         handler = getattr(self, self._handlers[envelope.kind])
