@@ -168,6 +168,7 @@ class Actor:
         self._stopping = trio.Event()
         self._inbox: Inbox | None = None
         self._segments = SegmentPool()
+        self._lenders: dict[str, Callable[[memoryview], str]] = {}
         self._released: collections.deque[tuple[str, str]] = collections.deque()  # (owner, segment); thread-safe
         self._release_ready = trio.lowlevel.ParkingLot()
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -421,8 +422,7 @@ class Actor:
             await self._give_segments_back()  # so a sender learns of freed segments before our reply
         address = address or self._address_of(to)
         same_host = address.startswith("ipc://")
-        lend = functools.partial(self._segments.lend, borrower=to) if same_host else None
-        encoded = encode(envelope, lend, self.settings.shm_threshold)
+        encoded = encode(envelope, self._lender(to) if same_host else None, self.settings.shm_threshold)
         if self._log_writer is not None:
             self._log_writer.write("out", to, encode_frame(self.address, None, [encoded]), dict(encoded.shm))
         self.counters["sent"] += 1
@@ -432,6 +432,13 @@ class Actor:
                 await outbox.put(encoded)
             except trio.ClosedResourceError:
                 raise PeerGone(f"{to} left or died before {envelope.kind} could be sent") from None
+
+    def _lender(self, borrower: str) -> Callable[[memoryview], str]:
+        """The shared-memory writer for one peer (cached: one is built per peer, not per send)."""
+        lender = self._lenders.get(borrower)
+        if lender is None:
+            lender = self._lenders[borrower] = functools.partial(self._segments.lend, borrower=borrower)
+        return lender
 
     def _outbox(self, address: str) -> Outbox:
         outbox = self._outboxes.get(address)
