@@ -116,13 +116,29 @@ def handles(*kinds: type) -> Callable[[Callable], Callable]:
     return mark
 
 
-@dataclasses.dataclass
 class _PendingAsk:
-    peer: str
-    kind: str
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
-    reply: Envelope | None = None
-    error: Exception | None = None
+    """One ask waiting for its answer. The Event is made only if the asker has
+    to park: most local replies arrive while it polls."""
+
+    __slots__ = ("peer", "kind", "reply", "error", "done", "_event")
+
+    def __init__(self, peer: str, kind: str) -> None:
+        self.peer = peer
+        self.kind = kind
+        self.reply: Envelope | None = None
+        self.error: Exception | None = None
+        self.done = False
+        self._event: trio.Event | None = None
+
+    def finish(self, reply: Envelope | None = None, error: Exception | None = None) -> None:
+        self.reply, self.error, self.done = reply, error, True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if not self.done:
+            self._event = trio.Event()
+            await self._event.wait()
 
 
 class Actor:
@@ -205,12 +221,12 @@ class Actor:
         pending = self._pending[msg_id] = _PendingAsk(to, type(payload).__name__)
         try:
             await self._send(to, payload, weight_version=weight_version, msg_id=msg_id, wants_reply=True)
-            self._poll_for(pending.done.is_set)
-            if pending.done.is_set():
+            self._poll_for(lambda: pending.done)
+            if pending.done:
                 await self._yield_now_and_then()  # the reply is in hand: a full yield is rarely worth it
             else:
                 with trio.move_on_after(timeout):
-                    await pending.done.wait()
+                    await pending.wait()
         finally:
             del self._pending[msg_id]
         if pending.error is not None:
@@ -383,9 +399,8 @@ class Actor:
     def _peer_gone(self, name: str) -> None:
         """Fail asks waiting on a dead peer and drop what was queued for it."""
         for pending in self._pending.values():
-            if pending.peer == name and not pending.done.is_set():
-                pending.error = PeerGone(f"{name} left or died before answering {pending.kind}")
-                pending.done.set()
+            if pending.peer == name and not pending.done:
+                pending.finish(error=PeerGone(f"{name} left or died before answering {pending.kind}"))
         self._segments.reclaim(name)
         address = self._learned.pop(name, None)
         if address in self._outboxes and address not in self.directory.values():
@@ -404,17 +419,8 @@ class Actor:
     async def _send(self, to: str, payload: Any, *, weight_version: int | None, msg_id: int | None = None,
                     wants_reply: bool = False, reply_to: int | None = None, address: str | None = None) -> None:
         """Encode and queue one message; ``address`` overrides the lookup of ``to``."""
-        envelope = Envelope(
-            kind=type(payload).__name__,
-            sender=self.name,
-            receiver=to,
-            id=msg_id if msg_id is not None else next(self._ids),
-            reply_to=reply_to,
-            sent_at=self.now(),
-            weight_version=weight_version,
-            wants_reply=wants_reply,
-            payload=payload,
-        )
+        envelope = Envelope(type(payload).__name__, self.name, to, msg_id if msg_id is not None else next(self._ids),
+                            reply_to, self.now(), weight_version, wants_reply, payload)
         if self._send_hook is not None:
             self._send_hook(envelope)
             return
@@ -572,8 +578,7 @@ class Actor:
         if envelope.reply_to is not None:
             pending = self._pending.get(envelope.reply_to)
             if pending is not None and envelope.sender == pending.peer:
-                pending.reply = envelope
-                pending.done.set()
+                pending.finish(reply=envelope)
             else:
                 self.counters["late_replies"] += 1
             return
