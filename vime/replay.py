@@ -91,8 +91,8 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
 
     trio.run(drive, clock=trio.testing.MockClock(autojump_threshold=0))
     recorded = [m for r in log.records if r.direction == "out" for m in _decode_all(r)]
-    recorded = [m for m in recorded if isinstance(m, BadMessage) or m.kind not in UNREPLAYED_KINDS]
-    replayed = [m for m in produced if m.kind not in UNREPLAYED_KINDS]
+    recorded = [m for m in recorded if isinstance(m, BadMessage) or type(m.payload) not in UNREPLAYED_KINDS]
+    replayed = [m for m in produced if type(m.payload) not in UNREPLAYED_KINDS]
     return ReplayResult(len(inbound), min(len(recorded), len(replayed)), _compare(recorded, replayed), log.problem)
 
 

@@ -62,7 +62,7 @@ from vime.transports.sockets import Inbox, Outbox, TlsFiles
 # Runtime chatter that depends on wall-clock timers or the garbage collector,
 # not on what the actor was sent; replay does not expect a fresh instance to
 # reproduce it.
-UNREPLAYED_KINDS = frozenset({"Heartbeat", "Register", "SegmentsFree"})
+UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree})
 
 
 class RemoteError(RuntimeError):
@@ -402,6 +402,7 @@ class Actor:
             if pending.peer == name and not pending.done:
                 pending.finish(error=PeerGone(f"{name} left or died before answering {pending.kind}"))
         self._segments.reclaim(name)
+        self._lenders.pop(name, None)
         address = self._learned.pop(name, None)
         if address in self._outboxes and address not in self.directory.values():
             self._outboxes.pop(address).close()
@@ -489,16 +490,16 @@ class Actor:
             self.errors["malformed"] += 1
             self.log.warning("dropped unreadable frame", error=str(err), size=len(buffer))
             return
-        if mapped and shm is None:
-            owner = next((m.sender for m in frame.messages if m.sender), None)
-            for name, segment in mapped:
-                weakref.finalize(segment, self._segment_released, owner, name)
-        if self._log_writer is not None:
-            peer = next((m.sender for m in frame.messages if m.sender), frame.reply_address)
-            attachments = {name: memoryview(segment)[:len(segment)] for name, segment in mapped}
-            self._log_writer.write("in", peer or "", buffer, attachments, wall_time=arrived)
-            attachments.clear()
-        mapped.clear()
+        if mapped or self._log_writer is not None:
+            sender = next((m.sender for m in frame.messages if m.sender), None)  # one sender per frame
+            if shm is None:
+                for name, segment in mapped:
+                    weakref.finalize(segment, self._segment_released, sender, name)
+            if self._log_writer is not None:
+                attachments = {name: memoryview(segment)[:len(segment)] for name, segment in mapped}
+                self._log_writer.write("in", sender or frame.reply_address, buffer, attachments, wall_time=arrived)
+                attachments.clear()
+            mapped.clear()
         if self.settings.token is not None and frame.token != self.settings.token:
             self._refuse_frame(frame, arrived)
             return
