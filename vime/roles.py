@@ -12,6 +12,11 @@ import importlib
 from vime.runtime import Actor
 
 ROLES: dict[str, str] = {
+    "buffer": "vime.actors.buffer:Buffer",
+    "router": "vime.actors.router:Router",
+    "rollout": "vime.actors.rollout:RolloutWorker",
+    "reward": "vime.actors.reward:Reward",
+    "trainer": "vime.actors.trainer:Trainer",
     "echo": "vime.probe:Echo",
     "tally": "vime.probe:Tally",
 }

@@ -175,6 +175,7 @@ class Actor:
         self._queue: collections.deque[tuple[Envelope, float]] = collections.deque()
         self._queue_ready = trio.lowlevel.ParkingLot()
         self._queue_space = trio.lowlevel.ParkingLot()
+        self._directory_changed = trio.lowlevel.ParkingLot()
         self._outboxes: dict[str, Outbox] = {}
         self._learned: dict[str, str] = {}  # names seen on frames -> their reply address
         self._handling_time: float | None = None
@@ -292,6 +293,32 @@ class Actor:
     async def on_stop(self) -> None:
         """Runs on shutdown, after the last message was handled."""
 
+    async def on_peer_gone(self, name: str) -> None:
+        """Runs, as part of handling the driver's Directory, for each actor that left or died.
+
+        Asks waiting on it have already failed with PeerGone.
+        """
+
+    async def wait_for_peer(self, name: str, timeout: float = 60.0) -> None:
+        """Return once ``name`` is in the directory (actors of a job start one by one).
+
+        Raises TimeoutError, naming the actors that are known, after ``timeout`` s.
+        """
+        with trio.move_on_after(timeout):
+            while name not in self.directory:
+                await self._directory_changed.park()
+        if name not in self.directory:
+            raise TimeoutError(f"{self.name}: no actor named {name!r} joined within {timeout} s; "
+                               f"known: {sorted(self.directory)}")
+
+    def start_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` beside the handler loop, for work that outlives one message
+        (a generation loop, a training loop). It is cancelled when the actor stops;
+        if it raises, the actor stops with that error -- a bug should not go quiet.
+        """
+        assert self._nursery is not None, "start_soon is for a serving actor (on_start or a handler)"
+        self._nursery.start_soon(fn, *args)
+
     # ------------------------------------------------------------ built-ins
 
     @handles(StatusQuery)
@@ -300,7 +327,8 @@ class Actor:
 
     @handles(Directory)
     async def _on_directory(self, msg: Directory, envelope: Envelope) -> None:
-        self._set_directory(msg.addresses)
+        for name in self._set_directory(msg.addresses):
+            await self.on_peer_gone(name)
 
     @handles(Shutdown)
     async def _on_shutdown(self, msg: Shutdown, envelope: Envelope) -> None:
@@ -390,11 +418,14 @@ class Actor:
                 return
             await self.tell("driver", Heartbeat(name=self.name, status=dataclasses.asdict(self.status())))
 
-    def _set_directory(self, addresses: dict[str, str]) -> None:
-        gone = {n for n in self.directory if n not in addresses}
+    def _set_directory(self, addresses: dict[str, str]) -> list[str]:
+        """Adopt the driver's directory; returns the names that left it."""
+        gone = sorted(n for n in self.directory if n not in addresses)
         self.directory = dict(addresses)
+        self._directory_changed.unpark_all()
         for name in gone:
             self._peer_gone(name)
+        return gone
 
     def _peer_gone(self, name: str) -> None:
         """Fail asks waiting on a dead peer and drop what was queued for it."""

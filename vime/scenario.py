@@ -1,45 +1,70 @@
 """``python -m vime.scenario [NAME]``: run a named scenario (the default when NAME is omitted).
 
 Scenarios live in ``vime.scenarios``, one module each, listed with ``--list``.
+A training scenario supplies defaults for every setting; each setting is
+also a flag (``--lr``, ``--rollout-batch-size``, ``--algo ppo`` ...), shown by
+``python -m vime.scenario NAME --help``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 from pathlib import Path
 
 import trio
 
+from vime.config import add_flags, from_flags
 from vime.logs import configure
 
-SCENARIOS = {"selfcheck": "vime.scenarios.selfcheck"}
-DEFAULT = "selfcheck"
+SCENARIOS = {"arithmetic": "vime.scenarios.arithmetic", "selfcheck": "vime.scenarios.selfcheck"}
+DEFAULT = "arithmetic"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    name = argv[0] if argv and not argv[0].startswith("-") else DEFAULT  # the name comes first: flags take values
+    if name not in SCENARIOS:
+        print(f"unknown scenario {name!r}; python -m vime.scenario --list shows them", file=sys.stderr)
+        return 2
+    scenario = importlib.import_module(SCENARIOS[name])
+    training = hasattr(scenario, "defaults")
     parser = argparse.ArgumentParser(prog="python -m vime.scenario", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default=DEFAULT, help=f"scenario name (default: {DEFAULT})")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/NAME-TIMESTAMP)")
     parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     parser.add_argument("--log-level", default="warning")
+    if training:
+        parser.add_argument("--record", action="store_true", help="write every actor's message log to RUN_DIR/messages/")
+        add_flags(parser, scenario.defaults())
     args = parser.parse_args(argv)
     if args.list:
-        for name, module in SCENARIOS.items():
-            print(f"{name:<12} {importlib.import_module(module).DESCRIPTION}")
+        for scenario_name, module in SCENARIOS.items():
+            print(f"{scenario_name:<12} {importlib.import_module(module).DESCRIPTION}")
         return 0
-    if args.name not in SCENARIOS:
-        parser.error(f"unknown scenario {args.name!r}; --list shows the scenarios")
     configure(args.log_level)
-    scenario = importlib.import_module(SCENARIOS[args.name])
-    run_dir = args.out or Path("runs") / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"vime {args.name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
-    figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
-    print("PASSED" if figures["passed"] else "FAILED", flush=True)
-    return 0 if figures["passed"] else 1
+    run_dir = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
+    if not training:
+        figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
+        print("PASSED" if figures["passed"] else "FAILED", flush=True)
+        return 0 if figures["passed"] else 1
+    from vime.pipeline import progress_display, train
+
+    config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
+    display = progress_display(config.job.steps)
+    try:
+        summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display))
+    finally:
+        display.close()
+    print(json.dumps({k: summary[k] for k in ("final_raw_reward", "first_step_reward_0.9", "seconds_to_reward_0.9",
+                                              "max_train_rollout_logprob_abs_diff", "total_s")}), flush=True)
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

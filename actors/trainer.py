@@ -1,0 +1,136 @@
+"""The trainer: pulls batches, steps the policy, publishes new weights.
+
+Its loop, once per step: ask the buffer for the step's batch (WantBatch) and
+wait; train on it in a worker thread (the engine recomputes log-probs, takes
+the algorithm's optimizer steps); send the new weights, version v+1, to
+every rollout worker in chunks; tell the buffer the version is out; append
+the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
+later gets the current weights as soon as it says WorkerReady.
+
+Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
+batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
+``time_generate_s`` and ``time_reward_s`` from the rollout side.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import trio
+
+from vime.backends.base import collate
+from vime.backends.torch_train import TorchTrainEngine
+from vime.config import RunConfig
+from vime.metrics import MetricsWriter
+from vime.protocol import TrainBatch, WantBatch, WeightsChunk, WeightsPublished, WorkerReady
+from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.transports.codec import Envelope
+
+
+class Trainer(Actor):
+    role = "trainer"
+
+    def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
+        super().__init__(settings, config)
+        self.run = RunConfig.from_dict(self.config)
+        run = self.run
+        self.engine = TorchTrainEngine(run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss,
+                                       grpo_config=run.grpo, ppo_config=run.ppo, temperature=run.sampling.temperature,
+                                       dtype=run.model.dtype, seed=settings.seed)
+        self.pad_token_id = self.engine.policy.config.pad_token_id or 0
+        self.workers: set[str] = set()
+        self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
+        self.metrics = MetricsWriter(settings.run_dir or ".")
+
+    async def on_start(self) -> None:
+        self.start_soon(self._train_loop)
+
+    async def on_stop(self) -> None:
+        self.metrics.close()
+
+    async def on_peer_gone(self, name: str) -> None:
+        self.workers.discard(name)
+
+    @handles(WorkerReady)
+    async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> None:
+        self.workers.add(envelope.sender)
+        if msg.weight_version < self.engine.weight_version:
+            await self._send_weights(envelope.sender, self._weight_chunks())
+
+    @handles(TrainBatch)
+    async def _on_batch(self, msg: TrainBatch, envelope: Envelope) -> None:
+        await self.batches_in.send(msg)
+
+    async def _train_loop(self) -> None:
+        await self.wait_for_peer("buffer")
+        for step in range(self.run.job.steps):
+            started = time.perf_counter()
+            await self.tell("buffer", WantBatch(step=step))
+            batch = await self.batches.receive()
+            waited = time.perf_counter() - started
+            samples = batch.samples
+            tensors = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                              [s.logprobs for s in samples], [s.versions for s in samples],
+                              [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id)
+            train_started = time.perf_counter()
+            metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
+            trained = time.perf_counter()
+            await self._publish()
+            synced = time.perf_counter()
+            response_tokens = int(tensors.response_mask.sum())
+            row = {
+                "step": step,
+                "weight_version": self.engine.weight_version,
+                "raw_reward": statistics.fmean(s.reward for s in samples),
+                "samples": len(samples),
+                "response_tokens": response_tokens,
+                "step_time_s": synced - started,
+                "rollout_tokens_per_s": response_tokens / max(batch.stats["time_generate_s"], 1e-9),
+                "time_wait_s": waited,
+                "time_train_s": trained - train_started,
+                "time_weight_sync_s": synced - trained,
+                **batch.stats,
+                **metrics,
+            }
+            self.metrics.write({k: _plain(v) for k, v in row.items()})
+            self.log.info("step", step=step, weight_version=self.engine.weight_version,
+                          raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
+
+    def _weight_chunks(self) -> list[WeightsChunk]:
+        """The current weights cut into chunks of about ``weight_chunk_mb`` each."""
+        limit = self.run.job.weight_chunk_mb << 20
+        parts: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in self.engine.named_weights().items():
+            if parts[-1] and size + tensor.nbytes > limit:
+                parts.append({})
+                size = 0
+            parts[-1][name] = tensor
+            size += tensor.nbytes
+        version = self.engine.weight_version
+        return [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
+
+    async def _send_weights(self, worker: str, chunks: list[WeightsChunk]) -> None:
+        try:
+            for chunk in chunks:
+                await self.tell(worker, chunk, weight_version=chunk.version)
+        except (PeerGone, LookupError):
+            self.workers.discard(worker)
+
+    async def _publish(self) -> None:
+        """Weights of the new version to every worker, then the news to the buffer."""
+        chunks = self._weight_chunks()
+        for worker in sorted(self.workers):
+            await self._send_weights(worker, chunks)
+        await self.tell("buffer", WeightsPublished(version=self.engine.weight_version))
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: NaN/inf become None so that metrics.jsonl stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

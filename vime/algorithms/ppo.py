@@ -1,0 +1,78 @@
+"""PPO with a value model: GAE advantages and the clipped value loss.
+
+The reward of a response is given at its last token; every other token's
+immediate reward is 0. Advantages come from GAE(γ, λ) over the response
+tokens and are whitened over the batch; returns are advantages + values. The
+value loss is clipped around the values seen at rollout (``value_clip``), as
+in the PPO implementations of OpenAI baselines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    whiten_advantages: bool = True
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards ``[samples, tokens]``: each sample's reward on its last real token."""
+    per_token = torch.zeros_like(mask, dtype=torch.float32)
+    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    per_token[torch.arange(mask.shape[0]), last] = rewards.to(torch.float32) * (mask.sum(-1) > 0)
+    return per_token
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimates and returns, both ``[samples, tokens]``.
+
+    The value after the last real token is 0 (the episode ends there);
+    padding contributes nothing.
+    """
+    advantages = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0])
+    next_value = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        live = mask[:, t].to(torch.float32)
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * live
+        advantages[:, t] = running
+        next_value = values[:, t] * live
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale to mean 0, std 1 over the masked entries."""
+    count = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / count
+    variance = (((values - mean) * mask) ** 2).sum() / count
+    return (values - mean) * torch.rsqrt(variance + eps) * mask
+
+
+def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                           config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (whitened when configured) and value targets for one batch."""
+    advantages, returns = gae(terminal_rewards(rewards, mask), values, mask, config.gamma, config.lam)
+    if config.whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return advantages, returns
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               value_clip: float, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-averaged."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
+    loss = 0.5 * (losses * mask).sum() / denominator
+    clipfrac = float((((clipped - returns) ** 2 > (values - returns) ** 2).float() * mask).sum() / mask.sum().clamp(min=1))
+    return loss, {"vf_clipfrac": clipfrac}

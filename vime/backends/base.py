@@ -1,0 +1,130 @@
+"""The two engine interfaces: what a rollout worker and a trainer need.
+
+An actor talks to its engine only through these, so the CPU reference
+engines and the GPU ones (vLLM, Megatron-core) are interchangeable.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (greedy decoding is not an RL sampling mode)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sequence being generated, and what the engine produced for it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length" once finished
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses step by step, so that weights can change between steps.
+
+    Per-token log-probs are those of the temperature-scaled distribution the
+    trainer computes (top-k/top-p truncation shapes sampling, not the reported
+    log-prob), and every token carries the weight version that produced it.
+    """
+
+    weight_version: int
+
+    @abc.abstractmethod
+    def add(self, sequences: list[Sequence]) -> None:
+        """Queue sequences; they join the running batch at the next step."""
+
+    @abc.abstractmethod
+    def step(self) -> list[Sequence]:
+        """Advance every running sequence by one token; return those that finished."""
+
+    @property
+    @abc.abstractmethod
+    def busy(self) -> bool:
+        """Whether any sequence is queued or running."""
+
+    @abc.abstractmethod
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the named weights (a full set) and stamp later tokens with ``version``."""
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """A padded training batch: prompts and responses of ``samples`` sequences."""
+
+    input_ids: torch.Tensor  # [samples, prompt + response], right-padded
+    attention_mask: torch.Tensor  # [samples, prompt + response]
+    response_start: torch.Tensor  # [samples]: index of the first response token
+    response_mask: torch.Tensor  # [samples, max_response]: 1 on real response tokens
+    response_ids: torch.Tensor  # [samples, max_response]
+    rollout_logprobs: torch.Tensor  # [samples, max_response]
+    versions: torch.Tensor  # [samples, max_response]: weight version that produced each token
+    rewards: torch.Tensor  # [samples]
+    group_ids: torch.Tensor  # [samples]
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+            versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int) -> TrainBatch:
+    """Pad samples into a TrainBatch (right padding; positions come from the mask)."""
+    count = len(prompts)
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    longest = max(len(r) for r in responses)
+    batch = TrainBatch(
+        input_ids=torch.full((count, width), pad_token_id, dtype=torch.long),
+        attention_mask=torch.zeros((count, width), dtype=torch.long),
+        response_start=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        response_mask=torch.zeros((count, longest), dtype=torch.float32),
+        response_ids=torch.zeros((count, longest), dtype=torch.long),
+        rollout_logprobs=torch.zeros((count, longest), dtype=torch.float32),
+        versions=torch.full((count, longest), -1, dtype=torch.long),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+    )
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        length = len(prompt) + len(response)
+        batch.input_ids[row, :length] = torch.tensor(prompt + response)
+        batch.attention_mask[row, :length] = 1
+        batch.response_mask[row, :len(response)] = 1
+        batch.response_ids[row, :len(response)] = torch.tensor(response)
+        batch.rollout_logprobs[row, :len(response)] = torch.tensor(logprobs[row], dtype=torch.float32)
+        batch.versions[row, :len(response)] = torch.tensor(versions[row])
+    return batch
+
+
+class TrainEngine(abc.ABC):
+    """Holds the policy (and a value model or reference when the algorithm needs one) and steps it."""
+
+    weight_version: int
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, Any]:
+        """One training step on ``batch``: recompute log-probs, loss, update. Returns metrics."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as the rollout engines name them (a consistent snapshot)."""

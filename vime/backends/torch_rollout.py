@@ -1,0 +1,133 @@
+"""The reference rollout engine: batched sampling with a KV cache in plain PyTorch.
+
+Runs any Hugging Face causal LM on CPU (or one GPU). Sequences are generated
+in static batches: a batch is prefilled together (left-padded) and decoded
+one token per ``step`` until all of its sequences finish; sequences added
+meanwhile start with the next batch. Weights loaded between steps apply to
+the very next token; the KV cache of tokens already generated is kept (the
+vLLM in-flight update does the same), and each token records its version.
+
+Deliberately missing: continuous batching and paged attention -- that is
+what the vLLM engine is for.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from vime.backends.base import RolloutEngine, Sequence
+from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+
+
+class TorchRolloutEngine(RolloutEngine):
+    def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 1024, seed: int = 0,
+                 device: str = "cpu") -> None:
+        self.model = load_causal_lm(model_path, dtype).to(device)
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+        self._last_tokens: torch.Tensor | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add(self, sequences: list[Sequence]) -> None:
+        self._waiting.extend(sequences)
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        missing = set(params) - set(tensors)
+        unknown = set(tensors) - set(params)
+        if missing or unknown:
+            raise ValueError(f"weights for version {version} do not fit the model: "
+                             f"missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+        self.weight_version = version
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        if not self._running:
+            if not self._waiting:
+                return []
+            logits = self._prefill()
+        else:
+            logits = self._decode()
+        return self._sample(logits)
+
+    def _prefill(self) -> torch.Tensor:
+        count = min(len(self._waiting), self.max_batch_size)
+        self._running = [self._waiting.popleft() for _ in range(count)]
+        width = max(len(s.prompt_ids) for s in self._running)
+        pad = self.model.config.pad_token_id or 0
+        ids = torch.full((count, width), pad, dtype=torch.long)
+        self._mask = torch.zeros((count, width), dtype=torch.long)
+        for row, sequence in enumerate(self._running):
+            ids[row, width - len(sequence.prompt_ids):] = torch.tensor(sequence.prompt_ids)
+            self._mask[row, width - len(sequence.prompt_ids):] = 1
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache()
+        ids, self._mask = ids.to(self.device), self._mask.to(self.device)
+        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=position_ids(self._mask),
+                         past_key_values=self._cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _decode(self) -> torch.Tensor:
+        assert self._mask is not None and self._last_tokens is not None
+        self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        positions = position_ids(self._mask)[:, -1:]
+        out = self.model(input_ids=self._last_tokens.unsqueeze(1), attention_mask=self._mask, position_ids=positions,
+                         past_key_values=self._cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _sample(self, logits: torch.Tensor) -> list[Sequence]:
+        """Sample one token per running sequence; return the sequences that just finished."""
+        temperature = torch.tensor([s.params.temperature for s in self._running], device=logits.device)
+        logprobs = scaled_logprobs(logits, temperature)
+        filtered = _top_k_top_p(logprobs, [s.params.top_k for s in self._running],
+                                [s.params.top_p for s in self._running])
+        tokens = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self.generator).squeeze(1)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        self._last_tokens = tokens
+        finished = []
+        for sequence, token, logprob in zip(self._running, tokens.tolist(), chosen.tolist()):
+            if sequence.finish_reason is not None:
+                continue
+            sequence.response_ids.append(token)
+            sequence.logprobs.append(logprob)
+            sequence.versions.append(self.weight_version)
+            if token in sequence.params.stop_token_ids:
+                sequence.finish_reason = "stop"
+            elif len(sequence.response_ids) >= sequence.params.max_new_tokens:
+                sequence.finish_reason = "length"
+            if sequence.finish_reason is not None:
+                finished.append(sequence)
+        if all(s.finish_reason is not None for s in self._running):
+            self._running, self._cache, self._mask, self._last_tokens = [], None, None, None
+        return finished
+
+
+def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k and nucleus (top-p); rows with neither pass unchanged."""
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logprobs
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    vocab = logprobs.shape[-1]
+    ranks = torch.arange(vocab, device=logprobs.device).expand_as(sorted_lp)
+    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logprobs.device).unsqueeze(1)
+    drop = ranks >= k
+    p = torch.tensor(top_p, device=logprobs.device, dtype=torch.float32).unsqueeze(1)
+    mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+    drop |= mass_before >= p  # keep the smallest prefix whose mass reaches p (always at least one token)
+    sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+    return torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)

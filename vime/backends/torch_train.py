@@ -1,0 +1,191 @@
+"""The reference trainer: the policy (and value model) in plain PyTorch.
+
+One ``train_step`` does what a step of slime's Megatron trainer does, at
+laptop scale: recompute the batch's log-probs with the current weights (the
+"old" policy of the PPO ratio, and the trainer side of
+``train_rollout_logprob_abs_diff``), compute advantages, then
+``updates_per_step`` optimizer steps over mini-batches, each accumulated
+over micro-batches of ``micro_batch_size`` samples, with gradient clipping
+and AdamW. ``dtype="bf16"`` keeps fp32 master weights and runs the forward
+under bf16 autocast.
+
+PPO's value model is a second copy of the backbone with a scalar head; a
+frozen copy of the initial policy serves as the KL reference when
+``kl_coef > 0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from vime.algorithms import grpo, ppo
+from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergence, policy_loss
+from vime.backends.base import TrainBatch, TrainEngine
+from vime.config import OptimConfig
+from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+
+
+class _ValueModel(torch.nn.Module):
+    """The policy's backbone with a scalar head: V(prefix) for every position."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone = copy.deepcopy(policy.model)
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids(attention_mask)).last_hidden_state
+        return self.head(hidden).squeeze(-1).to(torch.float32)
+
+
+class TorchTrainEngine(TrainEngine):
+    def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
+                 grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
+                 seed: int = 0, device: str = "cpu") -> None:
+        if algo not in ("grpo", "ppo"):
+            raise ValueError(f"algo must be grpo or ppo, not {algo!r}")
+        torch.manual_seed(seed)
+        self.algo, self.optim, self.loss = algo, optim, loss
+        self.grpo, self.ppo = grpo_config, ppo_config
+        self.temperature = temperature
+        self.dtype = dtype
+        self.device = device
+        self.weight_version = 0
+        self.policy = load_causal_lm(model_path, "fp32").to(device)
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if loss.kl_coef else None
+        self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
+        groups = [{"params": list(self.policy.parameters()), "lr": optim.lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": optim.critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {name: param.detach() for name, param in self.policy.named_parameters()}
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == "bf16":
+            return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _response_logprobs(self, model: torch.nn.Module, batch: TrainBatch,
+                           rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
+        input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
+        with self._autocast():
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        index = _response_index(batch, rows, logits.shape[1])
+        logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        logprobs = scaled_logprobs(logits, self.temperature)
+        chosen = logprobs.gather(-1, batch.response_ids[rows].unsqueeze(-1)).squeeze(-1)
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        response_mask = batch.response_mask[rows]
+        return chosen * response_mask, entropy * response_mask
+
+    def _values(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        assert self.critic is not None
+        input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
+        with self._autocast():
+            values = self.critic(input_ids, mask)
+        return values.gather(1, _response_index(batch, rows, values.shape[1])) * batch.response_mask[rows]
+
+    @torch.no_grad()
+    def _score_batch(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """Everything computed once per step with the weights the batch will be trained from."""
+        everything = torch.arange(batch.input_ids.shape[0])
+        scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
+        for rows in everything.split(self.optim.micro_batch_size):
+            logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
+            scores["old_logprobs"].append(logprobs)
+            scores["entropy"].append(entropy)
+            if self.reference is not None:
+                scores["ref_logprobs"].append(self._response_logprobs(self.reference, batch, rows)[0])
+            if self.critic is not None:
+                scores["values"].append(self._values(batch, rows))
+        return {key: torch.cat(parts) for key, parts in scores.items() if parts}
+
+    def _advantages(self, batch: TrainBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.algo == "grpo":
+            per_sample = grpo.group_advantages(batch.rewards, batch.group_ids, self.grpo)
+            return grpo.token_advantages(per_sample, batch.response_mask), None
+        assert values is not None
+        return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, Any]:
+        self.policy.train()
+        scores = self._score_batch(batch)
+        mask = batch.response_mask
+        advantages, returns = self._advantages(batch, scores.get("values"))
+        same_version = (batch.versions == self.weight_version) & (mask > 0)
+        metrics: dict[str, Any] = {
+            "train_rollout_logprob_abs_diff": float(
+                ((scores["old_logprobs"] - batch.rollout_logprobs).abs() * same_version).sum()
+                / same_version.sum().clamp(min=1)),
+            "entropy": float(aggregate(scores["entropy"], mask, "token")),
+        }
+        if "ref_logprobs" in scores:
+            kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator)
+            metrics["kl"] = float(aggregate(kl, mask, "token"))
+        totals: dict[str, list[float]] = {}
+        generator = torch.Generator().manual_seed(self.weight_version)
+        order = torch.randperm(batch.input_ids.shape[0], generator=generator)
+        for mini in order.tensor_split(self.optim.updates_per_step):
+            if mini.numel() == 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            normalizer = float(mask[mini].sum()) if self.loss.loss_aggregation == "token" else float(mini.numel())
+            value_normalizer = float(mask[mini].sum())
+            for rows in mini.split(self.optim.micro_batch_size):
+                for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
+                                                   value_normalizer).items():
+                    totals.setdefault(key, []).append(value)
+            totals.setdefault("grad_norm", []).append(float(torch.nn.utils.clip_grad_norm_(
+                self.policy.parameters(), self.optim.grad_clip)))
+            if self.critic is not None:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.optim.grad_clip)
+            self.optimizer.step()
+        self.policy.eval()
+        self.weight_version += 1
+        summed = {"loss", "value_loss"}
+        for key, values in totals.items():
+            metrics[key] = sum(values) / (self.optim.updates_per_step if key in summed else len(values))
+        return metrics
+
+    def _micro_step(self, batch: TrainBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
+                    advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
+                    value_normalizer: float) -> dict[str, float]:
+        """Forward and backward of one micro-batch; gradients accumulate."""
+        mask = batch.response_mask[rows]
+        logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
+        loss, stats = policy_loss(self.loss, logprobs, scores["old_logprobs"][rows], advantages[rows], mask,
+                                  entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
+                                  if "ref_logprobs" in scores else None, normalizer=normalizer)
+        stats["loss"] = float(loss)
+        if self.critic is not None:
+            assert returns is not None
+            values = self._values(batch, rows)
+            value_loss, value_stats = ppo.value_loss(values, scores["values"][rows], returns[rows], mask,
+                                                     self.ppo.value_clip, normalizer=value_normalizer)
+            loss = loss + self.ppo.value_coef * value_loss
+            stats.update(value_stats, value_loss=float(value_loss))
+        loss.backward()
+        return stats
+
+
+def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the columns that are padding in every row (batches are right-padded)."""
+    width = int(mask.sum(-1).max())
+    return input_ids[:, :width], mask[:, :width]
+
+
+def _response_index(batch: TrainBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """For each response token, the position whose output predicts it: ``[rows, max_response]``."""
+    steps = torch.arange(batch.response_ids.shape[1])
+    return (batch.response_start[rows].unsqueeze(1) - 1 + steps).clamp(max=width - 1)

@@ -1,0 +1,156 @@
+"""Every setting of a run, typed, in one small dataclass per component.
+
+The scenario's command line is generated from these: each field is a flag
+(``rollout_batch_size`` -> ``--rollout-batch-size``), so field names are
+unique across sections. A scenario supplies its defaults as a ``RunConfig``;
+flags override them; the result is frozen, written to RUN_DIR/config.json
+and handed to every actor as plain JSON. Nothing changes it at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from vime.algorithms.grpo import GRPOConfig
+from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.algorithms.ppo import PPOConfig
+from vime.backends.base import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = ""  # a Hugging Face model folder (config.json, safetensors, tokenizer)
+    dtype: str = "fp32"  # fp32, or bf16 (rollout weights in bf16; trainer autocasts over fp32 masters)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    rollout_batch_size: int = 128  # prompt groups per training step
+    group_size: int = 8  # responses per prompt
+    max_staleness: int = 0  # a sample from version v may train at trainer version <= v + k; 0 = on-policy
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal and draw new prompts
+    epochs: int = 0  # passes over the prompt source; 0 = as many as the run needs
+    data: str = ""  # a JSONL file of {"prompt", "label", ...} rows
+    custom_data_source: str = ""  # module:function returning an iterable of such rows
+    custom_rollout: str = ""  # module:function turning a prompt row into the requests of its group
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    rollout_workers: int = 1
+    rollout_max_batch_size: int = 1024  # sequences decoded together by one worker
+    rollout_capacity: int = 64  # groups a worker takes at once
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    reward: str = "exact"  # a built-in reward of vime.rewards
+    custom_reward: str = ""  # module:function, fn(response, label, **metadata) -> float, sync or async
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    critic_lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    updates_per_step: int = 4  # optimizer steps per batch (mini-batches)
+    micro_batch_size: int = 256  # samples per forward/backward; gradients accumulate over a mini-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    algo: str = "grpo"  # grpo or ppo
+    steps: int = 300
+    seed: int = 0
+    weight_chunk_mb: int = 64  # weights travel to rollout workers in chunks of about this size
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sampling: SamplingParams = SamplingParams()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    optim: OptimConfig = OptimConfig()
+    loss: PolicyLossConfig = PolicyLossConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    ppo: PPOConfig = PPOConfig()
+    job: JobConfig = JobConfig()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {section.name: dataclasses.asdict(getattr(self, section.name)) for section in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, document: dict[str, dict[str, Any]]) -> RunConfig:
+        """Rebuild from ``to_dict`` output (config.json, or an actor's config)."""
+        sections = {}
+        for section in dataclasses.fields(cls):
+            values = dict(document.get(section.name, {}))
+            kind = section.default.__class__
+            for field in dataclasses.fields(kind):
+                if field.name in values and _is_tuple(field.type):
+                    values[field.name] = tuple(values[field.name])
+            sections[section.name] = kind(**values)
+        return cls(**sections)
+
+    def replace(self, **overrides: Any) -> RunConfig:
+        """A copy with fields changed by flat name (``lr=3e-4``), whatever their section."""
+        sections: dict[str, dict[str, Any]] = {}
+        for name, value in overrides.items():
+            section = _SECTION_OF.get(name)
+            if section is None:
+                raise KeyError(f"no setting named {name!r}")
+            sections.setdefault(section, {})[name] = value
+        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()})
+
+
+def _is_tuple(annotation: Any) -> bool:
+    return str(annotation).startswith("tuple")
+
+
+def _field_types(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)
+
+
+_SECTION_OF: dict[str, str] = {}
+for _section in dataclasses.fields(RunConfig):
+    for _field in dataclasses.fields(_section.default.__class__):
+        if _field.name in _SECTION_OF:
+            raise TypeError(f"setting {_field.name!r} is declared in two sections; flags need unique names")
+        _SECTION_OF[_field.name] = _section.name
+
+
+def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    """One ``--flag`` per setting, grouped by section; unset flags stay None (the scenario's default wins)."""
+    for section in dataclasses.fields(RunConfig):
+        group = parser.add_argument_group(section.name)
+        values = getattr(defaults, section.name)
+        for name, annotation in _field_types(type(values)).items():
+            default = getattr(values, name)
+            flag = "--" + name.replace("_", "-")
+            help_text = f"default: {default!r}"
+            if annotation is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            elif typing.get_origin(annotation) is tuple:
+                group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
+            else:
+                group.add_argument(flag, type=_scalar(annotation), default=None, help=help_text)
+
+
+def _scalar(annotation: Any) -> type:
+    if isinstance(annotation, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
+    """The scenario's defaults with every flag the user gave applied."""
+    given = {name: getattr(args, name) for name in _SECTION_OF if getattr(args, name, None) is not None}
+    given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
+    return defaults.replace(**given)

@@ -1,0 +1,144 @@
+"""Run a training job: start the five actors, follow the steps, write the outputs.
+
+The driver process holds no model. It writes RUN_DIR/config.json, spawns
+router, reward, trainer, the rollout workers and finally the buffer (whose
+start issues the first prompts), then follows RUN_DIR/metrics.jsonl, which
+the trainer appends to after every step. At the end it writes
+RUN_DIR/summary.json (what happened to every prompt group, from the buffer's
+and router's counters) and RUN_DIR/report.png, and shuts the actors down.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from vime.cluster import Cluster
+from vime.config import RunConfig
+from vime.messages import StatusQuery
+from vime.metrics import read_metrics
+from vime.report import write_report
+
+SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
+
+
+async def train(config: RunConfig, run_dir: Path, *, record: bool = False, transport: str = "ipc",
+                show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    document = config.to_dict()
+    started = time.monotonic()
+    async with Cluster.open(run_dir, transport=transport, record=record) as job:
+        seed = config.job.seed
+        await job.spawn("router", "router", document, seed=seed)
+        await job.spawn("reward", "reward", document, seed=seed)
+        await job.spawn("trainer", "trainer", document, seed=seed)
+        async with trio.open_nursery() as nursery:
+            for index in range(config.rollout.rollout_workers):
+                nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i))
+        await job.spawn("buffer", "buffer", document, seed=seed)
+        ready_s = time.monotonic() - started
+        rows = await _follow(job, run_dir, config.job.steps, show, timeout_s)
+        counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
+    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
+    return summary
+
+
+async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,
+                  timeout_s: float | None) -> list[dict[str, Any]]:
+    """Wait for ``steps`` rows in metrics.jsonl, showing each; fail fast if an actor dies."""
+    seen: list[dict[str, Any]] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(seen) < steps:
+        died = [e for e in job.events if e.what == "died"]
+        if died:
+            raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
+        rows = read_metrics(run_dir)
+        for row in rows[len(seen):]:
+            if show is not None:
+                show(row)
+        seen = rows
+        await trio.sleep(0.1)
+    return seen[:steps]
+
+
+def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, dict[str, int]], ready_s: float,
+             total_s: float) -> dict[str, Any]:
+    buffer, router = counters["buffer"], counters["router"]
+    target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
+    return {
+        "algo": config.job.algo,
+        "seed": config.job.seed,
+        "steps": len(rows),
+        "final_raw_reward": _trailing_mean(rows, len(rows) - 1) if rows else None,
+        "first_step_reward_0.9": target,
+        "seconds_to_reward_0.9": None if target is None else ready_s + sum(r["step_time_s"] for r in rows[:target + 1]),
+        "max_train_rollout_logprob_abs_diff": max((r["train_rollout_logprob_abs_diff"] for r in rows), default=None),
+        "startup_s": ready_s,
+        "total_s": total_s,
+        "groups": {"issued": buffer.get("issued", 0), "trained": buffer.get("trained", 0),
+                   "reissued": router.get("reissued", 0), "dropped_stale": buffer.get("dropped_stale", 0),
+                   "dropped_filtered": buffer.get("dropped_filtered", 0), "duplicates": buffer.get("duplicates", 0),
+                   "injected": buffer.get("injected", 0),
+                   "in_flight_at_end": buffer.get("in_flight", 0),
+                   "lost": buffer.get("issued", 0) - buffer.get("scored", 0) - buffer.get("in_flight", 0)},
+    }
+
+
+def _trailing_mean(rows: list[dict[str, Any]], step: int, window: int = 10) -> float:
+    """Mean raw_reward over the ``window`` steps ending at ``step``: one lucky batch does not count."""
+    chosen = [r["raw_reward"] for r in rows[max(0, step - window + 1):step + 1]]
+    return sum(chosen) / len(chosen) if chosen else 0.0
+
+
+class PlainProgress:
+    """One line per step (or every ``every`` steps): for logs and pipes."""
+
+    def __init__(self, steps: int, every: int = 10) -> None:
+        self.steps, self.every = steps, every
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        if step % self.every == 0 or step + 1 == self.steps:
+            values = "  ".join(f"{key}={row[key]:.4g}" for key in SHOWN if row.get(key) is not None)
+            print(f"step {step + 1}/{self.steps}  {values}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress:
+    """A live bar with the latest metrics, for a terminal."""
+
+    def __init__(self, steps: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[metrics]}"))
+        self.task = self.progress.add_task("train", total=steps, metrics="starting actors")
+        self.progress.start()
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        metrics = "  ".join(f"{key.split('_')[-1] if key.startswith('train_') else key}={row[key]:.3g}"
+                            for key in SHOWN if row.get(key) is not None)
+        self.progress.update(self.task, completed=row["step"] + 1, metrics=metrics)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def progress_display(steps: int) -> PlainProgress | RichProgress:
+    """Rich on a terminal, plain lines otherwise."""
+    return RichProgress(steps) if sys.stdout.isatty() else PlainProgress(steps)

@@ -1,0 +1,146 @@
+"""The RL pipeline's message kinds: who sends what to whom, and when.
+
+The flow (see DESIGN.md)::
+
+    buffer --GenerateGroup--> router --GenerateGroup--> rollout --RolloutGroup--> reward --ScoredGroup--> buffer
+    trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsChunk--> rollout
+    trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
+
+Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
+fp32 log-probs arrive bit-exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vime.transports.records import message
+
+
+@message(kind_name=False)
+class Sample:
+    """One response to one prompt, from rollout through reward to the trainer."""
+
+    group_id: int
+    index: int  # within its group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # rollout log-prob of each response token (temperature applied)
+    versions: list[int]  # weight version that produced each response token
+    finish_reason: str  # "stop" or "length"
+    label: str
+    metadata: dict[str, Any]
+    response_text: str = ""
+    reward: float | None = None
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest version that produced any of its tokens: what staleness is measured from."""
+        return min(self.versions) if self.versions else -1
+
+
+@message
+class GenerateGroup:
+    """buffer -> router -> a rollout worker: sample ``group_size`` responses to one prompt.
+
+    The worker starts only once it holds weights of ``min_weight_version`` or
+    newer: that is how the staleness bound reaches the rollout side.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    label: str
+    metadata: dict[str, Any]
+    group_size: int
+    min_weight_version: int
+    sampling: dict[str, Any]
+
+
+@message
+class WorkerReady:
+    """rollout worker -> router and trainer, once at start: give me work, and the current weights."""
+
+    capacity: int  # groups it takes at once
+    weight_version: int
+
+
+@message
+class GroupDone:
+    """rollout worker -> router: a group is finished (its samples went to reward)."""
+
+    group_id: int
+
+
+@message
+class RolloutGroup:
+    """rollout worker -> reward: a finished group, not yet scored."""
+
+    group_id: int
+    samples: list[Sample]
+    worker: str
+    generate_s: float  # wall time from the group's start to its last token
+
+
+@message
+class ScoredGroup:
+    """reward -> buffer: the group with a reward on every sample."""
+
+    group_id: int
+    samples: list[Sample]
+    worker: str
+    generate_s: float
+    reward_s: float
+
+
+@message
+class WantBatch:
+    """trainer -> buffer: send the batch for ``step`` as soon as it is complete."""
+
+    step: int
+
+
+@message
+class TrainBatch:
+    """buffer -> trainer: the samples of one step, whole groups, and how they were gathered."""
+
+    step: int
+    samples: list[Sample]
+    stats: dict[str, float]
+
+
+@message
+class WeightsChunk:
+    """trainer -> rollout worker: part ``index`` of ``count`` of the weights of ``version``."""
+
+    version: int
+    index: int
+    count: int
+    tensors: dict[str, torch.Tensor]
+
+
+@message
+class WeightsPublished:
+    """trainer -> buffer: version ``version`` is on its way to every rollout worker."""
+
+    version: int
+
+
+@message
+class InjectPrompts:
+    """anyone -> buffer (ask): prompts to issue before the source's next ones; answered with Injected.
+
+    Each prompt is a map with ``prompt`` (text) and ``label``; other keys
+    travel as metadata to the reward function.
+    """
+
+    prompts: list[dict[str, Any]]
+
+
+@message
+class Injected:
+    """buffer -> asker: how many prompts were accepted, and how many wait to be issued."""
+
+    accepted: int
+    waiting: int
