@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_listen(join: str) -> str:
+def default_listen(join: str) -> str:
     """Listen on the interface this host uses to reach the driver, any free port."""
     url = urlsplit(join)
     if url.scheme == "ipc":
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ActorSettings(
         **_runtime_settings(args.settings),
         name=args.name or f"{cls.role}-{uuid.uuid4().hex[:6]}",
-        listen=args.listen or _default_listen(args.join),
+        listen=args.listen or default_listen(args.join),
         driver=args.join,
         token=args.token or os.environ.get("VIME_TOKEN") or None,
         run_dir=args.run_dir,

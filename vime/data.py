@@ -37,7 +37,12 @@ def load_rows(data: str = "", custom_data_source: str = "") -> list[dict[str, An
     with path.open() as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
-                rows.append(check_row(json.loads(line), f"{path}:{number}"))
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not JSON ({err}); each line must be a "
+                                     "{\"prompt\": ..., \"label\": ...} object") from None
+                rows.append(check_row(row, f"{path}:{number}"))
     return rows
 
 

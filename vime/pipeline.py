@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -28,8 +28,14 @@ SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "ste
 
 
 async def train(config: RunConfig, run_dir: Path, *, record: bool = False, transport: str = "ipc",
-                show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-    """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json)."""
+                show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
+                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None) -> dict[str, Any]:
+    """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
+
+    Rollout workers are restarted when they die (the router re-issues their
+    groups meanwhile); the death of any other actor ends the run with an
+    error naming its log. ``on_step(job, row)`` runs after each step is seen.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -42,10 +48,11 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         await job.spawn("trainer", "trainer", document, seed=seed)
         async with trio.open_nursery() as nursery:
             for index in range(config.rollout.rollout_workers):
-                nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i))
+                nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i,
+                                                             restart=True))
         await job.spawn("buffer", "buffer", document, seed=seed)
         ready_s = time.monotonic() - started
-        rows = await _follow(job, run_dir, config.job.steps, show, timeout_s)
+        rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
     summary = _summary(config, rows, counters, ready_s, time.monotonic() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -55,12 +62,13 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,
+                  on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None,
                   timeout_s: float | None) -> list[dict[str, Any]]:
-    """Wait for ``steps`` rows in metrics.jsonl, showing each; fail fast if an actor dies."""
+    """Wait for ``steps`` rows in metrics.jsonl, showing each; fail fast if a vital actor dies."""
     seen: list[dict[str, Any]] = []
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(seen) < steps:
-        died = [e for e in job.events if e.what == "died"]
+        died = [e for e in job.events if e.what == "died" and not e.name.startswith("rollout-")]
         if died:
             raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log")
         if deadline is not None and time.monotonic() > deadline:
@@ -69,6 +77,8 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
         for row in rows[len(seen):]:
             if show is not None:
                 show(row)
+            if on_step is not None:
+                await on_step(job, row)
         seen = rows
         await trio.sleep(0.1)
     return seen[:steps]

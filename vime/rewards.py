@@ -66,3 +66,20 @@ async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any
         raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} returned {value!r}; "
                         "it must return a finite float")
     return float(value)
+
+
+def check_contract(fn: RewardFn) -> None:
+    """Check that ``fn`` can serve as a reward, calling it as the reward actor does.
+
+    Raises TypeError saying what is wrong: it must take ``(response, label,
+    **metadata)`` and return a finite float (directly or from a coroutine).
+    Users can run this on their function before starting a job.
+    """
+    try:
+        inspect.signature(fn).bind("response", "label", source="check_contract")
+    except TypeError as err:
+        raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} must accept "
+                        f"(response: str, label: str, **metadata): {err}") from None
+    import trio
+
+    trio.run(score, fn, "7", "7", {"source": "check_contract"})

@@ -59,10 +59,11 @@ from vime.transports.msglog import LogWriter
 from vime.transports.shm import SegmentPool, map_segment
 from vime.transports.sockets import Inbox, Outbox, TlsFiles
 
-# Runtime chatter that depends on wall-clock timers or the garbage collector,
-# not on what the actor was sent; replay does not expect a fresh instance to
-# reproduce it.
-UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree})
+# Runtime chatter that depends on wall-clock timers, the garbage collector or
+# the transport (Status counts frames and sends, including the heartbeats and
+# registration that replay skips), not on what the actor was sent; replay does
+# not expect a fresh instance to reproduce it.
+UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status})
 
 
 class RemoteError(RuntimeError):

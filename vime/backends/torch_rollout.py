@@ -14,6 +14,7 @@ what the vLLM engine is for.
 from __future__ import annotations
 
 import collections
+import inspect
 
 import torch
 
@@ -25,6 +26,8 @@ class TorchRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 1024, seed: int = 0,
                  device: str = "cpu") -> None:
         self.model = load_causal_lm(model_path, dtype).to(device)
+        # transformers 5.24 renamed past_key_values to cache; older releases know only the old name.
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.device = device
         self.max_batch_size = max_batch_size
         self.weight_version = 0
@@ -79,7 +82,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._cache = DynamicCache()
         ids, self._mask = ids.to(self.device), self._mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=position_ids(self._mask),
-                         past_key_values=self._cache, use_cache=True)
+                         use_cache=True, **{self._cache_arg: self._cache})
         return out.logits[:, -1]
 
     def _decode(self) -> torch.Tensor:
@@ -87,7 +90,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
         positions = position_ids(self._mask)[:, -1:]
         out = self.model(input_ids=self._last_tokens.unsqueeze(1), attention_mask=self._mask, position_ids=positions,
-                         past_key_values=self._cache, use_cache=True)
+                         use_cache=True, **{self._cache_arg: self._cache})
         return out.logits[:, -1]
 
     def _sample(self, logits: torch.Tensor) -> list[Sequence]:
@@ -127,7 +130,10 @@ def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -
     k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logprobs.device).unsqueeze(1)
     drop = ranks >= k
     p = torch.tensor(top_p, device=logprobs.device, dtype=torch.float32).unsqueeze(1)
-    mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
-    drop |= mass_before >= p  # keep the smallest prefix whose mass reaches p (always at least one token)
+    cumulative = torch.cumsum(sorted_lp.exp(), dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    # Keep the smallest prefix whose mass reaches p (always at least one token); p = 1 keeps all,
+    # whatever fp32 rounding does to the running sum.
+    drop |= (mass_before >= p) & (p < 1.0)
     sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
     return torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)

@@ -136,9 +136,8 @@ class TorchTrainEngine(TrainEngine):
         totals: dict[str, list[float]] = {}
         generator = torch.Generator().manual_seed(self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
-        for mini in order.tensor_split(self.optim.updates_per_step):
-            if mini.numel() == 0:
-                continue
+        minis = [mini for mini in order.tensor_split(self.optim.updates_per_step) if mini.numel()]
+        for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
             normalizer = float(mask[mini].sum()) if self.loss.loss_aggregation == "token" else float(mini.numel())
             value_normalizer = float(mask[mini].sum())
@@ -155,7 +154,7 @@ class TorchTrainEngine(TrainEngine):
         self.weight_version += 1
         summed = {"loss", "value_loss"}
         for key, values in totals.items():
-            metrics[key] = sum(values) / (self.optim.updates_per_step if key in summed else len(values))
+            metrics[key] = sum(values) / (len(minis) if key in summed else len(values))
         return metrics
 
     def _micro_step(self, batch: TrainBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
@@ -167,14 +166,14 @@ class TorchTrainEngine(TrainEngine):
         loss, stats = policy_loss(self.loss, logprobs, scores["old_logprobs"][rows], advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None, normalizer=normalizer)
-        stats["loss"] = float(loss)
+        stats["loss"] = loss.item()
         if self.critic is not None:
             assert returns is not None
             values = self._values(batch, rows)
             value_loss, value_stats = ppo.value_loss(values, scores["values"][rows], returns[rows], mask,
                                                      self.ppo.value_clip, normalizer=value_normalizer)
             loss = loss + self.ppo.value_coef * value_loss
-            stats.update(value_stats, value_loss=float(value_loss))
+            stats.update(value_stats, value_loss=value_loss.item())
         loss.backward()
         return stats
 

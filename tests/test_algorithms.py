@@ -1,0 +1,381 @@
+"""Algorithm modules against hand-computed values: GRPO, PPO/GAE, the policy loss, dynamic sampling.
+
+Every expected number is worked out in the test itself with plain arithmetic,
+never by calling the function under test another way. CPU only, well under a
+second.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from vime.algorithms.dynamic_sampling import is_informative
+from vime.algorithms.grpo import GRPOConfig, group_advantages, token_advantages
+from vime.algorithms.policy_loss import (
+    PolicyLossConfig,
+    aggregate,
+    clipped_surrogate,
+    kl_divergence,
+    policy_loss,
+)
+from vime.algorithms.ppo import PPOConfig, advantages_and_returns, gae, terminal_rewards, value_loss, whiten
+
+
+def tensor(values: object) -> torch.Tensor:
+    """A float32 tensor from nested lists of Python numbers."""
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def close(actual: torch.Tensor, expected: object) -> None:
+    assert_close(actual, tensor(expected))
+
+
+# --- GRPO -------------------------------------------------------------------------------------------
+
+EPS = GRPOConfig().std_eps
+
+
+def test_group_advantages_one_group_uses_unbiased_std() -> None:
+    # mean 1/3; centred [2/3, -1/3, -1/3]; unbiased variance (4/9 + 1/9 + 1/9) / (3 - 1) = 1/3.
+    std = math.sqrt(1 / 3)
+    advantages = group_advantages(tensor([1.0, 0.0, 0.0]), torch.tensor([7, 7, 7]), GRPOConfig())
+    close(advantages, [(2 / 3) / (std + EPS), (-1 / 3) / (std + EPS), (-1 / 3) / (std + EPS)])
+    # The biased std, sqrt(2/9), would give 2/3 / 0.4714 = 1.414 for the first sample instead.
+    assert advantages[0].item() == pytest.approx(1.1547, abs=1e-4)
+
+
+def test_group_advantages_groups_in_any_order_and_a_group_of_one() -> None:
+    # group 1: rewards 2, 4, 6  -> mean 4, centred -2, 0, 2, unbiased std sqrt(8 / 2) = 2
+    # group 3: rewards 5, 1     -> mean 3, centred  2, -2,   unbiased std sqrt(8 / 1) = sqrt(8)
+    # group 0: reward 9 alone   -> centred 0, std 0 -> advantage 0
+    group_ids = torch.tensor([1, 3, 0, 1, 3, 1])
+    rewards = tensor([2, 5, 9, 4, 1, 6])
+    s1, s3 = 2 + EPS, math.sqrt(8) + EPS
+    close(group_advantages(rewards, group_ids, GRPOConfig()), [-2 / s1, 2 / s3, 0.0, 0 / s1, -2 / s3, 2 / s1])
+
+
+def test_group_advantages_dr_grpo_only_centres() -> None:
+    group_ids = torch.tensor([1, 3, 0, 1, 3, 1])
+    rewards = tensor([2, 5, 9, 4, 1, 6])
+    close(group_advantages(rewards, group_ids, GRPOConfig(normalize_std=False)), [-2, 2, 0, 0, -2, 2])
+
+
+def test_group_advantages_accepts_integer_rewards_and_returns_float32() -> None:
+    advantages = group_advantages(torch.tensor([0, 1]), torch.tensor([0, 0]), GRPOConfig(normalize_std=False))
+    assert advantages.dtype == torch.float32
+    close(advantages, [-0.5, 0.5])
+
+
+def test_group_advantages_adds_eps_to_the_std() -> None:
+    # rewards 0, 1: centred -0.5, 0.5; unbiased std sqrt(0.5); a large eps shows where it is added.
+    std = math.sqrt(0.5)
+    advantages = group_advantages(tensor([0.0, 1.0]), torch.tensor([0, 0]), GRPOConfig(std_eps=0.5))
+    close(advantages, [-0.5 / (std + 0.5), 0.5 / (std + 0.5)])
+
+
+def test_group_advantages_equal_rewards_give_zero() -> None:
+    advantages = group_advantages(tensor([1.0, 1.0, 3.0, 3.0]), torch.tensor([0, 0, 1, 1]), GRPOConfig())
+    close(advantages, [0, 0, 0, 0])
+
+
+def test_token_advantages_broadcasts_over_the_response_mask() -> None:
+    mask = tensor([[1, 1, 0], [1, 0, 0]])
+    close(token_advantages(tensor([2.0, -1.0]), mask), [[2, 2, 0], [-1, 0, 0]])
+
+
+# --- PPO --------------------------------------------------------------------------------------------
+
+
+def test_terminal_rewards_land_on_each_samples_last_real_token() -> None:
+    mask = tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    close(terminal_rewards(tensor([1.0, -0.5, 3.0]), mask), [[0, 0, 1], [-0.5, 0, 0], [0, 0, 0]])
+
+
+GAMMA, LAM = 0.9, 0.8
+# Sample 0: three tokens, reward 1 at the end, values 0.5, 0.2, 0.4.
+A0_2 = 1 + GAMMA * 0 - 0.4                                  # 0.6 (value after the last token is 0)
+A0_1 = (0 + GAMMA * 0.4 - 0.2) + GAMMA * LAM * A0_2         # 0.16 + 0.72 * 0.6 = 0.592
+A0_0 = (0 + GAMMA * 0.2 - 0.5) + GAMMA * LAM * A0_1         # -0.32 + 0.72 * 0.592 = 0.10624
+# Sample 1: two tokens then padding (whose value 9 must be ignored), reward 2, values 1.0, 0.5.
+A1_1 = 2 + GAMMA * 0 - 0.5                                  # 1.5
+A1_0 = (0 + GAMMA * 0.5 - 1.0) + GAMMA * LAM * A1_1         # -0.55 + 1.08 = 0.53
+GAE_VALUES = [[0.5, 0.2, 0.4], [1.0, 0.5, 9.0]]
+GAE_MASK = [[1, 1, 1], [1, 1, 0]]
+GAE_ADVANTAGES = [[A0_0, A0_1, A0_2], [A1_0, A1_1, 0.0]]
+GAE_RETURNS = [[A0_0 + 0.5, A0_1 + 0.2, A0_2 + 0.4], [A1_0 + 1.0, A1_1 + 0.5, 0.0]]
+
+
+def test_gae_with_gamma_and_lambda_and_masks_of_different_lengths() -> None:
+    token_rewards = tensor([[0, 0, 1], [0, 2, 0]])
+    advantages, returns = gae(token_rewards, tensor(GAE_VALUES), tensor(GAE_MASK), GAMMA, LAM)
+    assert advantages[0, 0].item() == pytest.approx(0.10624, abs=1e-6)
+    close(advantages, GAE_ADVANTAGES)
+    close(returns, GAE_RETURNS)
+
+
+def test_gae_lambda_one_is_monte_carlo_and_lambda_zero_is_td() -> None:
+    token_rewards = tensor([[0, 0, 1]])
+    values = tensor([[0.5, 0.2, 0.4]])
+    mask = tensor([[1, 1, 1]])
+    advantages, returns = gae(token_rewards, values, mask, gamma=1.0, lam=1.0)
+    close(advantages, [[1 - 0.5, 1 - 0.2, 1 - 0.4]])  # return-to-go 1 minus the value
+    close(returns, [[1, 1, 1]])
+    advantages, _ = gae(token_rewards, values, mask, gamma=1.0, lam=0.0)
+    close(advantages, [[0.2 - 0.5, 0.4 - 0.2, 1 - 0.4]])  # one-step TD errors
+
+
+def test_whiten_over_masked_entries_only() -> None:
+    # masked entries 1, 2, 3, 4: mean 2.5, population variance (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25.
+    scale = 1 / math.sqrt(1.25 + 1e-8)
+    whitened = whiten(tensor([[1, 2, 3], [4, 100, 100]]), tensor([[1, 1, 1], [1, 0, 0]]))
+    close(whitened, [[-1.5 * scale, -0.5 * scale, 0.5 * scale], [1.5 * scale, 0, 0]])
+
+
+def test_advantages_and_returns_without_whitening_is_gae_of_terminal_rewards() -> None:
+    config = PPOConfig(gamma=GAMMA, lam=LAM, whiten_advantages=False)
+    advantages, returns = advantages_and_returns(tensor([1.0, 2.0]), tensor(GAE_VALUES), tensor(GAE_MASK), config)
+    close(advantages, GAE_ADVANTAGES)
+    close(returns, GAE_RETURNS)
+
+
+def test_advantages_and_returns_whitens_advantages_but_not_returns() -> None:
+    config = PPOConfig(gamma=GAMMA, lam=LAM, whiten_advantages=True)
+    advantages, returns = advantages_and_returns(tensor([1.0, 2.0]), tensor(GAE_VALUES), tensor(GAE_MASK), config)
+    real = [A0_0, A0_1, A0_2, A1_0, A1_1]
+    mean = sum(real) / len(real)
+    scale = 1 / math.sqrt(sum((a - mean) ** 2 for a in real) / len(real) + 1e-8)
+    close(advantages, [[(a - mean) * scale for a in real[:3]], [(A1_0 - mean) * scale, (A1_1 - mean) * scale, 0.0]])
+    close(returns, GAE_RETURNS)
+
+
+# Four real tokens and one padded; value_clip 0.2.
+#   old  new  return   clipped new   (new-R)^2   (clipped-R)^2   max    clip raises the loss?
+#   0.0  0.5  1.0      0.2           0.25        0.64            0.64   yes
+#   0.0  0.1  1.0      0.1           0.81        0.81            0.81   no (inside the clip range)
+#   1.0  0.5  0.0      0.8           0.25        0.64            0.64   yes
+#   0.0  0.5  0.3      0.2           0.04        0.01            0.04   no (clipped, but the unclipped loss is larger)
+VALUE_OLD = [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+VALUE_NEW = [[0.5, 0.1, 0.5], [0.5, 5.0, 0.0]]
+VALUE_RETURNS = [[1.0, 1.0, 0.0], [0.3, -5.0, 0.0]]
+VALUE_MASK = [[1, 1, 1], [1, 0, 0]]
+
+
+def test_value_loss_when_clipping_engages() -> None:
+    loss, stats = value_loss(tensor(VALUE_NEW), tensor(VALUE_OLD), tensor(VALUE_RETURNS), tensor(VALUE_MASK),
+                             value_clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81 + 0.64 + 0.04) / 4)
+    assert stats["vf_clipfrac"] == pytest.approx(2 / 4)
+
+
+def test_value_loss_with_a_batch_normalizer() -> None:
+    loss, _ = value_loss(tensor(VALUE_NEW), tensor(VALUE_OLD), tensor(VALUE_RETURNS), tensor(VALUE_MASK),
+                         value_clip=0.2, normalizer=10.0)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81 + 0.64 + 0.04) / 10)
+
+
+def test_value_loss_when_clipping_does_not_engage() -> None:
+    # Every new value within 0.2 of the old one: the plain squared error, halved and averaged.
+    loss, stats = value_loss(tensor([[0.1, -0.15]]), tensor([[0.0, 0.0]]), tensor([[1.0, 0.5]]), tensor([[1, 1]]),
+                             value_clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.9 ** 2 + 0.65 ** 2) / 2)
+    assert stats["vf_clipfrac"] == 0.0
+
+
+# --- policy loss ------------------------------------------------------------------------------------
+
+AGG_VALUES = [[1, 2, 3], [4, 5, 6]]
+AGG_MASK = [[1, 1, 0], [1, 1, 1]]
+
+
+def test_aggregate_token_and_sequence() -> None:
+    values, mask = tensor(AGG_VALUES), tensor(AGG_MASK)
+    assert aggregate(values, mask, "token").item() == pytest.approx((1 + 2 + 4 + 5 + 6) / 5)
+    assert aggregate(values, mask, "sequence").item() == pytest.approx(((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2)
+
+
+def test_aggregate_with_a_batch_normalizer() -> None:
+    values, mask = tensor(AGG_VALUES), tensor(AGG_MASK)
+    assert aggregate(values, mask, "token", normalizer=10).item() == pytest.approx(18 / 10)
+    assert aggregate(values, mask, "sequence", normalizer=4).item() == pytest.approx((1.5 + 5) / 4)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_micro_batch_losses_with_the_batch_normalizer_sum_to_the_batch_loss(aggregation: str) -> None:
+    values = tensor([[1, 2, 3, 4], [5, 6, 7, 8], [-1, -2, -3, -4], [0.5, 9, 2, 3]])
+    mask = tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])
+    # token: (10 + 5 - 3 + 11.5) / 10 tokens; sequence: (10/4 + 5/1 - 3/2 + 11.5/3) / 4 sequences.
+    expected = 23.5 / 10 if aggregation == "token" else (2.5 + 5 - 1.5 + 11.5 / 3) / 4
+    normalizer = 10.0 if aggregation == "token" else 4.0
+    assert aggregate(values, mask, aggregation).item() == pytest.approx(expected)
+    for split in ([1, 3], [2, 2], [1, 1, 1, 1]):
+        parts = zip(values.split(split), mask.split(split))
+        total = sum(aggregate(v, m, aggregation, normalizer=normalizer) for v, m in parts)
+        assert total.item() == pytest.approx(expected)
+    # Without the batch normalizer each micro-batch averages on its own, and the sum is something else.
+    unnormalised = sum(aggregate(v, m, aggregation) for v, m in zip(values.split(2), mask.split(2)))
+    assert unnormalised.item() != pytest.approx(expected)
+
+
+def surrogate_case(ratio: float, advantage: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The surrogate for one token with the given probability ratio, DAPO's clip_low 0.2, clip_high 0.28."""
+    return clipped_surrogate(tensor([math.log(ratio)]), tensor([0.0]), tensor([advantage]), 0.2, 0.28)
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "loss", "was_clipped"), [
+    (1.5, 1.0, -1.28, 1.0),    # A > 0, ratio above 1 + 0.28: held at the ceiling
+    (1.5, -1.0, 1.5, 0.0),     # A < 0, ratio above the ceiling: no clip (the unclipped term is the smaller)
+    (0.5, 1.0, -0.5, 0.0),     # A > 0, ratio below the floor: no clip
+    (0.5, -1.0, 0.8, 1.0),     # A < 0, ratio below 1 - 0.2: held at the floor
+    (1.25, 2.0, -2.5, 0.0),    # inside the asymmetric range; a symmetric 0.2 would have clipped to -2.4
+    (0.75, -2.0, 1.6, 1.0),    # below the 0.8 floor with A < 0: 0.8 * -2 = -1.6 < -1.5
+    (1.0, 3.0, -3.0, 0.0),
+    (2.0, 0.0, 0.0, 0.0),      # zero advantage: no loss and nothing counted as clipped
+])
+def test_clipped_surrogate_asymmetric_clip(ratio: float, advantage: float, loss: float, was_clipped: float) -> None:
+    per_token, clipped = surrogate_case(ratio, advantage)
+    close(per_token, [loss])
+    close(clipped, [was_clipped])
+
+
+def test_kl_k1_and_k3_values() -> None:
+    logprobs = tensor([math.log(0.5), math.log(0.25), math.log(0.3)])
+    ref_logprobs = tensor([math.log(0.25), math.log(0.5), math.log(0.3)])
+    # k1 = log p - log p_ref; k3 = r - log r - 1 with r = p_ref / p.
+    close(kl_divergence(logprobs, ref_logprobs, "k1"), [math.log(2), -math.log(2), 0.0])
+    close(kl_divergence(logprobs, ref_logprobs, "k3"), [0.5 - math.log(0.5) - 1, 2 - math.log(2) - 1, 0.0])
+
+
+def test_kl_k3_is_never_negative_and_zero_only_when_equal() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -5 * torch.rand(1000, generator=generator)
+    ref_logprobs = -5 * torch.rand(1000, generator=generator)
+    k3 = kl_divergence(logprobs, ref_logprobs, "k3")
+    assert (k3 >= 0).all()
+    assert (k3[(logprobs - ref_logprobs).abs() > 1e-2] > 0).all()
+    close(kl_divergence(logprobs, logprobs, "k3"), [0.0] * 1000)
+    # k1 does go negative, which is why k3 is the default.
+    assert (kl_divergence(logprobs, ref_logprobs, "k1") < 0).any()
+
+
+def test_kl_estimators_average_to_the_true_kl() -> None:
+    # p = [1/2, 1/4, 1/4], p_ref = [1/4, 1/4, 1/2]: KL(p || p_ref) = 1/2 ln 2 + 0 + 1/4 ln(1/2) = 1/4 ln 2.
+    p, p_ref = [0.5, 0.25, 0.25], [0.25, 0.25, 0.5]
+    logprobs, ref_logprobs = tensor([math.log(x) for x in p]), tensor([math.log(x) for x in p_ref])
+    for estimator in ("k1", "k3"):
+        expectation = (tensor(p) * kl_divergence(logprobs, ref_logprobs, estimator)).sum()
+        assert expectation.item() == pytest.approx(0.25 * math.log(2))
+
+
+# Three real tokens and one padded, clip 0.2 both ways.
+#   ratio  A    surrogate               k1 = lp - ref   entropy
+#   1.5    1    -min(1.5, 1.2) = -1.2   -0.5+0.7 = 0.2  1.0   (clipped)
+#   1.0    2    -2                      0               2.0
+#   0.5   -1    -min(-0.5, -0.8) = 0.8  -2.0+1.5 = -0.5 0.5   (clipped)
+#   2.0    5    (padding)               2.9             9.0
+LOSS_RATIOS = [[1.5, 1.0], [0.5, 2.0]]
+LOSS_LOGPROBS = [[-0.5, -1.0], [-2.0, -0.1]]
+LOSS_OLD = [[lp - math.log(r) for lp, r in zip(lps, rs)] for lps, rs in zip(LOSS_LOGPROBS, LOSS_RATIOS)]
+LOSS_ADVANTAGES = [[1.0, 2.0], [-1.0, 5.0]]
+LOSS_MASK = [[1, 1], [1, 0]]
+LOSS_REF = [[-0.7, -1.0], [-1.5, -3.0]]
+LOSS_ENTROPY = [[1.0, 2.0], [0.5, 9.0]]
+
+
+def full_policy_loss(config: PolicyLossConfig, rows: slice = slice(None), **kwargs: object) -> tuple[torch.Tensor, dict]:
+    return policy_loss(config, tensor(LOSS_LOGPROBS)[rows], tensor(LOSS_OLD)[rows], tensor(LOSS_ADVANTAGES)[rows],
+                       tensor(LOSS_MASK)[rows], entropy=tensor(LOSS_ENTROPY)[rows], ref_logprobs=tensor(LOSS_REF)[rows],
+                       **kwargs)
+
+
+def test_policy_loss_surrogate_only() -> None:
+    loss, stats = full_policy_loss(PolicyLossConfig())
+    assert loss.item() == pytest.approx((-1.2 - 2 + 0.8) / 3)
+    assert stats == {"pg_clipfrac": pytest.approx(2 / 3)}  # no "kl" without kl_coef
+
+
+def test_policy_loss_with_k1_kl_and_entropy_terms() -> None:
+    config = PolicyLossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    per_token = [-1.2 + 0.1 * 0.2 - 0.01 * 1.0, -2.0 + 0.1 * 0.0 - 0.01 * 2.0, 0.8 + 0.1 * -0.5 - 0.01 * 0.5]
+    loss, stats = full_policy_loss(config)
+    assert loss.item() == pytest.approx(sum(per_token) / 3)  # -0.821667
+    assert stats["kl"] == pytest.approx((0.2 + 0.0 - 0.5) / 3)
+    assert stats["pg_clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_policy_loss_with_k3_kl_and_sequence_aggregation() -> None:
+    config = PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, loss_aggregation="sequence")
+    # k3 from log r = ref - lp: -0.2, 0, 0.5.
+    k3 = [math.exp(-0.2) + 0.2 - 1, 0.0, math.exp(0.5) - 0.5 - 1]
+    per_token = [-1.2 + 0.1 * k3[0] - 0.01 * 1.0, -2.0 + 0.1 * k3[1] - 0.01 * 2.0, 0.8 + 0.1 * k3[2] - 0.01 * 0.5]
+    loss, stats = full_policy_loss(config)
+    assert loss.item() == pytest.approx(((per_token[0] + per_token[1]) / 2 + per_token[2]) / 2)
+    assert stats["kl"] == pytest.approx(sum(k3) / 3)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_policy_loss_micro_batches_with_the_batch_normalizer_sum_to_the_batch_loss(aggregation: str) -> None:
+    config = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_aggregation=aggregation)
+    normalizer = 3.0 if aggregation == "token" else 2.0
+    whole, _ = full_policy_loss(config)
+    first, _ = full_policy_loss(config, slice(0, 1), normalizer=normalizer)
+    second, _ = full_policy_loss(config, slice(1, 2), normalizer=normalizer)
+    assert (first + second).item() == pytest.approx(whole.item())
+
+
+def test_policy_loss_needs_ref_logprobs_for_kl() -> None:
+    config = PolicyLossConfig(kl_coef=0.1)
+    with pytest.raises(ValueError, match="reference model's log-probs"):
+        policy_loss(config, tensor(LOSS_LOGPROBS), tensor(LOSS_OLD), tensor(LOSS_ADVANTAGES), tensor(LOSS_MASK))
+
+
+def test_policy_loss_needs_entropy_for_the_entropy_bonus() -> None:
+    config = PolicyLossConfig(entropy_coef=0.01)
+    with pytest.raises(ValueError, match="per-token entropy"):
+        policy_loss(config, tensor(LOSS_LOGPROBS), tensor(LOSS_OLD), tensor(LOSS_ADVANTAGES), tensor(LOSS_MASK))
+
+
+def test_policy_loss_without_coefficients_needs_neither() -> None:
+    loss, _ = policy_loss(PolicyLossConfig(), tensor(LOSS_LOGPROBS), tensor(LOSS_OLD), tensor(LOSS_ADVANTAGES),
+                          tensor(LOSS_MASK))
+    assert loss.item() == pytest.approx((-1.2 - 2 + 0.8) / 3)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"loss_aggregation": "mean"}, "loss_aggregation must be token or sequence, not 'mean'"),
+    ({"kl_estimator": "k2"}, "kl_estimator must be k1 or k3, not 'k2'"),
+    ({"clip_low": 1.0}, "clip_low must be in"),
+    ({"clip_low": -0.1}, "clip_low must be in"),
+    ({"clip_high": -0.1}, "clip_high >= 0"),
+])
+def test_policy_loss_config_rejects_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyLossConfig(**kwargs)
+
+
+def test_policy_loss_config_accepts_edge_settings() -> None:
+    config = PolicyLossConfig(clip_low=0.0, clip_high=0.0, loss_aggregation="sequence", kl_estimator="k1")
+    assert (config.clip_low, config.clip_high) == (0.0, 0.0)
+
+
+# --- dynamic sampling -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rewards", "informative"), [
+    ([], False),
+    ([1.0], False),
+    ([1.0, 1.0, 1.0], False),
+    ([0.0, 1.0], True),
+    ([1.0, 0.0, 1.0], True),
+    ([1.0, 1.0 + 1e-12], False),  # within the default tolerance
+])
+def test_is_informative(rewards: list[float], informative: bool) -> None:
+    assert is_informative(rewards) is informative
+
+
+def test_is_informative_tolerance() -> None:
+    assert not is_informative([0.0, 0.4], tolerance=0.5)
+    assert is_informative([0.0, 0.6], tolerance=0.5)

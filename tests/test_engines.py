@@ -1,0 +1,422 @@
+"""The CPU reference engines and what they stand on.
+
+Rollout log-probs against an independent full forward and against the
+trainer's recomputation (``train_rollout_logprob_abs_diff``), stopping,
+weight versions, top-k/top-p, seeded sampling; GRPO, PPO, bf16 and
+gradient accumulation in the trainer; config flags, prompt sources and
+rewards. Every model is a tiny random Qwen3 built in a temp folder by the
+arithmetic scenario: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import vime.rewards
+from vime.algorithms.grpo import GRPOConfig
+from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.algorithms.ppo import PPOConfig
+from vime.backends.base import SamplingParams, Sequence, TrainBatch, collate
+from vime.backends.hf import load_tokenizer
+from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
+from vime.backends.torch_train import TorchTrainEngine
+from vime.config import OptimConfig, RunConfig, add_flags, from_flags
+from vime.data import PromptSource, load_rows
+from vime.scenarios.arithmetic import build_model
+
+VOCAB = 16  # the arithmetic tokenizer: 4 specials, 10 digits, "+" and "="
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random Qwen3 folder, its eos id, and prompts of different lengths."""
+    folder = tmp_path_factory.mktemp("model")
+    eos = build_model(folder, seed=0)
+    tokenizer = load_tokenizer(folder)
+    prompts = [tokenizer(text)["input_ids"] for text in ("1+2=", "12+3+45=", "7=", "3+3+3=")]
+    assert len({len(p) for p in prompts}) == len(prompts)  # left padding must actually happen
+    return str(folder), eos, prompts
+
+
+def generate(engine: TorchRolloutEngine, prompts: list[list[int]],
+             params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    """Run ``prompts`` to completion; the sequences in prompt order."""
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    sequences = [Sequence(index, prompt, p) for index, (prompt, p) in enumerate(zip(prompts, per_row))]
+    engine.add(sequences)
+    for _ in range(100):
+        if not engine.busy:
+            break
+        engine.step()
+    assert not engine.busy and all(s.finish_reason for s in sequences)
+    return sequences
+
+
+@torch.no_grad()
+def full_forward_logprobs(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]],
+                          temperatures: list[float]) -> list[torch.Tensor]:
+    """Per-token log-probs of each response from ONE forward over prompt + response, written here
+    independently of the engines: right padding, positions from the mask, no KV cache."""
+    rows = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, :len(row)] = torch.tensor(row)
+        mask[index, :len(row)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).logits.float()
+    result = []
+    for index, (prompt, response) in enumerate(zip(prompts, responses)):
+        start = len(prompt)
+        predicting = logits[index, start - 1:start - 1 + len(response)] / temperatures[index]
+        result.append(torch.log_softmax(predicting, -1).gather(-1, torch.tensor(response).unsqueeze(1)).squeeze(1))
+    return result
+
+
+def train_engine(folder: str, *, algo: str = "grpo", temperature: float = 1.0, dtype: str = "fp32",
+                 **optim) -> TorchTrainEngine:
+    optim = {"lr": 1e-3, "updates_per_step": 1, **optim}
+    return TorchTrainEngine(folder, algo=algo, optim=OptimConfig(**optim), loss=PolicyLossConfig(),
+                            grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=temperature, dtype=dtype)
+
+
+def hand_batch(prompt: list[int], responses: list[list[int]], rewards: list[float],
+               group_ids: list[int]) -> TrainBatch:
+    """A batch of made-up responses (rollout log-probs 0, all from weight version 0)."""
+    return collate([prompt] * len(responses), responses, [[0.0] * len(r) for r in responses],
+                   [[0] * len(r) for r in responses], rewards, group_ids, pad_token_id=0)
+
+
+# -- rollout engine ---------------------------------------------------------------------------------------------
+
+
+def test_rollout_logprobs_equal_one_full_forward(model):
+    folder, eos, prompts = model
+    engine = TorchRolloutEngine(folder, seed=1)
+    # per-row temperatures, and stop tokens so that responses end at different steps
+    temperatures = [0.7, 1.3, 0.7, 0.5]
+    params = [SamplingParams(temperature=t, max_new_tokens=6, stop_token_ids=(eos, 7)) for t in temperatures]
+    sequences = generate(engine, prompts, params)
+    assert max(len(s.response_ids) for s in sequences) > 1
+    expected = full_forward_logprobs(engine.model, prompts, [s.response_ids for s in sequences], temperatures)
+    for sequence, reference in zip(sequences, expected):
+        diff = (torch.tensor(sequence.logprobs) - reference).abs().max().item()
+        assert diff <= 1e-5, (sequence.request_id, diff)
+
+
+def test_trainer_recomputes_the_rollout_logprobs(model):
+    folder, eos, prompts = model
+    temperature = 0.7
+    rollout = TorchRolloutEngine(folder, seed=2)
+    params = SamplingParams(temperature=temperature, max_new_tokens=5, stop_token_ids=(eos, 7, 9))
+    sequences = generate(rollout, prompts, params)
+    assert len({len(s.response_ids) for s in sequences}) > 1  # right padding of responses is exercised too
+    assert all(version == 0 for s in sequences for version in s.versions)  # the trainer is at version 0 too
+
+    def batch(shift: float) -> TrainBatch:
+        return collate([s.prompt_ids for s in sequences], [s.response_ids for s in sequences],
+                       [[lp + shift for lp in s.logprobs] for s in sequences], [s.versions for s in sequences],
+                       [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1], pad_token_id=0)
+
+    metrics = train_engine(folder, temperature=temperature, micro_batch_size=3).train_step(batch(0.0))
+    assert metrics["train_rollout_logprob_abs_diff"] <= 1e-5
+    # the figure really compares the tokens: logprobs off by 0.25 are reported as such
+    shifted = train_engine(folder, temperature=temperature).train_step(batch(0.25))
+    assert shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.25, abs=1e-5)
+
+
+def test_stop_token_and_length_limit(model):
+    folder, _, prompts = model
+    engine = TorchRolloutEngine(folder)
+    stops = tuple(range(VOCAB))  # whatever is sampled first is a stop token
+    stopping = Sequence(0, prompts[0], SamplingParams(max_new_tokens=4, stop_token_ids=stops))
+    running = Sequence(1, prompts[1], SamplingParams(max_new_tokens=3))
+    engine.add([stopping, running])
+    assert engine.busy
+    assert engine.step() == [stopping]
+    assert stopping.finish_reason == "stop" and len(stopping.response_ids) == 1
+    assert stopping.response_ids[0] in stops  # the stop token is part of the response
+    assert engine.step() == []
+    assert engine.step() == [running]
+    assert running.finish_reason == "length" and len(running.response_ids) == 3 == len(running.logprobs)
+    assert len(stopping.response_ids) == len(stopping.logprobs) == 1  # nothing appended after finishing
+    assert not engine.busy and engine.step() == []
+
+
+def test_versions_follow_load_weights_and_bad_weight_sets_are_refused(model):
+    folder, _, prompts = model
+    engine = TorchRolloutEngine(folder)
+    sequences = [Sequence(i, p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts[:2])]
+    engine.add(sequences)
+    engine.step()
+    new_weights = {name: param.detach() + 0.01 for name, param in engine.model.named_parameters()}
+    engine.load_weights(new_weights, version=3)
+    engine.step()
+    engine.step()
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, new_weights[name])
+    missing = dict(new_weights)
+    dropped = missing.pop(next(iter(missing)))
+    with pytest.raises(ValueError, match=r"version 4 do not fit the model: missing \['"):
+        engine.load_weights(missing, version=4)
+    with pytest.raises(ValueError, match=r"unknown \['lm_head.extra'\]"):
+        engine.load_weights({**new_weights, "lm_head.extra": dropped}, version=4)
+    assert engine.weight_version == 3  # a refused set changes nothing
+    engine.load_weights(new_weights, version=7)
+    engine.step()
+    for sequence in sequences:
+        assert sequence.versions == [0, 3, 3, 7]
+        assert len(sequence.response_ids) == len(sequence.logprobs) == 4
+
+
+def test_sampling_params_are_checked():
+    for bad in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"max_new_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_seeded_sampling_is_reproducible(model):
+    folder, _, prompts = model
+    params = SamplingParams(max_new_tokens=6)
+
+    def run(seed: int) -> list[list[int]]:
+        return [s.response_ids for s in generate(TorchRolloutEngine(folder, seed=seed), prompts, params)]
+
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first
+
+
+# -- top-k / top-p ----------------------------------------------------------------------------------------------
+
+
+def kept(filtered: torch.Tensor) -> list[set[int]]:
+    return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in filtered]
+
+
+# a hand-made distribution, shuffled so that the sort and scatter back are exercised:
+# by probability the order is token 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
+HAND_MADE = torch.log(torch.tensor([0.15, 0.5, 0.05, 0.3]))
+
+
+def test_top_k_one_keeps_only_the_argmax():
+    logprobs = torch.log_softmax(torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)), -1)
+    filtered = _top_k_top_p(logprobs, [1] * 5, [1.0] * 5)
+    assert kept(filtered) == [{int(row.argmax())} for row in logprobs]
+    best = logprobs.argmax(-1, keepdim=True)
+    assert torch.equal(filtered.gather(1, best), logprobs.gather(1, best))  # the survivor is unchanged
+
+
+@pytest.mark.parametrize(("top_p", "expected"), [(0.7, {1, 3}), (0.45, {1}), (0.9, {0, 1, 3}), (0.96, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, expected):
+    filtered = _top_k_top_p(HAND_MADE.unsqueeze(0), [0], [top_p])
+    assert kept(filtered) == [expected]
+    assert torch.equal(filtered[0, list(expected)], HAND_MADE[list(expected)])
+
+
+def test_top_p_counts_a_prefix_whose_mass_equals_p():
+    assert kept(_top_k_top_p(HAND_MADE.unsqueeze(0), [0], [0.5])) == [{1}]
+
+
+def test_rows_with_different_settings_in_one_batch():
+    rows = HAND_MADE.expand(5, -1)
+    filtered = _top_k_top_p(rows, [1, 0, 3, 2, 0], [1.0, 0.7, 0.45, 0.96, 0.9])
+    assert kept(filtered) == [{1}, {1, 3}, {1}, {1, 3}, {0, 1, 3}]
+    assert _top_k_top_p(rows, [0] * 5, [1.0] * 5) is rows  # nothing to filter: untouched
+
+
+def test_a_row_without_filters_passes_unchanged_beside_one_with_filters():
+    peaked = torch.log_softmax(torch.tensor([20.0, 0.0, -5.0, -30.0]), -1)
+    filtered = _top_k_top_p(peaked.expand(2, -1), [1, 0], [1.0, 1.0])
+    assert kept(filtered) == [{0}, {0, 1, 2, 3}]
+    assert torch.equal(filtered[1], peaked)
+
+
+# -- trainer ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sample_logprob(policy: torch.nn.Module, prompt: list[int], response: list[int]) -> float:
+    return float(full_forward_logprobs(policy, [prompt], [response], [1.0])[0].sum())
+
+
+def test_grpo_step_raises_the_logprob_of_the_rewarded_sample(model):
+    folder, eos, prompts = model
+    engine = train_engine(folder, micro_batch_size=4)
+    responses = [[6, eos], [7, eos], [8, 9, eos], [10, eos]]
+    batch = hand_batch(prompts[0], responses, [1.0, 0.0, 0.0, 0.0], [0, 0, 0, 0])
+    before = [sample_logprob(engine.policy, prompts[0], r) for r in responses]
+    metrics = engine.train_step(batch)
+    after = [sample_logprob(engine.policy, prompts[0], r) for r in responses]
+    assert after[0] > before[0] + 1e-3, (before, after)
+    assert sum(after[1:]) < sum(before[1:])
+    assert engine.weight_version == 1 and math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_ppo_step_trains_the_value_model(model):
+    folder, eos, prompts = model
+    engine = train_engine(folder, algo="ppo")
+    batch = hand_batch(prompts[1], [[6, eos], [7, 8, eos], [9]], [1.0, 0.0, 0.5], [0, 1, 2])
+    metrics = engine.train_step(batch)
+    assert math.isfinite(metrics["value_loss"]) and metrics["value_loss"] > 0
+    assert math.isfinite(metrics["loss"]) and "vf_clipfrac" in metrics
+    assert engine.critic.head.bias.abs().item() > 0  # the head starts at zero
+
+
+def test_bf16_step_runs_and_keeps_fp32_masters(model):
+    folder, eos, prompts = model
+    engine = train_engine(folder, dtype="bf16")
+    initial = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+    metrics = engine.train_step(hand_batch(prompts[2], [[6, eos], [7, eos]], [1.0, 0.0], [0, 0]))
+    assert all(math.isfinite(value) for value in metrics.values())
+    weights = engine.named_weights()
+    assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+    assert any(not torch.equal(weights[name], initial[name]) for name in initial)
+
+
+def test_reported_losses_do_not_count_empty_mini_batches(model):
+    folder, eos, prompts = model
+    batch = hand_batch(prompts[0], [[7, 8, eos]], [1.0], [0])
+    one = train_engine(folder, algo="ppo", updates_per_step=1).train_step(batch)
+    two = train_engine(folder, algo="ppo", updates_per_step=2).train_step(batch)  # the same update, then an empty one
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # the training itself is the same
+    assert two["value_loss"] == pytest.approx(one["value_loss"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 1], ids=["4+2", "1x6"])
+def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
+    folder, eos, prompts = model
+    # responses of different lengths: micro-batches hold different token counts, so each must be
+    # normalised by the whole mini-batch's count for the accumulated gradient to be the full one
+    responses = [[6], [7, eos], [8, 9, 10, eos], [11], [4, 5, eos], [12, 13, 6, 7, eos]]
+    batch = hand_batch(prompts[3], responses, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1])
+    whole = train_engine(folder, micro_batch_size=6)
+    split = train_engine(folder, micro_batch_size=micro_batch_size)
+    # plain SGD for the comparison: AdamW's first step is about lr * sign(g), which turns float rounding
+    # in near-zero gradients into lr-sized differences; SGD keeps the update proportional to the gradient
+    for engine in (whole, split):
+        engine.optimizer = torch.optim.SGD(engine.policy.parameters(), lr=0.1)
+    initial = {name: tensor.clone() for name, tensor in whole.named_weights().items()}
+    whole_metrics, split_metrics = whole.train_step(batch), split.train_step(batch)
+    assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], rel=1e-5, abs=1e-7)
+    assert split_metrics["grad_norm"] == pytest.approx(whole_metrics["grad_norm"], rel=1e-5)
+    whole_weights, split_weights = whole.named_weights(), split.named_weights()
+    assert max((whole_weights[name] - initial[name]).abs().max() for name in initial) > 1e-3
+    for name, tensor in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# -- config -----------------------------------------------------------------------------------------------------
+
+
+def test_flags_round_trip():
+    defaults = RunConfig().replace(dynamic_sampling=True, group_size=4)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, defaults)
+    config = from_flags(parser.parse_args(["--lr", "3e-4", "--no-dynamic-sampling", "--stop-token-ids", "1", "2"]),
+                        defaults)
+    assert config.optim.lr == 3e-4
+    assert config.data.dynamic_sampling is False
+    assert config.sampling.stop_token_ids == (1, 2)
+    assert config.data.group_size == 4  # a flag not given leaves the scenario's default
+    assert config == defaults.replace(lr=3e-4, dynamic_sampling=False, stop_token_ids=(1, 2))
+    assert from_flags(parser.parse_args([]), defaults) == defaults
+
+
+def test_config_dict_round_trip_and_unknown_names():
+    config = RunConfig().replace(stop_token_ids=(2, 5), lr=1e-4, algo="ppo", dtype="bf16", kl_coef=0.1)
+    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(KeyError, match="no setting named 'learning_rate'"):
+        config.replace(learning_rate=1e-4)
+
+
+# -- data -------------------------------------------------------------------------------------------------------
+
+
+ROWS = [{"prompt": f"{i}+0=", "label": str(i)} for i in range(20)]
+
+
+def draw(source: PromptSource, count: int) -> list[dict | None]:
+    return [source.next() for _ in range(count)]
+
+
+def test_prompt_source_epochs_and_seeded_order():
+    first = draw(PromptSource(ROWS, seed=3), 40)
+    assert draw(PromptSource(ROWS, seed=3), 40) == first
+    epoch_one, epoch_two = first[:20], first[20:]
+    key = lambda row: row["label"]  # noqa: E731
+    assert sorted(epoch_one, key=key) == sorted(epoch_two, key=key) == sorted(ROWS, key=key)  # each row once
+    assert epoch_one != epoch_two and epoch_one != ROWS
+    assert draw(PromptSource(ROWS, seed=4), 20) != epoch_one
+    once = PromptSource(ROWS, seed=3, epochs=1)
+    assert draw(once, 20) == epoch_one
+    assert draw(once, 2) == [None, None]
+    with pytest.raises(ValueError, match="empty"):
+        PromptSource([], seed=0)
+
+
+def test_load_rows_and_its_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps(row) for row in ROWS[:3]) + "\n\n")
+    assert load_rows(str(good)) == ROWS[:3]
+    assert len(load_rows(custom_data_source="vime.scenarios.arithmetic:prompts")) == 55
+    with pytest.raises(ValueError, match=r"pass --data FILE.jsonl or --custom-data-source"):
+        load_rows()
+    with pytest.raises(ValueError, match=r"no such file; pass a JSONL file"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"question": "1+1=", "label": "2"}) + "\n")
+    expected = f"{bad}:2: a prompt row must be a map with a 'prompt' string and a 'label'"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        load_rows(str(bad))
+    with pytest.raises(ValueError, match="expected package.module:function"):
+        load_rows(custom_data_source="no_colon")
+
+
+def test_a_line_that_is_not_json_is_reported_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n" + "{prompt: 1+1=}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2")):
+        load_rows(str(bad))
+
+
+# -- rewards ----------------------------------------------------------------------------------------------------
+
+
+def test_built_in_rewards():
+    assert vime.rewards.exact(" 5\n", "5") == 1.0 and vime.rewards.exact("5.", "5") == 0.0
+    assert vime.rewards.first_number("3 then 4", "3") == 1.0 and vime.rewards.first_number("3 then 4", "4") == 0.0
+    assert vime.rewards.last_number("3 then 4", "4") == 1.0 and vime.rewards.last_number("3 then 4", "3") == 0.0
+    assert vime.rewards.last_number("so it costs 1,000.50 dollars", "1000.5") == 1.0
+    assert vime.rewards.first_number("it is -2", "-2") == 1.0
+    assert vime.rewards.last_number("no number here", "4") == 0.0
+    assert vime.rewards.last_number("4", "four") == 0.0
+
+
+def test_resolve_built_in_and_custom_and_unknown():
+    assert vime.rewards.resolve("first_number") is vime.rewards.first_number
+    assert vime.rewards.resolve("exact", custom="vime.rewards:last_number") is vime.rewards.last_number
+    with pytest.raises(ValueError, match=r"'nope' is not a built-in reward; choose one of .*--custom-reward"):
+        vime.rewards.resolve("nope")
+    with pytest.raises(ValueError, match="--custom-reward"):
+        vime.rewards.resolve("exact", custom="vime.rewards:no_such_function")
+
+
+async def test_score_calls_sync_and_async_rewards_and_checks_the_result():
+    async def judged(response: str, label: str, **metadata) -> float:
+        return 0.5 if metadata["strict"] else 1.0
+
+    assert await vime.rewards.score(judged, "x", "y", {"strict": True}) == 0.5
+    assert await vime.rewards.score(vime.rewards.exact, "7", "7", {"source": "test"}) == 1.0
+    whole = await vime.rewards.score(lambda response, label: 1, "", "", {})
+    assert whole == 1.0 and type(whole) is float
+    for wrong in ("1.0", float("nan"), float("inf"), True, None):
+        with pytest.raises(TypeError, match="must return a finite float"):
+            await vime.rewards.score(lambda response, label, value=wrong: value, "", "", {})

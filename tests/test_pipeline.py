@@ -1,0 +1,103 @@
+"""The RL pipeline end to end: five actor processes on the arithmetic scenario."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from vime import rewards
+from vime.config import RunConfig
+from vime.metrics import read_metrics
+from vime.pipeline import train
+from vime.replay import replay
+from vime.scenarios import arithmetic
+
+TESTS = Path(__file__).parent
+
+REQUIRED = {"step", "weight_version", "raw_reward", "train_rollout_logprob_abs_diff", "staleness_mean",
+            "staleness_max", "samples", "response_tokens", "step_time_s", "rollout_tokens_per_s", "loss", "entropy",
+            "time_wait_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s"}
+
+
+def config_for(run_dir: Path, **overrides):
+    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(**overrides))
+
+
+async def test_short_grpo_run_learns_from_chance(tmp_path):
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=45, seed=3)
+    summary = await train(config, run_dir, timeout_s=300)
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(45))
+    assert REQUIRED <= set(rows[0])
+    start = statistics.fmean(row["raw_reward"] for row in rows[:3])
+    end = statistics.fmean(row["raw_reward"] for row in rows[-5:])
+    assert start < 0.1, f"a random model should answer at chance, got {start}"
+    assert end >= 0.6, f"reward rose only from {start:.3f} to {end:.3f}"
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    assert all(row["staleness_max"] == 0 for row in rows)  # max_staleness 0: strictly on-policy
+    assert [row["weight_version"] for row in rows] == list(range(1, 46))
+    assert RunConfig.from_dict(json.loads((run_dir / "config.json").read_text())) == config
+    assert (run_dir / "report.png").stat().st_size > 10_000
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained"] == 45 * 128
+
+
+async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=30, rollout_batch_size=16, custom_reward="reward_plugins:label_length")
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": "1+2=", "label": "3", "bonus": 0.5}) + "\n" for _ in range(2)))
+    printed = []
+
+    async def inject_once(job, row):
+        if row["step"] == 0:
+            result = await trio.run_process([sys.executable, "-m", "vime.inject", str(run_dir), str(extra)],
+                                            capture_stdout=True)
+            printed.append(result.stdout.decode())
+
+    summary = await train(config, run_dir, record=True, on_step=inject_once, timeout_s=240)
+    assert len(printed) == 1 and re.fullmatch(r"injected 2 prompts; [0-2] wait to be issued\n", printed[0])
+    rows = read_metrics(run_dir)
+    assert rows[0]["raw_reward"] == pytest.approx(0.1)  # every label is one digit: len 1 / 10
+    with_bonus = (0.1 * 14 * 8 + 0.6 * 2 * 8) / (16 * 8)
+    assert any(row["raw_reward"] == pytest.approx(with_bonus) for row in rows[1:]), [r["raw_reward"] for r in rows]
+    assert summary["groups"]["injected"] == 2
+    result = await trio.to_thread.run_sync(replay, run_dir / "messages" / "buffer.vlog")
+    assert result.divergence is None, str(result.divergence)
+    assert result.compared > 30 * 16
+
+
+async def test_killed_rollout_worker_is_restarted_and_nothing_is_lost(tmp_path):
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=8, rollout_workers=2, rollout_batch_size=32, rollout_capacity=8)
+
+    async def kill_once(job, row):
+        if row["step"] == 2:
+            job.kill("rollout-0")
+
+    summary = await train(config, run_dir, on_step=kill_once, timeout_s=240)
+    assert summary["steps"] == 8
+    assert summary["groups"]["lost"] == 0
+    assert summary["groups"]["trained"] == 8 * 32
+    log = (run_dir / "logs" / "router.log").read_text()
+    assert "rollout worker gone" in log
+
+
+def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    import reward_plugins
+
+    for fn in [*rewards.BUILT_IN.values(), reward_plugins.label_length]:
+        rewards.check_contract(fn)
+    with pytest.raises(TypeError, match=r"\*\*metadata"):
+        rewards.check_contract(reward_plugins.no_metadata)
+    with pytest.raises(TypeError, match="finite float"):
+        rewards.check_contract(reward_plugins.says_yes)
+    assert rewards.resolve("exact", "reward_plugins:label_length") is reward_plugins.label_length
