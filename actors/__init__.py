@@ -1,1 +1,5 @@
-"""One module per actor role (trainer, rollout, router, buffer, reward); filled by the pipeline issue."""
+"""One module per actor role: ``buffer``, ``router``, ``rollout``, ``reward``, ``trainer``.
+
+Actors know messages (``vime.protocol``) and engines (``vime.backends``),
+not sockets; the runtime (``vime.runtime``) carries their messages.
+"""

@@ -40,7 +40,7 @@ class Trainer(Actor):
         run = self.run
         self.engine = TorchTrainEngine(run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss,
                                        grpo_config=run.grpo, ppo_config=run.ppo, temperature=run.sampling.temperature,
-                                       dtype=run.model.dtype, seed=settings.seed)
+                                       dtype=run.model.dtype, total_steps=run.job.steps, seed=settings.seed)
         self.pad_token_id = self.engine.policy.config.pad_token_id or 0
         self.workers: set[str] = set()
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)

@@ -31,7 +31,8 @@ def defaults() -> RunConfig:
     config = RunConfig()
     return config.replace(custom_data_source="vime.scenarios.arithmetic:prompts", reward="exact",
                           rollout_batch_size=128, group_size=8, max_new_tokens=2, temperature=1.0,
-                          lr=5e-4, critic_lr=1e-3, updates_per_step=4, micro_batch_size=256, steps=300)
+                          lr=5e-4, critic_lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, updates_per_step=4,
+                          micro_batch_size=256, steps=300)
 
 
 def prepare(run_dir: Path, config: RunConfig) -> RunConfig:

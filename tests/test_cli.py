@@ -14,18 +14,29 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_help_of_every_entry_point():
-    for module in ("vime.actor", "vime.replay", "vime.scenario"):
+    for module in ("vime.actor", "vime.replay", "vime.scenario", "vime.inject"):
         result = run(module, "--help")
         assert result.returncode == 0 and "usage: python -m " + module in result.stdout
 
 
 def test_scenario_list():
     result = run("vime.scenario", "--list")
-    assert result.returncode == 0 and result.stdout.startswith("selfcheck")
+    assert result.returncode == 0 and [line.split()[0] for line in result.stdout.splitlines()] == [
+        "arithmetic", "selfcheck"]
 
 
-def test_default_scenario_runs_the_self_check(tmp_path):
-    result = run("vime.scenario", "--out", str(tmp_path / "run"))
+def test_training_flags_come_from_the_settings():
+    result = run("vime.scenario", "arithmetic", "--help")
+    assert result.returncode == 0
+    for flag in ("--algo", "--steps", "--seed", "--rollout-workers", "--record", "--max-staleness",
+                 "--no-normalize-std", "--kl-estimator", "--custom-reward", "--custom-rollout"):
+        assert flag in result.stdout
+    bad = run("vime.scenario", "arithmetic", "--rollout-batch-size", "many")
+    assert bad.returncode == 2 and "invalid int value" in bad.stderr
+
+
+def test_selfcheck_scenario_runs(tmp_path):
+    result = run("vime.scenario", "selfcheck", "--out", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASSED" in result.stdout and "no divergence" in result.stdout
     figures = json.loads((tmp_path / "run" / "selfcheck.json").read_text())

@@ -303,6 +303,7 @@ def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
     # in near-zero gradients into lr-sized differences; SGD keeps the update proportional to the gradient
     for engine in (whole, split):
         engine.optimizer = torch.optim.SGD(engine.policy.parameters(), lr=0.1)
+        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
     initial = {name: tensor.clone() for name, tensor in whole.named_weights().items()}
     whole_metrics, split_metrics = whole.train_step(batch), split.train_step(batch)
     assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], rel=1e-5, abs=1e-7)
@@ -420,3 +421,14 @@ async def test_score_calls_sync_and_async_rewards_and_checks_the_result():
     for wrong in ("1.0", float("nan"), float("inf"), True, None):
         with pytest.raises(TypeError, match="must return a finite float"):
             await vime.rewards.score(lambda response, label, value=wrong: value, "", "", {})
+
+
+def test_lr_schedules_warm_up_and_decay_to_the_floor():
+    constant = OptimConfig()
+    assert [constant.lr_factor(s, 10) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
+    linear = OptimConfig(lr_schedule="linear", lr_min_ratio=0.2)
+    assert [linear.lr_factor(s, 10) for s in (0, 5, 10, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
+    cosine = OptimConfig(lr_schedule="cosine", lr_warmup_steps=3)
+    assert [cosine.lr_factor(s, 13) for s in (0, 1, 2, 3, 8, 13)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.5, 0.0])
+    with pytest.raises(ValueError, match="constant, linear or cosine"):
+        OptimConfig(lr_schedule="step")

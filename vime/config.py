@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -60,6 +61,25 @@ class OptimConfig:
     grad_clip: float = 1.0
     updates_per_step: int = 4  # optimizer steps per batch (mini-batches)
     micro_batch_size: int = 256  # samples per forward/backward; gradients accumulate over a mini-batch
+    lr_schedule: str = "constant"  # constant, linear or cosine decay over the run's steps
+    lr_warmup_steps: int = 0  # linear warm-up from 0 over this many steps
+    lr_min_ratio: float = 0.0  # linear/cosine decay ends at lr * lr_min_ratio
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
+        if self.updates_per_step < 1 or self.micro_batch_size < 1:
+            raise ValueError("updates_per_step and micro_batch_size must be >= 1")
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """The multiplier of ``lr`` (and ``critic_lr``) for training step ``step`` (from 0)."""
+        if step < self.lr_warmup_steps:
+            return (step + 1) / (self.lr_warmup_steps + 1)
+        if self.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.lr_warmup_steps) / max(1, total_steps - self.lr_warmup_steps))
+        shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr_min_ratio + (1.0 - self.lr_min_ratio) * shape
 
 
 @dataclasses.dataclass(frozen=True)

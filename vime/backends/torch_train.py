@@ -49,7 +49,7 @@ class _ValueModel(torch.nn.Module):
 class TorchTrainEngine(TrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
-                 seed: int = 0, device: str = "cpu") -> None:
+                 total_steps: int = 1, seed: int = 0, device: str = "cpu") -> None:
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"algo must be grpo or ppo, not {algo!r}")
         torch.manual_seed(seed)
@@ -66,6 +66,8 @@ class TorchTrainEngine(TrainEngine):
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": optim.critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: optim.lr_factor(step, total_steps))
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.policy.named_parameters()}
@@ -150,6 +152,8 @@ class TorchTrainEngine(TrainEngine):
             if self.critic is not None:
                 torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.optim.grad_clip)
             self.optimizer.step()
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
         self.policy.eval()
         self.weight_version += 1
         summed = {"loss", "value_loss"}

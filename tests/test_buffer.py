@@ -1,0 +1,124 @@
+"""The buffer on its own: issuing under the staleness bound, batches, filters, hooks.
+
+The actor runs in-process with its sends captured (as replay does), so each
+rule is checked message by message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vime.actors.buffer import Buffer
+from vime.protocol import GenerateGroup, InjectPrompts, Sample, ScoredGroup, TrainBatch, WantBatch, WeightsPublished
+from vime.runtime import ActorSettings
+from vime.scenarios import arithmetic
+from vime.transports.codec import Envelope
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("model")
+    arithmetic.build_model(folder, seed=0, hidden_size=32, layers=1)
+    return str(folder)
+
+
+async def started_buffer(model_path: str, **overrides) -> tuple[Buffer, list[Envelope]]:
+    settings = {"model_path": model_path, "rollout_batch_size": 4, "group_size": 2, **overrides}
+    config = arithmetic.defaults().replace(**settings)
+    buffer = Buffer(ActorSettings(name="buffer", listen="ipc:///nonexistent", seed=5), config.to_dict())
+    sent: list[Envelope] = []
+    buffer._send_hook = sent.append
+    await buffer.on_start()
+    return buffer, sent
+
+
+def issued(sent: list[Envelope]) -> list[GenerateGroup]:
+    return [e.payload for e in sent if isinstance(e.payload, GenerateGroup)]
+
+
+def scored(request: GenerateGroup, rewards: list[float], version: int) -> ScoredGroup:
+    samples = [Sample(group_id=request.group_id, index=i, prompt_ids=request.prompt_ids, response_ids=[3],
+                      logprobs=[-1.0], versions=[version], finish_reason="stop", label=request.label,
+                      metadata=request.metadata, reward=reward) for i, reward in enumerate(rewards)]
+    return ScoredGroup(group_id=request.group_id, samples=samples, worker="rollout-0", generate_s=0.1, reward_s=0.01)
+
+
+def envelope(payload) -> Envelope:
+    return Envelope(type(payload).__name__, "peer", "buffer", 1, None, 0.0, None, False, payload)
+
+
+async def deliver(buffer: Buffer, payload) -> None:
+    handler = getattr(buffer, buffer._handlers[type(payload).__name__])
+    await handler(payload, envelope(payload))
+
+
+async def test_on_policy_issues_one_batch_ahead_and_waits_for_weights(model_path):
+    buffer, sent = await started_buffer(model_path, max_staleness=0)
+    first = issued(sent)
+    assert len(first) == 4 and all(g.min_weight_version == 0 and g.group_size == 2 for g in first)
+    for request in first:
+        await deliver(buffer, scored(request, [0.0, 1.0], version=0))
+    assert issued(sent) == first  # nothing more until version 1 is out
+    await deliver(buffer, WantBatch(step=0))
+    batch = [e.payload for e in sent if isinstance(e.payload, TrainBatch)]
+    assert len(batch) == 1 and len(batch[0].samples) == 8 and batch[0].stats["staleness_max"] == 0
+    await deliver(buffer, WeightsPublished(version=1))
+    second = issued(sent)[4:]
+    assert len(second) == 4 and all(g.min_weight_version == 1 for g in second)
+
+
+async def test_staleness_bound_issues_k_batches_ahead_and_drops_what_breaks_it(model_path):
+    buffer, sent = await started_buffer(model_path, max_staleness=1)
+    requests = issued(sent)
+    assert [g.min_weight_version for g in requests] == [0] * 8  # batches 0 and 1 may use version 0
+    await deliver(buffer, WeightsPublished(version=2))  # the trainer raced ahead (e.g. other groups)
+    await deliver(buffer, WantBatch(step=2))
+    for request in requests[:4]:
+        await deliver(buffer, scored(request, [0.0, 1.0], version=0))  # 0 < 2 - 1: stale
+    assert buffer.counters["dropped_stale"] == 4
+    assert not [e for e in sent if isinstance(e.payload, TrainBatch)]
+    refills = issued(sent)[8:]
+    assert refills and all(g.min_weight_version >= 1 for g in refills)
+
+
+async def test_dynamic_sampling_drops_uniform_groups_and_refills(model_path):
+    buffer, sent = await started_buffer(model_path, dynamic_sampling=True)
+    first = issued(sent)
+    await deliver(buffer, scored(first[0], [1.0, 1.0], version=0))
+    await deliver(buffer, scored(first[1], [0.0, 1.0], version=0))
+    assert buffer.counters["dropped_filtered"] == 1
+    assert len(issued(sent)) == 5  # one replacement prompt
+    await deliver(buffer, scored(first[0], [0.0, 1.0], version=0))
+    assert buffer.counters["duplicates"] == 1
+
+
+async def test_injected_prompts_go_first_with_their_metadata(model_path):
+    buffer, sent = await started_buffer(model_path, rollout_batch_size=1)
+    await deliver(buffer, InjectPrompts(prompts=[{"prompt": "4+4=", "label": "8", "source": "ops"}]))
+    await deliver(buffer, WeightsPublished(version=1))
+    request = issued(sent)[1]
+    assert request.label == "8" and request.metadata == {"source": "ops"}
+    assert request.prompt_ids == buffer.tokenizer("4+4=")["input_ids"]
+    with pytest.raises(ValueError, match="'prompt' string"):
+        await deliver(buffer, InjectPrompts(prompts=[{"text": "no prompt key"}]))
+
+
+async def test_custom_rollout_hook_rewrites_and_skips(model_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    buffer, sent = await started_buffer(model_path, custom_rollout="buffer_hooks:shout_and_skip_sevens",
+                                        rollout_batch_size=40)
+    requests = issued(sent)
+    assert requests and all(g.label != "7" for g in requests)
+    assert all(g.group_size == 3 and g.sampling["temperature"] == 0.5 and g.metadata == {"hooked": True}
+               for g in requests)
+    assert buffer.counters["skipped_by_hook"] > 0
+
+
+async def test_same_seed_same_prompts(model_path):
+    _, first = await started_buffer(model_path)
+    _, again = await started_buffer(model_path)
+    assert [g.prompt_ids for g in issued(first)] == [g.prompt_ids for g in issued(again)]
