@@ -24,6 +24,7 @@ import statistics
 from typing import Any
 
 from vime.algorithms.dynamic_sampling import is_informative
+from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.data import PromptSource, check_row, load_rows
@@ -49,7 +50,7 @@ class Buffer(Actor):
         self.trainer_version = 0
         self.next_group_id = 0
         self.in_flight: dict[int, float] = {}  # group id -> issue time
-        self.ready: collections.deque[ScoredGroup] = collections.deque()
+        self.ready: collections.deque[tuple[int, ScoredGroup]] = collections.deque()  # (weight version, group)
         self.trained_groups = 0
         self.wanted_step: int | None = None
         self.exhausted = False
@@ -78,7 +79,7 @@ class Buffer(Actor):
         if self.run.data.dynamic_sampling and not is_informative([s.reward for s in msg.samples]):
             self.counters["dropped_filtered"] += 1
         else:
-            self.ready.append(msg)
+            self.ready.append((_version(msg), msg))
         await self._send_batch()
         await self._issue()
 
@@ -126,6 +127,13 @@ class Buffer(Actor):
                     self.counters["skipped_by_hook"] += 1
                     continue
                 check_row(row, self.run.data.custom_rollout)
+                try:
+                    SamplingParams(**{**_sampling_dict(self.run), **row.get("sampling", {})})
+                except (TypeError, ValueError) as err:
+                    self.counters["bad_rows"] += 1
+                    self.log.error("custom rollout hook returned bad sampling settings; row skipped",
+                                   hook=self.run.data.custom_rollout, error=str(err))
+                    continue
             return row
 
     async def _issue_group(self, row: dict[str, Any], min_weight_version: int) -> None:
@@ -146,16 +154,15 @@ class Buffer(Actor):
     async def _send_batch(self) -> None:
         """Send the wanted batch once enough fresh groups are ready."""
         step, batch_size = self.wanted_step, self.run.data.rollout_batch_size
-        if step is None:
+        if step is None or len(self.ready) < batch_size:
             return
         oldest_allowed = step - self.run.data.max_staleness
-        while self.ready and min(s.weight_version for s in self.ready[0].samples) < oldest_allowed:
-            self.ready.popleft()
-            self.counters["dropped_stale"] += 1
-        fresh = [g for g in self.ready if min(s.weight_version for s in g.samples) >= oldest_allowed]
-        if len(fresh) < batch_size:
+        fresh = collections.deque(item for item in self.ready if item[0] >= oldest_allowed)
+        self.counters["dropped_stale"] += len(self.ready) - len(fresh)
+        self.ready = fresh
+        if len(self.ready) < batch_size:
             return
-        groups = [self.ready.popleft() for _ in range(batch_size)]
+        groups = [self.ready.popleft()[1] for _ in range(batch_size)]
         self.trained_groups += batch_size
         self.wanted_step = None
         samples = [s for g in groups for s in g.samples]
@@ -171,6 +178,11 @@ class Buffer(Actor):
         }
         self.counters["trained"] += batch_size
         await self.tell("trainer", TrainBatch(step=step, samples=samples, stats=stats))
+
+
+def _version(group: ScoredGroup) -> int:
+    """A group is as old as its oldest sample."""
+    return min(sample.weight_version for sample in group.samples)
 
 
 def _sampling_dict(run: RunConfig) -> dict[str, Any]:

@@ -13,8 +13,8 @@ import trio
 
 from vime import rewards
 from vime.config import RunConfig
-from vime.metrics import read_metrics
-from vime.pipeline import train
+from vime.metrics import MetricsFollower
+from vime.pipeline import RunFailed, train
 from vime.replay import replay
 from vime.scenarios import arithmetic
 
@@ -33,7 +33,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=45, seed=3)
     summary = await train(config, run_dir, timeout_s=300)
-    rows = read_metrics(run_dir)
+    rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(45))
     assert REQUIRED <= set(rows[0])
     start = statistics.fmean(row["raw_reward"] for row in rows[:3])
@@ -64,7 +64,7 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
 
     summary = await train(config, run_dir, record=True, on_step=inject_once, timeout_s=240)
     assert len(printed) == 1 and re.fullmatch(r"injected 2 prompts; [0-2] wait to be issued\n", printed[0])
-    rows = read_metrics(run_dir)
+    rows = MetricsFollower(run_dir).new_rows()
     assert rows[0]["raw_reward"] == pytest.approx(0.1)  # every label is one digit: len 1 / 10
     with_bonus = (0.1 * 14 * 8 + 0.6 * 2 * 8) / (16 * 8)
     assert any(row["raw_reward"] == pytest.approx(with_bonus) for row in rows[1:]), [r["raw_reward"] for r in rows]
@@ -101,3 +101,12 @@ def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monk
     with pytest.raises(TypeError, match="finite float"):
         rewards.check_contract(reward_plugins.says_yes)
     assert rewards.resolve("exact", "reward_plugins:label_length") is reward_plugins.label_length
+
+
+async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=3, rollout_batch_size=4, custom_reward="reward_plugins:says_yes")
+    with pytest.raises(RunFailed, match=r"actor reward died .*logs/reward.log"):
+        await train(config, run_dir, timeout_s=120)
+    assert "must return a finite float" in (run_dir / "logs" / "reward.log").read_text()

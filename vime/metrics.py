@@ -43,15 +43,19 @@ def _tensorboard(folder: Path) -> Any:
     return SummaryWriter(str(folder))
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every complete line of RUN_DIR/metrics.jsonl (a line still being written is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+class MetricsFollower:
+    """Reads the rows appended to RUN_DIR/metrics.jsonl since the last call (a partial line waits)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._offset = 0
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as file:
+            file.seek(self._offset)
+            data = file.read()
+        complete = data[:data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]

@@ -21,7 +21,7 @@ import trio
 from vime.cluster import Cluster
 from vime.config import RunConfig
 from vime.messages import StatusQuery
-from vime.metrics import read_metrics
+from vime.metrics import MetricsFollower
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -35,12 +35,43 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     Rollout workers are restarted when they die (the router re-issues their
     groups meanwhile); the death of any other actor ends the run with an
     error naming its log. ``on_step(job, row)`` runs after each step is seen.
+    Raises RunFailed, saying which actor and which log, when the job cannot go on.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    document = config.to_dict()
     started = time.monotonic()
+    try:
+        rows, counters, ready_s = await _run(config, run_dir, record, transport, show, on_step, timeout_s, started)
+    except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
+        cause = _first_leaf(group)
+        if isinstance(cause, (RuntimeError, TimeoutError)):
+            raise RunFailed(str(cause)) from cause
+        raise
+    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
+    return summary
+
+
+class RunFailed(RuntimeError):
+    """The job could not go on: an actor failed to start or died, or steps stopped coming."""
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
+               show: Callable[[dict[str, Any]], None] | None,
+               on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
+               started: float) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]], float]:
+    """Start the actors in dependency order, follow the steps, collect the counters."""
+    document = config.to_dict()
     async with Cluster.open(run_dir, transport=transport, record=record) as job:
         seed = config.job.seed
         await job.spawn("router", "router", document, seed=seed)
@@ -54,11 +85,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
-    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if rows:
-        write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
-    return summary
+    return rows, counters, ready_s
 
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,
@@ -66,6 +93,7 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
                   timeout_s: float | None) -> list[dict[str, Any]]:
     """Wait for ``steps`` rows in metrics.jsonl, showing each; fail fast if a vital actor dies."""
     seen: list[dict[str, Any]] = []
+    follower = MetricsFollower(run_dir)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(seen) < steps:
         died = [e for e in job.events if e.what == "died" and not e.name.startswith("rollout-")]
@@ -73,13 +101,12 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
             raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
-        rows = read_metrics(run_dir)
-        for row in rows[len(seen):]:
+        for row in follower.new_rows():
+            seen.append(row)
             if show is not None:
                 show(row)
             if on_step is not None:
                 await on_step(job, row)
-        seen = rows
         await trio.sleep(0.1)
     return seen[:steps]
 

@@ -312,6 +312,17 @@ class Actor:
             raise TimeoutError(f"{self.name}: no actor named {name!r} joined within {timeout} s; "
                                f"known: {sorted(self.directory)}")
 
+    def crash(self, error: BaseException) -> None:
+        """Stop this actor with ``error``, for failures that make going on pointless
+        (a reward function that cannot score). The process exits non-zero with the
+        traceback in its log, and the driver reports the death like any other.
+        """
+
+        async def fail() -> None:
+            raise error
+
+        self.start_soon(fail)
+
     def start_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` beside the handler loop, for work that outlives one message
         (a generation loop, a training loop). It is cancelled when the actor stops;

@@ -53,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
         print("PASSED" if figures["passed"] else "FAILED", flush=True)
         return 0 if figures["passed"] else 1
-    from vime.pipeline import progress_display, train
+    from vime.pipeline import RunFailed, progress_display, train
 
     config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display))
+    except RunFailed as err:
+        print(f"run failed: {err}", file=sys.stderr)
+        return 1
     finally:
         display.close()
     print(json.dumps({k: summary[k] for k in ("final_raw_reward", "first_step_reward_0.9", "seconds_to_reward_0.9",
