@@ -5,8 +5,9 @@ as one digit, then the end-of-sequence token (two tokens). The reward is
 exact match (``vime.rewards.exact``), so an answer counts only when the
 model also stops. The model (2 layers, hidden 128, vocabulary of 16) and
 its tokenizer are built from scratch in RUN_DIR/model with the run's seed:
-at step 0 it answers at chance, below 1 %; nothing is downloaded and
-nothing is pre-trained.
+at step 0 it answers at chance (2-3 % of answers are right, since a
+random model rarely follows a digit with end-of-sequence); nothing is
+downloaded and nothing is pre-trained.
 """
 
 from __future__ import annotations
