@@ -55,3 +55,16 @@ def test_public_api_is_stable():
     ]
     for name in vime.__all__:
         assert getattr(vime, name) is not None
+
+
+def test_every_package_folder_is_installed():
+    """A wheel (not only an editable install) must carry every subpackage."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    folders = {f"vime.{path.parent.name}" for path in (root / "vime").glob("*/__init__.py")}
+    folders |= set(config["package-dir"])  # vime, and the top-level folders installed as vime.*
+    assert folders <= listed, f"add {sorted(folders - listed)} to [tool.setuptools] packages in pyproject.toml"

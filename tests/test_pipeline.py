@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
@@ -49,7 +50,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
 
 
 async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=30, rollout_batch_size=16, custom_reward="reward_plugins:label_length")
     extra = tmp_path / "extra.jsonl"
@@ -104,7 +105,7 @@ def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monk
 
 
 async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=3, rollout_batch_size=4, custom_reward="reward_plugins:says_yes")
     with pytest.raises(RunFailed, match=r"actor reward died .*logs/reward.log"):
