@@ -136,7 +136,8 @@ def _compile(tp: Any) -> Check:
     if origin in (typing.Union, types.UnionType):
         return _union_check([_compile(a) for a in args if a is not type(None)], type(None) in args)
     if origin is list:
-        return _list_check(_compile(args[0]) if args else _accept_any)
+        element = args[0] if args else Any
+        return _list_check(_compile(element), element if element in _SCALARS or element is float else None)
     if origin is dict:
         return _dict_check(*((_compile(a) for a in args) if args else (_accept_any, _accept_any)))
     raise TypeError(f"field type {tp!r} cannot travel in a message; use one of: {__doc__}")
@@ -168,11 +169,14 @@ def _check_float(value: Any) -> float:
     raise SchemaError(f"expected float, got {type(value).__name__}")
 
 
-def _list_check(item: Check) -> Check:
+def _list_check(item: Check, scalar: type | None) -> Check:
+    """``scalar``: the element type when it is a plain scalar; a list made only of
+    exactly that type (the common case: token ids, log-probs) passes in one sweep."""
+
     def check(value: Any) -> list:
         if type(value) is not list:
             raise SchemaError(f"expected list, got {type(value).__name__}")
-        if item is _accept_any:
+        if item is _accept_any or (scalar is not None and all(type(element) is scalar for element in value)):
             return value
         out = []
         for index, element in enumerate(value):
