@@ -20,6 +20,7 @@ messages and the message clock, so ``vime.replay`` can re-drive it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 from typing import Any
 
@@ -45,11 +46,15 @@ class Buffer(Actor):
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.source = PromptSource(load_rows(data.data, data.custom_data_source), seed=settings.seed,
                                    epochs=data.epochs)
+        sampling = dataclasses.asdict(self.run.sampling)
+        if not sampling["stop_token_ids"] and self.tokenizer.eos_token_id is not None:
+            sampling["stop_token_ids"] = [self.tokenizer.eos_token_id]  # a real model stops at its EOS
+        self._sampling = {**sampling, "stop_token_ids": list(sampling["stop_token_ids"])}
         self.custom_rollout = import_function(data.custom_rollout, "--custom-rollout") if data.custom_rollout else None
         self.injected: collections.deque[dict[str, Any]] = collections.deque()
         self.trainer_version = 0
         self.next_group_id = 0
-        self.in_flight: dict[int, float] = {}  # group id -> issue time
+        self.in_flight: set[int] = set()  # group ids issued and not yet scored
         self.ready: collections.deque[tuple[int, ScoredGroup]] = collections.deque()  # (weight version, group)
         self.trained_groups = 0
         self.wanted_step: int | None = None
@@ -72,9 +77,10 @@ class Buffer(Actor):
 
     @handles(ScoredGroup)
     async def _on_scored(self, msg: ScoredGroup, envelope: Envelope) -> None:
-        if self.in_flight.pop(msg.group_id, None) is None:
+        if msg.group_id not in self.in_flight:
             self.counters["duplicates"] += 1
             return
+        self.in_flight.discard(msg.group_id)
         self.counters["scored"] += 1
         if self.run.data.dynamic_sampling and not is_informative([s.reward for s in msg.samples]):
             self.counters["dropped_filtered"] += 1
@@ -91,7 +97,9 @@ class Buffer(Actor):
 
     @handles(InjectPrompts)
     async def _on_inject(self, msg: InjectPrompts, envelope: Envelope) -> Injected:
-        rows = [check_row(row, f"InjectPrompts[{i}]") for i, row in enumerate(msg.prompts)]
+        for index, row in enumerate(msg.prompts):  # all or nothing: a refused batch leaves no trace
+            self._check(row, f"InjectPrompts.prompts[{index}]")
+        rows = list(msg.prompts)
         self.injected.extend(rows)
         self.counters["injected"] += len(rows)
         await self._issue()
@@ -114,38 +122,67 @@ class Buffer(Actor):
             await self._issue_group(row, min_weight_version=max(0, batch_index - bound))
 
     def _next_row(self) -> dict[str, Any] | None:
+        """The next row to issue: injected ones first, then the source (through the hook)."""
         while True:
-            row = self.injected.popleft() if self.injected else self.source.next()
+            if self.injected:
+                return self.injected.popleft()  # checked when they were accepted
+            row = self.source.next()
             if row is None:
-                if not self.exhausted:
-                    self.exhausted = True
-                    self.log.warning("the prompt source is exhausted", epochs=self.source.epochs)
+                self._source_exhausted()
                 return None
             if self.custom_rollout is not None:
                 row = self.custom_rollout(dict(row))
                 if row is None:
                     self.counters["skipped_by_hook"] += 1
                     continue
-                check_row(row, self.run.data.custom_rollout)
-                try:
-                    SamplingParams(**{**_sampling_dict(self.run), **row.get("sampling", {})})
-                except (TypeError, ValueError) as err:
-                    self.counters["bad_rows"] += 1
-                    self.log.error("custom rollout hook returned bad sampling settings; row skipped",
-                                   hook=self.run.data.custom_rollout, error=str(err))
-                    continue
+            try:
+                self._check(row, self.run.data.custom_rollout or "the prompt source")
+            except ValueError as err:
+                self.counters["bad_rows"] += 1
+                self.log.error("prompt row skipped", error=str(err))
+                continue
             return row
+
+    def _check(self, row: dict[str, Any], where: str) -> None:
+        """Refuse a row the rollout side could not serve, before it is issued."""
+        check_row(row, where)
+        group_size = row.get("group_size", self.run.data.group_size)
+        if type(group_size) is not int or group_size < 1:
+            raise ValueError(f"{where}: group_size must be an int >= 1, got {group_size!r}")
+        overrides = row.get("sampling", {})
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{where}: sampling must be a map of SamplingParams fields, got {overrides!r}")
+        if overrides.get("temperature", self.run.sampling.temperature) != self.run.sampling.temperature:
+            raise ValueError(f"{where}: a row may not change the temperature (the trainer computes log-probs "
+                             f"at --temperature {self.run.sampling.temperature}); change --temperature instead")
+        try:
+            SamplingParams(**{**self._sampling, **overrides, "stop_token_ids": tuple(
+                overrides.get("stop_token_ids", self._sampling["stop_token_ids"]))})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: bad sampling settings {overrides!r}: {err}") from None
+
+    def _source_exhausted(self) -> None:
+        """Say so once; stop the run when the wanted batch can no longer fill."""
+        if not self.exhausted:
+            self.exhausted = True
+            self.log.warning("the prompt source is exhausted", epochs=self.source.epochs)
+        if (self.wanted_step is not None and not self.in_flight and not self.injected
+                and len(self.ready) < self.run.data.rollout_batch_size):
+            self.crash(RuntimeError(
+                f"the prompt source ran out after {self.source.epochs} epoch(s): step {self.wanted_step} needs "
+                f"{self.run.data.rollout_batch_size} groups and only {len(self.ready)} are left; "
+                "pass --epochs 0 (as many as needed) or more data"))
 
     async def _issue_group(self, row: dict[str, Any], min_weight_version: int) -> None:
         group_id = self.next_group_id
         self.next_group_id += 1
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
-        sampling = {**_sampling_dict(self.run), **row.get("sampling", {})}
         request = GenerateGroup(group_id=group_id, prompt_ids=list(self.tokenizer(row["prompt"])["input_ids"]),
                                 label=str(row["label"]), metadata=metadata,
-                                group_size=int(row.get("group_size", self.run.data.group_size)),
-                                min_weight_version=min_weight_version, sampling=sampling)
-        self.in_flight[group_id] = self.now()
+                                group_size=row.get("group_size", self.run.data.group_size),
+                                min_weight_version=min_weight_version,
+                                sampling={**self._sampling, **row.get("sampling", {})})
+        self.in_flight.add(group_id)
         self.counters["issued"] += 1
         await self.tell("router", request)
 
@@ -162,7 +199,10 @@ class Buffer(Actor):
         self.ready = fresh
         if len(self.ready) < batch_size:
             return
-        groups = [self.ready.popleft()[1] for _ in range(batch_size)]
+        # Oldest first (then issue order): a younger group can wait a step, an older one may not.
+        ordered = sorted(self.ready, key=lambda item: (item[0], item[1].group_id))
+        groups = [group for _, group in ordered[:batch_size]]
+        self.ready = collections.deque(ordered[batch_size:])
         self.trained_groups += batch_size
         self.wanted_step = None
         samples = [s for g in groups for s in g.samples]
@@ -183,10 +223,4 @@ class Buffer(Actor):
 def _version(group: ScoredGroup) -> int:
     """A group is as old as its oldest sample."""
     return min(sample.weight_version for sample in group.samples)
-
-
-def _sampling_dict(run: RunConfig) -> dict[str, Any]:
-    sampling = run.sampling
-    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-            "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids)}
 

@@ -106,7 +106,7 @@ class RolloutWorker(Actor):
         if not ready:
             return
         self.waiting = [g for g in self.waiting if g.min_weight_version > self.engine.weight_version]
-        now = time.time()
+        now = time.monotonic()
         for request in ready:
             params = SamplingParams(**{**request.sampling, "stop_token_ids": tuple(request.sampling.get(
                 "stop_token_ids", ()))})
@@ -134,5 +134,5 @@ class RolloutWorker(Actor):
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,
-                                               generate_s=time.time() - group.started))
+                                               generate_s=time.monotonic() - group.started))
         await self.tell("router", GroupDone(group_id=request.group_id))

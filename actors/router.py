@@ -5,7 +5,9 @@ once; a request goes to the worker with the lowest share of its capacity in
 use, or waits until one frees up. The router remembers every request until
 its worker reports it done, and when a worker dies or leaves it re-issues
 that worker's requests to the others (counted as ``reissued``) -- so a
-killed worker loses no prompt.
+killed worker loses no prompt. A WorkerReady under a name that still holds
+requests is a restarted process: those requests are re-issued too, whichever
+of the two news arrives first.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ class Router(Actor):
 
     @handles(WorkerReady)
     async def _on_ready(self, msg: WorkerReady, envelope: Envelope) -> None:
+        orphans = sorted(self.assigned.get(envelope.sender, ()))
+        if orphans:  # a new process under a known name: the old one's groups died with it
+            self.counters["reissued"] += len(orphans)
+            self.waiting.extendleft(reversed(orphans))
         self.capacity[envelope.sender] = max(1, msg.capacity)
-        self.assigned.setdefault(envelope.sender, set())
+        self.assigned[envelope.sender] = set()
         self.log.info("rollout worker ready", worker=envelope.sender, capacity=msg.capacity)
         await self._assign()
 

@@ -5,7 +5,8 @@ wait; train on it in a worker thread (the engine recomputes log-probs, takes
 the algorithm's optimizer steps); send the new weights, version v+1, to
 every rollout worker in chunks; tell the buffer the version is out; append
 the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
-later gets the current weights as soon as it says WorkerReady.
+later gets the latest published weights as soon as it says WorkerReady.
+After the last step the policy is saved to RUN_DIR/checkpoint.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
@@ -17,12 +18,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import trio
 
 from vime.backends.base import collate
+from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
@@ -43,6 +46,7 @@ class Trainer(Actor):
                                        dtype=run.model.dtype, total_steps=run.job.steps, seed=settings.seed)
         self.pad_token_id = self.engine.policy.config.pad_token_id or 0
         self.workers: set[str] = set()
+        self.published: list[WeightsChunk] = []  # a copy of the latest version, for workers that join later
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.metrics = MetricsWriter(settings.run_dir or ".")
 
@@ -58,15 +62,15 @@ class Trainer(Actor):
     @handles(WorkerReady)
     async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> None:
         self.workers.add(envelope.sender)
-        if msg.weight_version < self.engine.weight_version:
-            await self._send_weights(envelope.sender, self._weight_chunks())
+        if self.published and msg.weight_version < self.published[0].version:
+            await self._send_weights(envelope.sender, self.published)
 
     @handles(TrainBatch)
     async def _on_batch(self, msg: TrainBatch, envelope: Envelope) -> None:
         await self.batches_in.send(msg)
 
     async def _train_loop(self) -> None:
-        await self.wait_for_peer("buffer")
+        await self.wait_for_peer("buffer", timeout=600.0)
         for step in range(self.run.job.steps):
             started = time.perf_counter()
             await self.tell("buffer", WantBatch(step=step))
@@ -99,9 +103,21 @@ class Trainer(Actor):
             self.metrics.write({k: _plain(v) for k, v in row.items()})
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
+        await trio.to_thread.run_sync(self._save_checkpoint)
+
+    def _save_checkpoint(self) -> None:
+        """The trained policy as a Hugging Face folder, RUN_DIR/checkpoint: loadable as --model-path."""
+        folder = Path(self.settings.run_dir or ".") / "checkpoint"
+        self.engine.policy.save_pretrained(folder)
+        load_tokenizer(self.run.model.model_path).save_pretrained(folder)
+        self.log.info("checkpoint saved", path=str(folder), weight_version=self.engine.weight_version)
 
     def _weight_chunks(self) -> list[WeightsChunk]:
-        """The current weights cut into chunks of about ``weight_chunk_mb`` each."""
+        """A copy of the current weights cut into chunks of about ``weight_chunk_mb`` each.
+
+        A copy, because a worker that joins mid-step is sent these while the
+        optimizer is writing the live parameters in another thread.
+        """
         limit = self.run.job.weight_chunk_mb << 20
         parts: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -109,7 +125,7 @@ class Trainer(Actor):
             if parts[-1] and size + tensor.nbytes > limit:
                 parts.append({})
                 size = 0
-            parts[-1][name] = tensor
+            parts[-1][name] = tensor.clone()
             size += tensor.nbytes
         version = self.engine.weight_version
         return [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
@@ -123,7 +139,7 @@ class Trainer(Actor):
 
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        chunks = self._weight_chunks()
+        self.published = chunks = self._weight_chunks()
         for worker in sorted(self.workers):
             await self._send_weights(worker, chunks)
         await self.tell("buffer", WeightsPublished(version=self.engine.weight_version))

@@ -113,7 +113,7 @@ async def test_custom_rollout_hook_rewrites_and_skips(model_path, monkeypatch):
                                         rollout_batch_size=40)
     requests = issued(sent)
     assert requests and all(g.label != "7" for g in requests)
-    assert all(g.group_size == 3 and g.sampling["temperature"] == 0.5 and g.metadata == {"hooked": True}
+    assert all(g.group_size == 3 and g.sampling["top_k"] == 3 and g.metadata == {"hooked": True}
                for g in requests)
     assert buffer.counters["skipped_by_hook"] > 0
 
@@ -122,3 +122,37 @@ async def test_same_seed_same_prompts(model_path):
     _, first = await started_buffer(model_path)
     _, again = await started_buffer(model_path)
     assert [g.prompt_ids for g in issued(first)] == [g.prompt_ids for g in issued(again)]
+
+
+async def test_rows_the_rollout_side_could_not_serve_are_refused_before_issue(model_path, monkeypatch):
+    buffer, sent = await started_buffer(model_path)
+    for row, said in [({"prompt": "1+1=", "label": "2", "group_size": 0}, "group_size must be an int >= 1"),
+                      ({"prompt": "1+1=", "label": "2", "sampling": {"temperature": 0.5}}, "may not change the temperature"),
+                      ({"prompt": "1+1=", "label": "2", "sampling": {"top_p": 2.0}}, "top_p must be in")]:
+        with pytest.raises(ValueError, match=said):
+            await deliver(buffer, InjectPrompts(prompts=[{"prompt": "2+2=", "label": "4"}, row]))
+    assert buffer.counters["injected"] == 0 and not buffer.injected  # all or nothing
+    monkeypatch.syspath_prepend(str(TESTS))
+    buffer, sent = await started_buffer(model_path, custom_rollout="buffer_hooks:breaks_sampling", rollout_batch_size=30)
+    assert buffer.counters["bad_rows"] > 0 and all(g.label != "5" for g in issued(sent))
+
+
+async def test_an_exhausted_source_stops_the_run_saying_what_to_do(model_path):
+    buffer, sent = await started_buffer(model_path, epochs=1, rollout_batch_size=40)
+    crashes = []
+    buffer.crash = crashes.append
+    requests = issued(sent)
+    assert len(requests) == 40
+    await deliver(buffer, WantBatch(step=0))
+    for request in requests:
+        await deliver(buffer, scored(request, [0.0, 1.0], version=0))
+    await deliver(buffer, WeightsPublished(version=1))  # 15 prompts left of 55: step 1 can never fill
+    for request in issued(sent)[40:]:
+        await deliver(buffer, scored(request, [0.0, 1.0], version=1))
+    await deliver(buffer, WantBatch(step=1))
+    assert len(crashes) == 1 and "--epochs 0" in str(crashes[0])
+
+
+async def test_groups_stop_at_the_eos_of_the_tokenizer_unless_told_otherwise(model_path):
+    buffer, sent = await started_buffer(model_path, stop_token_ids=())
+    assert issued(sent)[0].sampling["stop_token_ids"] == [buffer.tokenizer.eos_token_id]

@@ -53,6 +53,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
 
 
 async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))  # the driver checks the plug-in imports before spawning
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=30, rollout_batch_size=16, custom_reward="reward_plugins:label_length")
@@ -114,3 +115,20 @@ async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path
     with pytest.raises(RunFailed, match=r"actor reward died .*logs/reward.log"):
         await train(config, run_dir, timeout_s=120)
     assert "must return a finite float" in (run_dir / "logs" / "reward.log").read_text()
+
+
+def test_bad_settings_fail_before_any_actor_starts(tmp_path):
+    import subprocess
+
+    def scenario(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(tmp_path / "r"),
+                               *flags], capture_output=True, text=True, timeout=60)
+
+    for flags, said in [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+                        (["--algo", "dpo"], "--algo must be grpo or ppo"),
+                        (["--reward", "nope"], "not a built-in reward"),
+                        (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
+                        (["--model-path", str(tmp_path)], "has no config.json")]:
+        result = scenario(*flags)
+        assert result.returncode == 2 and said in result.stderr, (flags, result.stderr[-500:])
+    assert not (tmp_path / "r" / "logs").exists()

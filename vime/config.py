@@ -39,12 +39,18 @@ class DataConfig:
     custom_data_source: str = ""  # module:function returning an iterable of such rows
     custom_rollout: str = ""  # module:function turning a prompt row into the requests of its group
 
+    def __post_init__(self) -> None:
+        _at_least(self, rollout_batch_size=1, group_size=1, max_staleness=0, epochs=0)
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     rollout_workers: int = 1
     rollout_max_batch_size: int = 1024  # sequences decoded together by one worker
     rollout_capacity: int = 64  # groups a worker takes at once
+
+    def __post_init__(self) -> None:
+        _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,18 @@ class JobConfig:
     steps: int = 300
     seed: int = 0
     weight_chunk_mb: int = 64  # weights travel to rollout workers in chunks of about this size
+
+    def __post_init__(self) -> None:
+        if self.algo not in ("grpo", "ppo"):
+            raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
+        _at_least(self, steps=1, weight_chunk_mb=1)
+
+
+def _at_least(settings: Any, **minimums: int) -> None:
+    """ValueError naming the flag of the first field below its minimum."""
+    for name, minimum in minimums.items():
+        if getattr(settings, name) < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(settings, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +152,6 @@ def _is_tuple(annotation: Any) -> bool:
     return str(annotation).startswith("tuple")
 
 
-def _field_types(kind: type) -> dict[str, Any]:
-    return typing.get_type_hints(kind)
-
-
 _SECTION_OF: dict[str, str] = {}
 for _section in dataclasses.fields(RunConfig):
     for _field in dataclasses.fields(_section.default.__class__):
@@ -151,7 +165,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     for section in dataclasses.fields(RunConfig):
         group = parser.add_argument_group(section.name)
         values = getattr(defaults, section.name)
-        for name, annotation in _field_types(type(values)).items():
+        for name, annotation in typing.get_type_hints(type(values)).items():
             default = getattr(values, name)
             flag = "--" + name.replace("_", "-")
             help_text = f"default: {default!r}"

@@ -1,8 +1,9 @@
 """Run a training job: start the five actors, follow the steps, write the outputs.
 
-The driver process holds no model. It writes RUN_DIR/config.json, spawns
-router, reward, trainer, the rollout workers and finally the buffer (whose
-start issues the first prompts), then follows RUN_DIR/metrics.jsonl, which
+The driver process holds no model. It checks what it can before any actor
+starts (``preflight``), writes RUN_DIR/config.json, spawns router, reward,
+trainer, buffer (whose start issues the first prompts) and the rollout
+workers, then follows RUN_DIR/metrics.jsonl, which
 the trainer appends to after every step. At the end it writes
 RUN_DIR/summary.json (what happened to every prompt group, from the buffer's
 and router's counters) and RUN_DIR/report.png, and shuts the actors down.
@@ -18,10 +19,14 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from vime import rewards
+from vime.backends.hf import check_model_folder
 from vime.cluster import Cluster
 from vime.config import RunConfig
+from vime.data import load_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
+from vime.plugins import import_function
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -37,6 +42,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     error naming its log. ``on_step(job, row)`` runs after each step is seen.
     Raises RunFailed, saying which actor and which log, when the job cannot go on.
     """
+    preflight(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -53,6 +59,17 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     if rows:
         write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
     return summary
+
+
+def preflight(config: RunConfig) -> None:
+    """Fail here, before any actor starts, on what would stop an actor at start-up:
+    a model folder without config.json, an unknown reward, a plug-in that does not
+    import, prompts that do not load. Raises ValueError saying what to pass."""
+    check_model_folder(config.model.model_path)
+    rewards.resolve(config.reward.reward, config.reward.custom_reward)
+    if config.data.custom_rollout:
+        import_function(config.data.custom_rollout, "--custom-rollout")
+    load_rows(config.data.data, config.data.custom_data_source)
 
 
 class RunFailed(RuntimeError):
@@ -77,11 +94,11 @@ async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
         await job.spawn("router", "router", document, seed=seed)
         await job.spawn("reward", "reward", document, seed=seed)
         await job.spawn("trainer", "trainer", document, seed=seed)
+        await job.spawn("buffer", "buffer", document, seed=seed)  # its first prompts wait at the router
         async with trio.open_nursery() as nursery:
             for index in range(config.rollout.rollout_workers):
                 nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i,
                                                              restart=True))
-        await job.spawn("buffer", "buffer", document, seed=seed)
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
@@ -129,8 +146,10 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, 
                    "reissued": router.get("reissued", 0), "dropped_stale": buffer.get("dropped_stale", 0),
                    "dropped_filtered": buffer.get("dropped_filtered", 0), "duplicates": buffer.get("duplicates", 0),
                    "injected": buffer.get("injected", 0),
-                   "in_flight_at_end": buffer.get("in_flight", 0),
-                   "lost": buffer.get("issued", 0) - buffer.get("scored", 0) - buffer.get("in_flight", 0)},
+                   "in_flight_at_end": buffer.get("in_flight", 0), "ready_at_end": buffer.get("ready", 0),
+                   # every issued group is in flight, ready, trained or dropped; anything else went missing
+                   "lost": buffer.get("issued", 0) - sum(buffer.get(k, 0) for k in (
+                       "in_flight", "ready", "trained", "dropped_stale", "dropped_filtered"))},
     }
 
 

@@ -53,9 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
         print("PASSED" if figures["passed"] else "FAILED", flush=True)
         return 0 if figures["passed"] else 1
-    from vime.pipeline import RunFailed, progress_display, train
+    from vime.pipeline import RunFailed, preflight, progress_display, train
 
-    config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
+    try:
+        config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
+        preflight(config)
+    except ValueError as err:
+        print(f"python -m vime.scenario: {err}", file=sys.stderr)
+        return 2
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display))

@@ -3,8 +3,8 @@
 The reward of a response is given at its last token; every other token's
 immediate reward is 0. Advantages come from GAE(γ, λ) over the response
 tokens and are whitened over the batch; returns are advantages + values. The
-value loss is clipped around the values seen at rollout (``value_clip``), as
-in the PPO implementations of OpenAI baselines.
+value loss is clipped around the values the value model gave at the start
+of the training step (``value_clip``), as in OpenAI baselines' PPO.
 """
 
 from __future__ import annotations

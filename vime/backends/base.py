@@ -127,4 +127,5 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as the rollout engines name them (a consistent snapshot)."""
+        """The policy's live weights as the rollout engines name them (not a copy: copy
+        before another thread may step the optimizer)."""

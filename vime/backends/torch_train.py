@@ -53,6 +53,7 @@ class TorchTrainEngine(TrainEngine):
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"algo must be grpo or ppo, not {algo!r}")
         torch.manual_seed(seed)
+        self.seed = seed
         self.algo, self.optim, self.loss = algo, optim, loss
         self.grpo, self.ppo = grpo_config, ppo_config
         self.temperature = temperature
@@ -121,8 +122,8 @@ class TorchTrainEngine(TrainEngine):
         return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
 
     def train_step(self, batch: TrainBatch) -> dict[str, Any]:
-        self.policy.train()
         scores = self._score_batch(batch)
+        self.policy.train()
         mask = batch.response_mask
         advantages, returns = self._advantages(batch, scores.get("values"))
         same_version = (batch.versions == self.weight_version) & (mask > 0)
@@ -136,7 +137,7 @@ class TorchTrainEngine(TrainEngine):
             kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator)
             metrics["kl"] = float(aggregate(kl, mask, "token"))
         totals: dict[str, list[float]] = {}
-        generator = torch.Generator().manual_seed(self.weight_version)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
         minis = [mini for mini in order.tensor_split(self.optim.updates_per_step) if mini.numel()]
         for mini in minis:
@@ -158,7 +159,8 @@ class TorchTrainEngine(TrainEngine):
         self.weight_version += 1
         summed = {"loss", "value_loss"}
         for key, values in totals.items():
-            metrics[key] = sum(values) / (len(minis) if key in summed else len(values))
+            # kl was measured before the update, on the whole batch; keep that figure
+            metrics.setdefault(key, sum(values) / (len(minis) if key in summed else len(values)))
         return metrics
 
     def _micro_step(self, batch: TrainBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],

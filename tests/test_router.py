@@ -1,0 +1,56 @@
+"""The router on its own: spreading by load, and re-issuing what a dead worker held."""
+
+from __future__ import annotations
+
+from vime.actors.router import Router
+from vime.protocol import GenerateGroup, GroupDone, WorkerReady
+from vime.runtime import ActorSettings
+from vime.transports.codec import Envelope
+
+
+def request(group_id: int) -> GenerateGroup:
+    return GenerateGroup(group_id=group_id, prompt_ids=[1, 2], label="3", metadata={}, group_size=2,
+                         min_weight_version=0, sampling={})
+
+
+async def deliver(router: Router, payload, sender: str = "buffer") -> None:
+    envelope = Envelope(type(payload).__name__, sender, "router", 1, None, 0.0, None, False, payload)
+    await getattr(router, router._handlers[type(payload).__name__])(payload, envelope)
+
+
+def assigned(sent: list[Envelope]) -> list[tuple[str, int]]:
+    return [(e.receiver, e.payload.group_id) for e in sent if isinstance(e.payload, GenerateGroup)]
+
+
+async def started_router() -> tuple[Router, list[Envelope]]:
+    router = Router(ActorSettings(name="router", listen="ipc:///nonexistent"))
+    sent: list[Envelope] = []
+    router._send_hook = sent.append
+    return router, sent
+
+
+async def test_requests_go_to_the_least_loaded_worker_and_wait_when_all_are_full():
+    router, sent = await started_router()
+    await deliver(router, WorkerReady(capacity=2, weight_version=0), sender="rollout-0")
+    await deliver(router, WorkerReady(capacity=1, weight_version=0), sender="rollout-1")
+    for group_id in range(4):
+        await deliver(router, request(group_id))
+    assert sorted(assigned(sent)) == [("rollout-0", 0), ("rollout-0", 2), ("rollout-1", 1)]
+    await deliver(router, GroupDone(group_id=1), sender="rollout-1")
+    assert assigned(sent)[-1] == ("rollout-1", 3)
+
+
+async def test_a_dead_or_restarted_worker_loses_no_request():
+    router, sent = await started_router()
+    await deliver(router, WorkerReady(capacity=4, weight_version=0), sender="rollout-0")
+    await deliver(router, WorkerReady(capacity=4, weight_version=0), sender="rollout-1")
+    for group_id in range(4):
+        await deliver(router, request(group_id))
+    held = {g for w, g in assigned(sent) if w == "rollout-0"}
+    await router.on_peer_gone("rollout-0")
+    assert {g for w, g in assigned(sent)[4:]} == held and all(w == "rollout-1" for w, _ in assigned(sent)[4:])
+    # the other order: the restarted process says hello before the driver's news of the death
+    before = len(assigned(sent))
+    await deliver(router, WorkerReady(capacity=8, weight_version=0), sender="rollout-1")
+    reissued = assigned(sent)[before:]
+    assert sorted(g for _, g in reissued) == [0, 1, 2, 3] and router.counters["reissued"] == len(held) + 4
