@@ -22,30 +22,27 @@ def assigned(sent: list[Envelope]) -> list[tuple[str, int]]:
     return [(e.receiver, e.payload.group_id) for e in sent if isinstance(e.payload, GenerateGroup)]
 
 
-async def started_router() -> tuple[Router, list[Envelope]]:
+async def router_with_work(capacities: list[int], requests: int) -> tuple[Router, list[Envelope]]:
+    """A router whose workers rollout-0, rollout-1 ... said hello, then got ``requests`` groups."""
     router = Router(ActorSettings(name="router", listen="ipc:///nonexistent"))
     sent: list[Envelope] = []
     router._send_hook = sent.append
+    for index, capacity in enumerate(capacities):
+        await deliver(router, WorkerReady(capacity=capacity, weight_version=0), sender=f"rollout-{index}")
+    for group_id in range(requests):
+        await deliver(router, request(group_id))
     return router, sent
 
 
 async def test_requests_go_to_the_least_loaded_worker_and_wait_when_all_are_full():
-    router, sent = await started_router()
-    await deliver(router, WorkerReady(capacity=2, weight_version=0), sender="rollout-0")
-    await deliver(router, WorkerReady(capacity=1, weight_version=0), sender="rollout-1")
-    for group_id in range(4):
-        await deliver(router, request(group_id))
+    router, sent = await router_with_work([2, 1], requests=4)
     assert sorted(assigned(sent)) == [("rollout-0", 0), ("rollout-0", 2), ("rollout-1", 1)]
     await deliver(router, GroupDone(group_id=1), sender="rollout-1")
     assert assigned(sent)[-1] == ("rollout-1", 3)
 
 
 async def test_a_dead_or_restarted_worker_loses_no_request():
-    router, sent = await started_router()
-    await deliver(router, WorkerReady(capacity=4, weight_version=0), sender="rollout-0")
-    await deliver(router, WorkerReady(capacity=4, weight_version=0), sender="rollout-1")
-    for group_id in range(4):
-        await deliver(router, request(group_id))
+    router, sent = await router_with_work([4, 4], requests=4)
     held = {g for w, g in assigned(sent) if w == "rollout-0"}
     await router.on_peer_gone("rollout-0")
     assert {g for w, g in assigned(sent)[4:]} == held and all(w == "rollout-1" for w, _ in assigned(sent)[4:])
