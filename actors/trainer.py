@@ -100,10 +100,11 @@ class Trainer(Actor):
                 **batch.stats,
                 **metrics,
             }
+            if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
+                await trio.to_thread.run_sync(self._save_checkpoint)
             self.metrics.write({k: _plain(v) for k, v in row.items()})
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
-        await trio.to_thread.run_sync(self._save_checkpoint)
 
     def _save_checkpoint(self) -> None:
         """The trained policy as a Hugging Face folder, RUN_DIR/checkpoint: loadable as --model-path."""

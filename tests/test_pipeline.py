@@ -47,6 +47,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     assert [row["weight_version"] for row in rows] == list(range(1, 46))
     assert RunConfig.from_dict(json.loads((run_dir / "config.json").read_text())) == config
     assert (run_dir / "report.png").stat().st_size > 10_000
+    assert (run_dir / "checkpoint" / "config.json").is_file() and (run_dir / "checkpoint" / "tokenizer.json").is_file()
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained"] == 45 * 128
