@@ -426,6 +426,9 @@ class Actor:
             if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
                 self.log.error("the driver that started this actor is gone; shutting down",
                                driver_pid=self.settings.parent_pid)
+                outbox = self._outboxes.pop(self.settings.driver or "", None)
+                if outbox is not None:  # what is queued for a dead driver never leaves: do not wait for it
+                    outbox.close()
                 self._stopping.set()
                 return
             await self.tell("driver", Heartbeat(name=self.name, status=dataclasses.asdict(self.status())))
