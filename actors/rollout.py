@@ -49,7 +49,7 @@ class RolloutWorker(Actor):
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.waiting: list[GenerateGroup] = []  # for newer weights, or for the engine
         self.groups: dict[int, _Group] = {}
-        self.by_request: dict[int, tuple[_Group, int]] = {}  # engine request id -> (group, index)
+        self.by_request: dict[int, _Group] = {}  # engine request id -> its group
         self.next_request = 0
         self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
         self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
@@ -115,12 +115,12 @@ class RolloutWorker(Actor):
                 sequences.append(Sequence(self.next_request, list(request.prompt_ids), params))
                 self.next_request += 1
             group = self.groups[request.group_id] = _Group(request, sequences, now)
-            for index, sequence in enumerate(sequences):
-                self.by_request[sequence.request_id] = (group, index)
+            for sequence in sequences:
+                self.by_request[sequence.request_id] = group
             self.engine.add(sequences)
 
     async def _finish(self, sequence: Sequence) -> None:
-        group, _ = self.by_request.pop(sequence.request_id)
+        group = self.by_request.pop(sequence.request_id)
         group.unfinished -= 1
         if group.unfinished:
             return

@@ -41,9 +41,8 @@ def prepare(run_dir: Path, config: RunConfig) -> RunConfig:
     if config.model.model_path:
         return config
     folder = Path(run_dir) / "model"
-    eos = build_model(folder, seed=config.job.seed)
-    stops = config.sampling.stop_token_ids or (eos,)
-    return config.replace(model_path=str(folder), stop_token_ids=stops)
+    build_model(folder, seed=config.job.seed)
+    return config.replace(model_path=str(folder))  # responses stop at the tokenizer's EOS (the buffer's default)
 
 
 def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int = 2) -> int:

@@ -22,7 +22,7 @@ import vime.rewards
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams, Sequence, TrainBatch, collate
+from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine
@@ -87,7 +87,7 @@ def train_engine(folder: str, *, algo: str = "grpo", temperature: float = 1.0, d
 
 
 def hand_batch(prompt: list[int], responses: list[list[int]], rewards: list[float],
-               group_ids: list[int]) -> TrainBatch:
+               group_ids: list[int]) -> TensorBatch:
     """A batch of made-up responses (rollout log-probs 0, all from weight version 0)."""
     return collate([prompt] * len(responses), responses, [[0.0] * len(r) for r in responses],
                    [[0] * len(r) for r in responses], rewards, group_ids, pad_token_id=0)
@@ -119,7 +119,7 @@ def test_trainer_recomputes_the_rollout_logprobs(model):
     assert len({len(s.response_ids) for s in sequences}) > 1  # right padding of responses is exercised too
     assert all(version == 0 for s in sequences for version in s.versions)  # the trainer is at version 0 too
 
-    def batch(shift: float) -> TrainBatch:
+    def batch(shift: float) -> TensorBatch:
         return collate([s.prompt_ids for s in sequences], [s.response_ids for s in sequences],
                        [[lp + shift for lp in s.logprobs] for s in sequences], [s.versions for s in sequences],
                        [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1], pad_token_id=0)

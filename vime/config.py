@@ -131,9 +131,9 @@ class RunConfig:
         for section in dataclasses.fields(cls):
             values = dict(document.get(section.name, {}))
             kind = section.default.__class__
-            for field in dataclasses.fields(kind):
-                if field.name in values and _is_tuple(field.type):
-                    values[field.name] = tuple(values[field.name])
+            for name, annotation in typing.get_type_hints(kind).items():
+                if name in values and typing.get_origin(annotation) is tuple:  # JSON has lists only
+                    values[name] = tuple(values[name])
             sections[section.name] = kind(**values)
         return cls(**sections)
 
@@ -146,10 +146,6 @@ class RunConfig:
                 raise KeyError(f"no setting named {name!r}")
             sections.setdefault(section, {})[name] = value
         return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()})
-
-
-def _is_tuple(annotation: Any) -> bool:
-    return str(annotation).startswith("tuple")
 
 
 _SECTION_OF: dict[str, str] = {}

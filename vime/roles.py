@@ -7,8 +7,7 @@ looked up in :data:`ROLES` only, so nothing received decides what is imported.
 
 from __future__ import annotations
 
-import importlib
-
+from vime.plugins import import_function
 from vime.runtime import Actor
 
 ROLES: dict[str, str] = {
@@ -30,8 +29,10 @@ def resolve_role(spec: str, *, allow_import: bool) -> type[Actor]:
             raise LookupError(f"unknown role {spec!r}; built-in roles: {', '.join(sorted(ROLES))}"
                               + ("; or give package.module:Class" if allow_import else ""))
         target = spec
-    module_name, _, class_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name, None)
+    try:
+        cls = import_function(target, "role")
+    except ValueError as err:
+        raise LookupError(str(err)) from None
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise LookupError(f"{target} is not a vime Actor subclass")
     return cls

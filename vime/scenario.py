@@ -53,17 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
         print("PASSED" if figures["passed"] else "FAILED", flush=True)
         return 0 if figures["passed"] else 1
-    from vime.pipeline import RunFailed, preflight, progress_display, train
+    from vime.pipeline import RunFailed, progress_display, train
 
     try:
         config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
-        preflight(config)
     except ValueError as err:
-        print(f"python -m vime.scenario: {err}", file=sys.stderr)
-        return 2
+        return _refuse(err)
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display))
+    except ValueError as err:  # train's preflight: raised before any actor starts
+        return _refuse(err)
     except RunFailed as err:
         print(f"run failed: {err}", file=sys.stderr)
         return 1
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                                               "max_train_rollout_logprob_abs_diff", "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
     return 0
+
+
+def _refuse(error: ValueError) -> int:
+    print(f"python -m vime.scenario: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

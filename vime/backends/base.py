@@ -21,7 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # empty in a run's settings: the buffer uses the tokenizer's EOS
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -74,7 +74,7 @@ class RolloutEngine(abc.ABC):
 
 
 @dataclasses.dataclass
-class TrainBatch:
+class TensorBatch:
     """A padded training batch: prompts and responses of ``samples`` sequences."""
 
     input_ids: torch.Tensor  # [samples, prompt + response], right-padded
@@ -89,12 +89,12 @@ class TrainBatch:
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
-            versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int) -> TrainBatch:
-    """Pad samples into a TrainBatch (right padding; positions come from the mask)."""
+            versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int) -> TensorBatch:
+    """Pad samples into a TensorBatch (right padding; positions come from the mask)."""
     count = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     longest = max(len(r) for r in responses)
-    batch = TrainBatch(
+    batch = TensorBatch(
         input_ids=torch.full((count, width), pad_token_id, dtype=torch.long),
         attention_mask=torch.zeros((count, width), dtype=torch.long),
         response_start=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -122,7 +122,7 @@ class TrainEngine(abc.ABC):
     weight_version: int
 
     @abc.abstractmethod
-    def train_step(self, batch: TrainBatch) -> dict[str, Any]:
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         """One training step on ``batch``: recompute log-probs, loss, update. Returns metrics."""
 
     @abc.abstractmethod

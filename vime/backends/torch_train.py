@@ -25,7 +25,7 @@ import torch
 
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergence, policy_loss
-from vime.backends.base import TrainBatch, TrainEngine
+from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
 from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
 
@@ -78,7 +78,7 @@ class TorchTrainEngine(TrainEngine):
             return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _response_logprobs(self, model: torch.nn.Module, batch: TrainBatch,
+    def _response_logprobs(self, model: torch.nn.Module, batch: TensorBatch,
                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
         input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
@@ -92,7 +92,7 @@ class TorchTrainEngine(TrainEngine):
         response_mask = batch.response_mask[rows]
         return chosen * response_mask, entropy * response_mask
 
-    def _values(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None
         input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
         with self._autocast():
@@ -100,7 +100,7 @@ class TorchTrainEngine(TrainEngine):
         return values.gather(1, _response_index(batch, rows, values.shape[1])) * batch.response_mask[rows]
 
     @torch.no_grad()
-    def _score_batch(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    def _score_batch(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
         """Everything computed once per step with the weights the batch will be trained from."""
         everything = torch.arange(batch.input_ids.shape[0])
         scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
@@ -114,14 +114,14 @@ class TorchTrainEngine(TrainEngine):
                 scores["values"].append(self._values(batch, rows))
         return {key: torch.cat(parts) for key, parts in scores.items() if parts}
 
-    def _advantages(self, batch: TrainBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _advantages(self, batch: TensorBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.algo == "grpo":
             per_sample = grpo.group_advantages(batch.rewards, batch.group_ids, self.grpo)
             return grpo.token_advantages(per_sample, batch.response_mask), None
         assert values is not None
         return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, Any]:
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         scores = self._score_batch(batch)
         self.policy.train()
         mask = batch.response_mask
@@ -163,7 +163,7 @@ class TorchTrainEngine(TrainEngine):
             metrics.setdefault(key, sum(values) / (len(minis) if key in summed else len(values)))
         return metrics
 
-    def _micro_step(self, batch: TrainBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
+    def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
                     advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
                     value_normalizer: float) -> dict[str, float]:
         """Forward and backward of one micro-batch; gradients accumulate."""
@@ -190,7 +190,7 @@ def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     return input_ids[:, :width], mask[:, :width]
 
 
-def _response_index(batch: TrainBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+def _response_index(batch: TensorBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
     """For each response token, the position whose output predicts it: ``[rows, max_response]``."""
     steps = torch.arange(batch.response_ids.shape[1])
     return (batch.response_start[rows].unsqueeze(1) - 1 + steps).clamp(max=width - 1)
