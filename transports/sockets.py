@@ -61,6 +61,20 @@ def _check(rv: int) -> None:
         pynng.exceptions.check_err(rv)
 
 
+def _tasks_runnable() -> int:
+    """How many trio tasks wait to run, read from the run queue itself.
+
+    ``trio.lowlevel.current_statistics()`` answers the same but also walks
+    every registered descriptor: about 4 us, called twice per round trip.
+    The run queue is private to trio, so any other trio layout falls back
+    to the public call.
+    """
+    try:
+        return len(trio._core._run.GLOBAL_RUN_CONTEXT.runner.runq)
+    except AttributeError:
+        return trio.lowlevel.current_statistics().tasks_runnable
+
+
 class Inbox:
     """The listening socket of one actor; hands out whole frames as owned buffers."""
 
@@ -113,7 +127,7 @@ class Inbox:
         not run, so no task can become runnable. Between polls the CPU is
         yielded, so nng's own threads -- which move the bytes -- are never starved.
         """
-        if trio.lowlevel.current_statistics().tasks_runnable:
+        if _tasks_runnable():
             return None
         deadline = time.perf_counter() + spin_s
         while time.perf_counter() < deadline:
