@@ -15,6 +15,10 @@ on both ends:
 With dynamic sampling on, a group whose rewards are all equal is dropped
 (``dropped_filtered``) and replaced too. Everything here is driven by
 messages and the message clock, so ``vime.replay`` can re-drive it.
+
+At a checkpoint the trainer asks for the buffer's whole state (SnapshotQuery);
+started from a checkpoint, the buffer takes that state back and re-issues
+the groups that were in flight, under their own ids (``resumed_in_flight``).
 """
 
 from __future__ import annotations
@@ -24,13 +28,26 @@ import dataclasses
 import statistics
 from typing import Any
 
+from pathlib import Path
+
+from vime import checkpoint
 from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.data import PromptSource, check_row, load_rows
 from vime.plugins import import_function
-from vime.protocol import GenerateGroup, InjectPrompts, Injected, ScoredGroup, TrainBatch, WantBatch, WeightsPublished
+from vime.protocol import (
+    BufferState,
+    GenerateGroup,
+    InjectPrompts,
+    Injected,
+    ScoredGroup,
+    SnapshotQuery,
+    TrainBatch,
+    WantBatch,
+    WeightsPublished,
+)
 from vime.messages import Status
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
@@ -54,14 +71,32 @@ class Buffer(Actor):
         self.injected: collections.deque[dict[str, Any]] = collections.deque()
         self.trainer_version = 0
         self.next_group_id = 0
-        self.in_flight: set[int] = set()  # group ids issued and not yet scored
+        self.in_flight: dict[int, GenerateGroup] = {}  # issued and not yet scored
         self.ready: collections.deque[tuple[int, ScoredGroup]] = collections.deque()  # (weight version, group)
         self.trained_groups = 0
         self.wanted_step: int | None = None
         self.exhausted = False
 
     async def on_start(self) -> None:
+        resume = self.config.get("checkpoint")
+        if resume:
+            self._restore(checkpoint.read_record(Path(resume) / "buffer.vmsg", BufferState))
+            for request in list(self.in_flight.values()):
+                await self.tell("router", request)
         await self._issue()
+
+    def _restore(self, state: BufferState) -> None:
+        self.trained_groups = state.batches_sent * self.run.data.rollout_batch_size
+        self.trainer_version = state.trainer_version
+        self.next_group_id = state.next_group_id
+        self.source.seek(state.source_epoch, state.source_index)
+        self.injected.extend(state.injected)
+        self.in_flight = {request.group_id: request for request in state.in_flight}
+        self.ready.extend((_version(group), group) for group in state.ready)
+        self.counters.update(state.counters)
+        self.counters["resumed_in_flight"] += len(state.in_flight)
+        self.log.info("resumed", batches_sent=state.batches_sent, in_flight=len(state.in_flight),
+                      ready=len(state.ready))
 
     def status(self) -> Status:
         status = super().status()
@@ -80,7 +115,7 @@ class Buffer(Actor):
         if msg.group_id not in self.in_flight:
             self.counters["duplicates"] += 1
             return
-        self.in_flight.discard(msg.group_id)
+        del self.in_flight[msg.group_id]
         self.counters["scored"] += 1
         if self.run.data.dynamic_sampling and not is_informative([s.reward for s in msg.samples]):
             self.counters["dropped_filtered"] += 1
@@ -94,6 +129,18 @@ class Buffer(Actor):
         self.wanted_step = msg.step
         await self._send_batch()
         await self._issue()
+
+    @handles(SnapshotQuery)
+    async def _on_snapshot(self, msg: SnapshotQuery, envelope: Envelope) -> BufferState:
+        batches_sent = self.trained_groups // self.run.data.rollout_batch_size
+        if batches_sent != msg.step:
+            raise RuntimeError(f"snapshot for step {msg.step} asked after {batches_sent} batches were sent")
+        counters = {key: value for key, value in self.counters.items() if key in _KEPT_COUNTERS}
+        return BufferState(batches_sent=batches_sent, trainer_version=self.trainer_version,
+                           next_group_id=self.next_group_id, source_epoch=self.source.epoch,
+                           source_index=self.source.index, injected=list(self.injected),
+                           in_flight=list(self.in_flight.values()), ready=[group for _, group in self.ready],
+                           counters=counters)
 
     @handles(InjectPrompts)
     async def _on_inject(self, msg: InjectPrompts, envelope: Envelope) -> Injected:
@@ -182,7 +229,7 @@ class Buffer(Actor):
                                 group_size=row.get("group_size", self.run.data.group_size),
                                 min_weight_version=min_weight_version,
                                 sampling={**self._sampling, **row.get("sampling", {})})
-        self.in_flight.add(group_id)
+        self.in_flight[group_id] = request
         self.counters["issued"] += 1
         await self.tell("router", request)
 
@@ -207,17 +254,25 @@ class Buffer(Actor):
         self.wanted_step = None
         samples = [s for g in groups for s in g.samples]
         staleness = [step - s.weight_version for s in samples]
+        ages = collections.Counter(staleness)
         stats = {
+            **{f"staleness_samples_{age}": float(count) for age, count in sorted(ages.items())},
             "staleness_mean": statistics.fmean(staleness),
             "staleness_max": float(max(staleness)),
             "time_generate_s": max(g.generate_s for g in groups),
             "time_reward_s": sum(g.reward_s for g in groups),
+            "partial_rollouts": float(sum(1 for s in samples if s.versions and min(s.versions) != max(s.versions))),
             "dropped_stale": float(self.counters["dropped_stale"]),
             "dropped_filtered": float(self.counters["dropped_filtered"]),
             "epoch": float(self.source.epoch),
         }
         self.counters["trained"] += batch_size
         await self.tell("trainer", TrainBatch(step=step, samples=samples, stats=stats))
+
+
+# What a resumed run's summary must still add up: groups and prompts, not traffic.
+_KEPT_COUNTERS = frozenset({"issued", "scored", "trained", "duplicates", "dropped_stale", "dropped_filtered",
+                            "injected", "skipped_by_hook", "bad_rows", "resumed_in_flight"})
 
 
 def _version(group: ScoredGroup) -> int:

@@ -7,12 +7,25 @@ group to the reward actor (and tells the router it is done). Weights arrive
 from the trainer in chunks; a version is applied only once all of its
 chunks are in, and a newer complete version supersedes an older one.
 
+A weight update that lands while sequences are running does not restart
+them: they continue under the new weights (a partial rollout), and every
+token carries the version that produced it.
+
+Joining: the worker tells the trainer it is ready (an ask); the trainer
+sends the current weights and answers with their version; only once those
+are applied does the worker tell the router to send it work. A worker
+started by hand on another host (``python -m vime.actor rollout --join``)
+takes the job's settings from the driver, so it is built in ``on_start``.
+Leaving: on SIGTERM (or Shutdown) it hands its unfinished groups back to the
+router, which re-issues them, and sends nothing more.
+
 The engine runs in a worker thread, one step at a time, so the actor keeps
 answering messages (status, weights, new groups) while it generates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -23,8 +36,8 @@ from vime.backends.base import SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
-from vime.protocol import GenerateGroup, GroupDone, RolloutGroup, Sample, WeightsChunk, WorkerReady
-from vime.runtime import Actor, ActorSettings, handles
+from vime.protocol import GenerateGroup, GroupDone, RolloutGroup, Sample, WeightsChunk, WorkerLeaving, WorkerReady
+from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
 
@@ -43,27 +56,55 @@ class RolloutWorker(Actor):
 
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
-        self.run = RunConfig.from_dict(self.config)
-        self.engine = TorchRolloutEngine(self.run.model.model_path, dtype=self.run.model.dtype,
-                                         max_batch_size=self.run.rollout.rollout_max_batch_size, seed=settings.seed)
-        self.tokenizer = load_tokenizer(self.run.model.model_path)
-        self.waiting: list[GenerateGroup] = []  # for newer weights, or for the engine
+        self.waiting: list[tuple[GenerateGroup, SamplingParams]] = []  # for newer weights, or for the engine
         self.groups: dict[int, _Group] = {}
         self.by_request: dict[int, _Group] = {}  # engine request id -> its group
         self.next_request = 0
         self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
         self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
         self.wake = trio.Event()
+        self.applied = trio.lowlevel.ParkingLot()  # woken whenever a weight version is applied
+        self.leaving = False
 
     async def on_start(self) -> None:
-        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version)
-        await self.tell("trainer", ready)
-        await self.tell("router", ready)
+        self.run = RunConfig.from_dict(self.config)
+        if self.run.rollout.rollout_threads:  # several workers and a trainer share the CPU: do not oversubscribe
+            torch.set_num_threads(self.run.rollout.rollout_threads)
+        # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
+        self.engine = await trio.to_thread.run_sync(lambda: TorchRolloutEngine(
+            self.run.model.model_path, dtype=self.run.model.dtype,
+            max_batch_size=self.run.rollout.rollout_max_batch_size, seed=self.settings.seed))
+        self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.start_soon(self._generate_loop)
+        self.start_soon(self._join)
+
+    async def _join(self) -> None:
+        """Get the trainer's current weights, then ask the router for work."""
+        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version)
+        await self.wait_for_peer("trainer", timeout=600.0)
+        current = await self.ask("trainer", ready, timeout=600.0)
+        while self.engine.weight_version < current.version:
+            await self.applied.park()
+        self.log.info("joined", weight_version=self.engine.weight_version)
+        await self.wait_for_peer("router", timeout=600.0)
+        await self.tell("router", WorkerReady(capacity=ready.capacity, weight_version=self.engine.weight_version))
+
+    async def on_stop(self) -> None:
+        self.leaving = True
+        unfinished = sorted([*self.groups, *(g.group_id for g, _ in self.waiting)])
+        if unfinished:
+            self.log.info("handing unfinished groups back", groups=len(unfinished))
+        with contextlib.suppress(LookupError, PeerGone):
+            await self.tell("router", WorkerLeaving(group_ids=unfinished))
 
     @handles(GenerateGroup)
     async def _on_group(self, msg: GenerateGroup, envelope: Envelope) -> None:
-        self.waiting.append(msg)
+        """Check the request here, where a bad one fails alone, not in the generation loop it would stop."""
+        params = SamplingParams(**{**msg.sampling, "stop_token_ids": tuple(msg.sampling.get("stop_token_ids", ()))})
+        vocab = self.engine.vocab_size
+        if msg.group_size < 1 or not msg.prompt_ids or not all(0 <= t < vocab for t in msg.prompt_ids):
+            raise ValueError(f"group {msg.group_id}: needs group_size >= 1 and a prompt of token ids below {vocab}")
+        self.waiting.append((msg, params))
         self.wake.set()
 
     @handles(WeightsChunk)
@@ -97,19 +138,19 @@ class RolloutWorker(Actor):
         version, tensors = self.complete
         self.complete = None
         self.engine.load_weights(tensors, version)
+        self.applied.unpark_all()
         self.counters["weight_updates"] += 1
         self.log.debug("weights applied", weight_version=version)
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        ready = [g for g in self.waiting if g.min_weight_version <= self.engine.weight_version]
+        version = self.engine.weight_version
+        ready = [(g, params) for g, params in self.waiting if g.min_weight_version <= version]
         if not ready:
             return
-        self.waiting = [g for g in self.waiting if g.min_weight_version > self.engine.weight_version]
+        self.waiting = [(g, params) for g, params in self.waiting if g.min_weight_version > version]
         now = time.monotonic()
-        for request in ready:
-            params = SamplingParams(**{**request.sampling, "stop_token_ids": tuple(request.sampling.get(
-                "stop_token_ids", ()))})
+        for request, params in ready:
             sequences = []
             for _ in range(request.group_size):
                 sequences.append(Sequence(self.next_request, list(request.prompt_ids), params))
@@ -122,7 +163,7 @@ class RolloutWorker(Actor):
     async def _finish(self, sequence: Sequence) -> None:
         group = self.by_request.pop(sequence.request_id)
         group.unfinished -= 1
-        if group.unfinished:
+        if group.unfinished or self.leaving:  # a leaving worker's groups were handed back
             return
         request = group.request
         del self.groups[request.group_id]

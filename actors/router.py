@@ -1,13 +1,14 @@
 """The router: spreads generation requests over the rollout workers by load.
 
 Workers announce themselves (WorkerReady) with how many groups they take at
-once; a request goes to the worker with the lowest share of its capacity in
-use, or waits until one frees up. The router remembers every request until
-its worker reports it done, and when a worker dies or leaves it re-issues
-that worker's requests to the others (counted as ``reissued``) -- so a
-killed worker loses no prompt. A WorkerReady under a name that still holds
-requests is a restarted process: those requests are re-issued too, whichever
-of the two news arrives first.
+once. A request goes to the worker with the fewest tokens in flight per
+unit of capacity (a group counts ``group_size x (prompt + max_new_tokens)``
+tokens: long prompts and long answers weigh more than short ones), or waits
+until a worker has room. The router remembers every request until its
+worker reports it done, and re-issues a worker's requests to the others
+(counted as ``reissued``) when it dies, leaves (WorkerLeaving, after
+SIGTERM), or comes back as a new process under the same name -- so a
+worker that goes away loses no prompt.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from vime.protocol import GenerateGroup, GroupDone, WorkerReady
+from vime.messages import Status
+from vime.protocol import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
 
@@ -27,18 +29,24 @@ class Router(Actor):
         super().__init__(settings, config)
         self.capacity: dict[str, int] = {}  # worker -> groups it takes at once
         self.assigned: dict[str, set[int]] = {}  # worker -> group ids it is generating
+        self.tokens: dict[str, int] = {}  # worker -> tokens of the groups it is generating
         self.requests: dict[int, GenerateGroup] = {}  # every group not yet done
         self.waiting: collections.deque[int] = collections.deque()
 
+    def status(self) -> Status:
+        status = super().status()
+        status.counters.update({f"assigned:{worker}": len(groups) for worker, groups in self.assigned.items()},
+                               waiting=len(self.waiting))
+        return status
+
     @handles(WorkerReady)
     async def _on_ready(self, msg: WorkerReady, envelope: Envelope) -> None:
-        orphans = sorted(self.assigned.get(envelope.sender, ()))
-        if orphans:  # a new process under a known name: the old one's groups died with it
-            self.counters["reissued"] += len(orphans)
-            self.waiting.extendleft(reversed(orphans))
+        self._reissue(envelope.sender, "restarted")  # a new process under a known name: the old one's groups died
         self.capacity[envelope.sender] = max(1, msg.capacity)
         self.assigned[envelope.sender] = set()
-        self.log.info("rollout worker ready", worker=envelope.sender, capacity=msg.capacity)
+        self.tokens[envelope.sender] = 0
+        self.log.info("rollout worker ready", worker=envelope.sender, capacity=msg.capacity,
+                      weight_version=msg.weight_version)
         await self._assign()
 
     @handles(GenerateGroup)
@@ -49,27 +57,50 @@ class Router(Actor):
 
     @handles(GroupDone)
     async def _on_done(self, msg: GroupDone, envelope: Envelope) -> None:
-        self.assigned.get(envelope.sender, set()).discard(msg.group_id)
-        if self.requests.pop(msg.group_id, None) is not None:
-            self.counters["done"] += 1
+        if msg.group_id not in self.assigned.get(envelope.sender, ()):
+            # From a worker that was given up on (it died or left) after it finished: the group
+            # was re-issued already, and the buffer counts the second copy as a duplicate.
+            self.counters["late_done"] += 1
+            return
+        self.assigned[envelope.sender].discard(msg.group_id)
+        self.tokens[envelope.sender] -= _tokens(self.requests.pop(msg.group_id))
+        self.counters["done"] += 1
+        await self._assign()
+
+    @handles(WorkerLeaving)
+    async def _on_leaving(self, msg: WorkerLeaving, envelope: Envelope) -> None:
+        self._reissue(envelope.sender, "left")
         await self._assign()
 
     async def on_peer_gone(self, name: str) -> None:
-        if name not in self.capacity:
-            return
-        del self.capacity[name]
-        orphans = sorted(self.assigned.pop(name, set()))
-        self.log.warning("rollout worker gone; re-issuing its requests", worker=name, requests=len(orphans))
-        self.counters["reissued"] += len(orphans)
-        self.waiting.extendleft(reversed(orphans))
+        self._reissue(name, "gone")
         await self._assign()
 
+    def _reissue(self, worker: str, why: str) -> None:
+        """Forget ``worker``'s assignments and put its unfinished groups first in line."""
+        orphans = sorted(self.assigned.pop(worker, set()))
+        self.capacity.pop(worker, None)
+        self.tokens.pop(worker, None)
+        if orphans:
+            self.log.warning("re-issuing a rollout worker's groups", worker=worker, why=why, groups=len(orphans))
+            self.counters["reissued"] += len(orphans)
+            self.waiting.extendleft(reversed(orphans))
+
     async def _assign(self) -> None:
-        while self.waiting and self.capacity:
-            worker = min(self.capacity, key=lambda w: (len(self.assigned[w]) / self.capacity[w], w))
-            if len(self.assigned[worker]) >= self.capacity[worker]:
+        while self.waiting:
+            open_workers = [w for w in self.capacity if len(self.assigned[w]) < self.capacity[w]]
+            if not open_workers:
                 return
+            worker = min(open_workers, key=lambda w: (self.tokens[w] / self.capacity[w], w))
             group_id = self.waiting.popleft()
+            request = self.requests[group_id]
             self.assigned[worker].add(group_id)
+            self.tokens[worker] += _tokens(request)
             self.counters["dispatched"] += 1
-            await self.tell(worker, self.requests[group_id])
+            self.counters[f"dispatched_to:{worker}"] += 1
+            await self.tell(worker, request)
+
+
+def _tokens(request: GenerateGroup) -> int:
+    """What a group costs its worker, at most: every sample's prompt and longest answer."""
+    return request.group_size * (len(request.prompt_ids) + int(request.sampling.get("max_new_tokens", 0)))

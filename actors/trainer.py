@@ -8,6 +8,12 @@ the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
 later gets the latest published weights as soon as it says WorkerReady.
 After the last step the policy is saved to RUN_DIR/checkpoint.
 
+Every ``save_every`` steps it writes a resumable checkpoint (``vime.checkpoint``):
+its own state and the buffer's, asked for right after the version is
+published -- so the two agree on which groups were trained. Started with a
+checkpoint (``--resume``), it continues from there and sends the restored
+weights to every worker that says WorkerReady.
+
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
 ``time_generate_s`` and ``time_reward_s`` from the rollout side.
@@ -24,12 +30,13 @@ from typing import Any
 import torch
 import trio
 
+from vime import checkpoint
 from vime.backends.base import collate
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
-from vime.protocol import TrainBatch, WantBatch, WeightsChunk, WeightsPublished, WorkerReady
+from vime.protocol import SnapshotQuery, TrainBatch, WantBatch, WeightsChunk, WeightsPublished, WorkerReady
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
@@ -49,6 +56,13 @@ class Trainer(Actor):
         self.published: list[WeightsChunk] = []  # a copy of the latest version, for workers that join later
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.metrics = MetricsWriter(settings.run_dir or ".")
+        self.first_step = 0
+        resume = self.config.get("checkpoint")
+        if resume:
+            self.engine.load(Path(resume))
+            self.first_step = checkpoint.step_of(Path(resume))
+            self.published = self._weight_chunks()
+            self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
 
     async def on_start(self) -> None:
         self.start_soon(self._train_loop)
@@ -60,10 +74,14 @@ class Trainer(Actor):
         self.workers.discard(name)
 
     @handles(WorkerReady)
-    async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> None:
+    async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
+        """A worker (new, restarted or joined) gets the latest weights; the answer says which version."""
         self.workers.add(envelope.sender)
-        if self.published and msg.weight_version < self.published[0].version:
+        if not self.published:
+            return WeightsPublished(version=msg.weight_version)
+        if msg.weight_version < self.published[0].version:
             await self._send_weights(envelope.sender, self.published)
+        return WeightsPublished(version=self.published[0].version)
 
     @handles(TrainBatch)
     async def _on_batch(self, msg: TrainBatch, envelope: Envelope) -> None:
@@ -71,7 +89,7 @@ class Trainer(Actor):
 
     async def _train_loop(self) -> None:
         await self.wait_for_peer("buffer", timeout=600.0)
-        for step in range(self.run.job.steps):
+        for step in range(self.first_step, self.run.job.steps):
             started = time.perf_counter()
             await self.tell("buffer", WantBatch(step=step))
             batch = await self.batches.receive()
@@ -85,6 +103,9 @@ class Trainer(Actor):
             trained = time.perf_counter()
             await self._publish()
             synced = time.perf_counter()
+            every = self.run.job.save_every
+            if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:
+                await self._save(step + 1)
             response_tokens = int(tensors.response_mask.sum())
             row = {
                 "step": step,
@@ -97,6 +118,8 @@ class Trainer(Actor):
                 "time_wait_s": waited,
                 "time_train_s": trained - train_started,
                 "time_weight_sync_s": synced - trained,
+                "time_checkpoint_s": time.perf_counter() - synced,
+                "group_ids": sorted({s.group_id for s in samples}),
                 **batch.stats,
                 **metrics,
             }
@@ -105,6 +128,18 @@ class Trainer(Actor):
             self.metrics.write({k: _plain(v) for k, v in row.items()})
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
+
+    async def _save(self, step: int) -> None:
+        """A resumable checkpoint after ``step`` steps: ours and the buffer's state, atomically."""
+        state = await self.ask("buffer", SnapshotQuery(step=step), timeout=600.0)
+
+        def write(folder: Path) -> None:
+            self.engine.save(folder)
+            load_tokenizer(self.run.model.model_path).save_pretrained(folder / "model")
+            checkpoint.write_record(folder / "buffer.vmsg", state)
+
+        path = await trio.to_thread.run_sync(checkpoint.save, self.settings.run_dir or ".", step, write)
+        self.log.info("checkpoint written", path=str(path), step=step, groups_in_flight=len(state.in_flight))
 
     def _save_checkpoint(self) -> None:
         """The trained policy as a Hugging Face folder, RUN_DIR/checkpoint: loadable as --model-path."""

@@ -11,11 +11,16 @@ already exist, and prints one row per run:
 * the median over steps of the step time and its parts: waiting for the
   batch (``time_wait_s``, which contains generation, reward and the messages
   between the actors), generation (slowest group), reward (all groups),
-  training, weight sync.
+  training, weight sync;
+* throughput and asynchrony, over the steps after the first: samples per
+  second, the trainer's idle fraction (time waiting for batches over step
+  time), the staleness histogram (share of trained samples 0, 1, 2 ...
+  versions old), and the ratio of samples/s to the first run's.
 
 Usage::
 
     python bench/pipeline.py --runs grpo:0 ppo:0 grpo:1 --steps 300 --out runs/bench --json bench/pipeline.json
+    python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 2 4 --rollout-workers 3 --steps 100
     python bench/pipeline.py --from runs/bench/grpo-s0 runs/bench/ppo-s0
 
 It measures; it decides nothing (the exit status does not depend on the figures).
@@ -33,16 +38,30 @@ from pathlib import Path
 PARTS = ("step_time_s", "time_wait_s", "time_generate_s", "time_reward_s", "time_train_s", "time_weight_sync_s")
 
 
-def run(algo: str, seed: int, steps: int, out: Path) -> Path:
-    run_dir = out / f"{algo}-s{seed}"
-    subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", "--algo", algo, "--seed", str(seed),
-                    "--steps", str(steps), "--out", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+def run(algo: str, seed: int, steps: int, out: Path, staleness: int | None, workers: int | None) -> Path:
+    run_dir = out / f"{algo}-s{seed}" if staleness is None else out / f"{algo}-s{seed}-k{staleness}"
+    command = [sys.executable, "-m", "vime.scenario", "arithmetic", "--algo", algo, "--seed", str(seed),
+               "--steps", str(steps), "--out", str(run_dir)]
+    if staleness is not None:
+        command += ["--max-staleness", str(staleness)]
+    if workers is not None:
+        command += ["--rollout-workers", str(workers)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return run_dir
 
 
 def figures(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows  # the first step waits for the actors to warm up
+    ages: dict[int, float] = {}
+    for row in steady:
+        for key, count in row.items():
+            if key.startswith("staleness_samples_"):
+                age = int(key.rsplit("_", 1)[1])
+                ages[age] = ages.get(age, 0.0) + count
+    total = sum(ages.values()) or 1.0
     return {
         "run": run_dir.name,
         "algo": summary["algo"],
@@ -54,6 +73,11 @@ def figures(run_dir: Path) -> dict:
         "max_logprob_diff": summary["max_train_rollout_logprob_abs_diff"],
         "startup_s": summary["startup_s"],
         "total_s": summary["total_s"],
+        "max_staleness": config["data"]["max_staleness"],
+        "rollout_workers": config["rollout"]["rollout_workers"],
+        "samples_per_s": sum(row["samples"] for row in steady) / sum(row["step_time_s"] for row in steady),
+        "trainer_idle": sum(row["time_wait_s"] for row in steady) / sum(row["step_time_s"] for row in steady),
+        "staleness_share": {age: ages[age] / total for age in sorted(ages)},
         **{f"median_{part}": statistics.median(row[part] for row in rows) for part in PARTS},
     }
 
@@ -68,6 +92,12 @@ def table(results: list[dict]) -> str:
         parts = " ".join(f"{r['median_' + p]:6.3f}" for p in PARTS)
         lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {r['max_logprob_diff']:11.1e} "
                      f"{r['total_s']:7.0f} {parts}")
+    head = f"{'run':<14} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}  staleness share (0, 1, ...)"
+    lines += ["", head, "-" * len(head)]
+    for r in results:
+        shares = " ".join(f"{share:.2f}" for share in r["staleness_share"].values())
+        lines.append(f"{r['run']:<14} {r['max_staleness']:>2} {r['rollout_workers']:>7} {r['samples_per_s']:9.0f} "
+                     f"{r['samples_per_s'] / results[0]['samples_per_s']:7.2f}x {r['trainer_idle']:5.2f}  {shares}")
     return "\n".join(lines)
 
 
@@ -75,6 +105,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="*", default=[], metavar="ALGO:SEED", help="e.g. grpo:0 ppo:0")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-staleness", nargs="*", type=int, default=[None], metavar="K",
+                        help="run each ALGO:SEED once per bound (default: the scenario's)")
+    parser.add_argument("--rollout-workers", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--from", dest="existing", nargs="*", type=Path, default=[], help="summarise these run folders")
     parser.add_argument("--json", type=Path, default=None)
@@ -82,9 +115,11 @@ def main() -> int:
     folders = list(args.existing)
     for spec in args.runs:
         algo, _, seed = spec.partition(":")
-        folders.append(run(algo, int(seed or 0), args.steps, args.out))
+        for staleness in args.max_staleness:
+            folders.append(run(algo, int(seed or 0), args.steps, args.out, staleness, args.rollout_workers))
     results = [figures(folder) for folder in folders]
-    print("median seconds per step; 'to 0.9': first step whose 10-step trailing mean reward >= 0.9")
+    print("median seconds per step; 'to 0.9': first step whose 10-step trailing mean reward >= 0.9;")
+    print("samples/s, idle (trainer waiting / step time) and staleness over the steps after the first")
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -19,6 +19,7 @@ from vime.algorithms.policy_loss import (
     PolicyLossConfig,
     aggregate,
     clipped_surrogate,
+    importance_weights,
     kl_divergence,
     policy_loss,
 )
@@ -344,12 +345,57 @@ def test_policy_loss_without_coefficients_needs_neither() -> None:
     assert loss.item() == pytest.approx((-1.2 - 2 + 0.8) / 3)
 
 
+# Behaviour log-probs such that pi_old / pi_behaviour is 0.5, 1.0, 3.0 on the real tokens (4.0 on padding).
+LOSS_WEIGHTS = [[0.5, 1.0], [3.0, 4.0]]
+LOSS_BEHAVIOUR = [[old - math.log(w) for old, w in zip(olds, ws)] for olds, ws in zip(LOSS_OLD, LOSS_WEIGHTS)]
+
+
+def test_importance_weights_tis_truncates_and_decoupled_drops_above_the_cap() -> None:
+    old, behaviour = tensor(LOSS_OLD), tensor(LOSS_BEHAVIOUR)
+    weights, over = importance_weights(old, behaviour, "tis", cap=2.0)
+    close(weights, [[0.5, 1.0], [2.0, 2.0]])
+    close(over, [[0.0, 0.0], [1.0, 1.0]])
+    weights, over = importance_weights(old, behaviour, "decoupled", cap=2.0)
+    close(weights, [[0.5, 1.0], [0.0, 0.0]])
+    close(over, [[0.0, 0.0], [1.0, 1.0]])
+
+
+@pytest.mark.parametrize(("correction", "weights", "tis"), [
+    ("tis", [0.5, 1.0, 2.0], (0.5 + 1.0 + 2.0) / 3),
+    ("decoupled", [0.5, 1.0, 0.0], (0.5 + 1.0) / 3),
+])
+def test_policy_loss_with_an_off_policy_correction(correction: str, weights: list[float], tis: float) -> None:
+    config = PolicyLossConfig(off_policy_correction=correction, tis_cap=2.0)
+    loss, stats = full_policy_loss(config, behaviour_logprobs=tensor(LOSS_BEHAVIOUR))
+    surrogate = [-1.2, -2.0, 0.8]  # the clip stays around pi_old (the proximal policy)
+    assert loss.item() == pytest.approx(sum(s * w for s, w in zip(surrogate, weights)) / 3)
+    assert stats["tis"] == pytest.approx(tis)
+    assert stats["tis_clipfrac"] == pytest.approx(1 / 3)  # padding does not count
+    assert stats["pg_clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_policy_loss_correction_on_policy_changes_nothing() -> None:
+    plain, _ = full_policy_loss(PolicyLossConfig())
+    for correction in ("tis", "decoupled"):
+        corrected, stats = full_policy_loss(PolicyLossConfig(off_policy_correction=correction),
+                                            behaviour_logprobs=tensor(LOSS_OLD))
+        assert corrected.item() == pytest.approx(plain.item())
+        assert stats["tis"] == pytest.approx(1.0) and stats["tis_clipfrac"] == 0.0
+
+
+def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:
+    with pytest.raises(ValueError, match="needs the rollout log-probs"):
+        full_policy_loss(PolicyLossConfig(off_policy_correction="tis"))
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"loss_aggregation": "mean"}, "loss_aggregation must be token or sequence, not 'mean'"),
     ({"kl_estimator": "k2"}, "kl_estimator must be k1 or k3, not 'k2'"),
     ({"clip_low": 1.0}, "clip_low must be in"),
     ({"clip_low": -0.1}, "clip_low must be in"),
     ({"clip_high": -0.1}, "clip_high >= 0"),
+    ({"off_policy_correction": "is"}, "off_policy_correction must be none, tis or decoupled, not 'is'"),
+    ({"tis_cap": 0.5}, "tis_cap must be >= 1"),
 ])
 def test_policy_loss_config_rejects_bad_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

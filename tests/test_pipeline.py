@@ -80,22 +80,6 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
     assert result.compared > 30 * 16
 
 
-async def test_killed_rollout_worker_is_restarted_and_nothing_is_lost(tmp_path):
-    run_dir = tmp_path / "run"
-    config = config_for(run_dir, steps=8, rollout_workers=2, rollout_batch_size=32, rollout_capacity=8)
-
-    async def kill_once(job, row):
-        if row["step"] == 2:
-            job.kill("rollout-0")
-
-    summary = await train(config, run_dir, on_step=kill_once, timeout_s=240)
-    assert summary["steps"] == 8
-    assert summary["groups"]["lost"] == 0
-    assert summary["groups"]["trained"] == 8 * 32
-    log = (run_dir / "logs" / "router.log").read_text()
-    assert "rollout worker gone" in log
-
-
 def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     import reward_plugins

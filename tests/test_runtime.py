@@ -233,6 +233,23 @@ async def test_frames_without_the_job_token_are_refused(tmp_path):
             peer.close()
 
 
+async def test_a_flood_of_refused_frames_with_made_up_reply_addresses_opens_few_sockets(tmp_path):
+    async with open_job(tmp_path, "tcp") as job:
+        info = await job.spawn("echo", "echo0")
+        peer = RawPeer(info.address, Inbox("tcp://127.0.0.1:0"))
+        try:
+            for port in range(40_000, 40_200):
+                message = Encoded(header("Ping", {"payload": b"x"}, msg_id=port), [], 0, [])
+                peer.send(bytes(encode_frame(f"tcp://127.0.0.1:{port}", "guess", [message])))
+            peer.send(peer.frame(header("Ping", {"payload": b"x"}, msg_id=1), token="guess"))
+            assert (await peer.reply()).payload.reason == "unauthorized"  # the latest stranger is still answered
+        finally:
+            peer.close()
+        status = await job.ask("echo0", StatusQuery())
+        assert status.errors["unauthorized"] == 201
+        assert status.counters["outboxes"] <= 1 + 16  # the driver's, and the last strangers'
+
+
 async def test_ask_times_out_with_a_useful_message(tmp_path):
     async with open_job(tmp_path) as job:
         await job.spawn("echo", "echo0")

@@ -214,11 +214,14 @@ def decode_frame(
     *,
     max_message_bytes: int,
     resolve_shm: ShmResolver | None = None,
+    token: str | None = None,
 ) -> Frame:
     """Parse a frame. Tensors view ``buffer`` (keep it alive while they live).
 
     Raises FrameError when the frame itself is unreadable; a bad message inside
     a readable frame becomes a BadMessage and the others are still delivered.
+    With ``token`` given, a frame signed otherwise maps no shared memory: it is
+    parsed only far enough to be refused.
     """
     view = memoryview(buffer).cast("B")
     if len(view) < _PREAMBLE.size:
@@ -230,11 +233,13 @@ def decode_frame(
     if pos > len(view):
         raise FrameError("frame truncated inside its meta block")
     try:
-        reply_address, token, count = msgpack.unpackb(view[_PREAMBLE.size : pos])
+        reply_address, frame_token, count = msgpack.unpackb(view[_PREAMBLE.size : pos])
         if not isinstance(reply_address, str) or not isinstance(count, int):
             raise TypeError("meta has wrong types")
     except Exception as err:
         raise FrameError(f"frame meta is malformed: {err}") from None
+    if token is not None and frame_token != token:
+        resolve_shm = None
     messages: list[Envelope | BadMessage] = []
     for _ in range(count):
         if pos + _MESSAGE_HEAD.size > len(view):
@@ -249,7 +254,7 @@ def decode_frame(
         head = view[pos + _MESSAGE_HEAD.size : pos + _MESSAGE_HEAD.size + header_len]
         messages.append(_decode_message(buffer, head, raw_start, raw_len, max_message_bytes, resolve_shm))
         pos = raw_start + raw_len
-    return Frame(reply_address, token, messages)
+    return Frame(reply_address, frame_token, messages)
 
 
 def _decode_message(

@@ -10,7 +10,8 @@ Supervision: a spawned actor's death is seen the moment its process exits
 heartbeats stop for ``dead_after_s``. Either way the driver logs it, removes
 it from the directory it sends to everyone (asks waiting on it fail with
 PeerGone), records an event, and restarts it if it was spawned with
-``restart=True`` or when :meth:`Cluster.restart` is called.
+``restart=True`` and did not exit cleanly (exit status 0 is a deliberate
+leave, after SIGTERM say), or when :meth:`Cluster.restart` is called.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class Cluster:
     """A running job: the driver actor plus the actors it spawned or let join."""
 
     def __init__(self, run_dir: Path, *, transport: str, host: str, token: str | None, record: bool,
-                 dead_after_s: float, tls: dict[str, str] | None) -> None:
+                 dead_after_s: float, tls: dict[str, str] | None, job_config: dict[str, Any] | None) -> None:
         self.run_dir = Path(run_dir)
+        self.job_config = job_config
         self.transport = transport
         self.host = host
         self.token = token
@@ -118,8 +120,13 @@ class Cluster:
     @contextlib.asynccontextmanager
     async def open(cls, run_dir: str | Path, *, transport: str = "ipc", host: str = "127.0.0.1",
                    port: int = 0, token: str | None = None, record: bool = False, dead_after_s: float = 4.0,
-                   tls: dict[str, str] | None = None) -> AsyncIterator[Cluster]:
-        """Start the driver; on exit, shut every actor down (SIGKILL after 5 s)."""
+                   tls: dict[str, str] | None = None,
+                   job_config: dict[str, Any] | None = None) -> AsyncIterator[Cluster]:
+        """Start the driver; on exit, shut every actor down (SIGKILL after 5 s).
+
+        ``job_config`` is handed to actors that join by hand without ``--config``
+        (``python -m vime.actor rollout --join ...``), so they need only the address and token.
+        """
         if not structlog.is_configured():  # a program embedding the driver gets vime's log format, on stderr
             configure()
         if transport not in ("ipc", "tcp", "tls+tcp"):
@@ -127,7 +134,7 @@ class Cluster:
         if transport != "ipc" and token is None:
             token = secrets.token_urlsafe(16)
         cluster = cls(Path(run_dir), transport=transport, host=host, token=token, record=record,
-                      dead_after_s=dead_after_s, tls=tls)
+                      dead_after_s=dead_after_s, tls=tls, job_config=job_config)
         cluster.run_dir.mkdir(parents=True, exist_ok=True)
         listen = (f"ipc://{cluster._socket_dir}/driver" if transport == "ipc" else f"{transport}://{host}:{port}")
         settings = ActorSettings(name="driver", listen=listen, token=token, run_dir=str(cluster.run_dir),
@@ -216,7 +223,7 @@ class Cluster:
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         self._declare_dead(name, how)
         entry.registered.set()  # wakes a spawn still waiting
-        if entry.restart and name in self._spawned:
+        if entry.restart and code != 0 and name in self._spawned:  # exit 0 is a deliberate leave (SIGTERM)
             await self._restart(name)
 
     async def restart(self, name: str, timeout: float = 60.0) -> ActorInfo:
@@ -258,7 +265,8 @@ class Cluster:
         self._publish_directory()
         if spawned is not None:
             spawned.registered.set()
-        return Registered(run_id=self.run_id, directory=self._directory(), heartbeat_s=1.0)
+        return Registered(run_id=self.run_id, directory=self._directory(), heartbeat_s=1.0,
+                          config=self.job_config if spawned is None else None)
 
     def _declare_dead(self, name: str, how: str) -> None:
         info = self.actors.pop(name, None)

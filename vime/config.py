@@ -48,9 +48,11 @@ class RolloutConfig:
     rollout_workers: int = 1
     rollout_max_batch_size: int = 1024  # sequences decoded together by one worker
     rollout_capacity: int = 64  # groups a worker takes at once
+    restart_rollouts: bool = True  # the driver restarts a rollout worker that dies (its groups are re-issued)
+    rollout_threads: int = 1  # CPU threads per worker's torch (CPU engine); 0: torch's default (all cores)
 
     def __post_init__(self) -> None:
-        _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1)
+        _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +96,12 @@ class JobConfig:
     steps: int = 300
     seed: int = 0
     weight_chunk_mb: int = 64  # weights travel to rollout workers in chunks of about this size
+    save_every: int = 0  # a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
             raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
-        _at_least(self, steps=1, weight_chunk_mb=1)
+        _at_least(self, steps=1, weight_chunk_mb=1, save_every=0)
 
 
 def _at_least(settings: Any, **minimums: int) -> None:

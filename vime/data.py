@@ -64,6 +64,11 @@ class PromptSource:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def seek(self, epoch: int, index: int) -> None:
+        """Continue from a saved position (``epoch``, ``index``): the orders are seeded, so this is all of the state."""
+        self.epoch, self.index = epoch, index
+        self._order = self._shuffled(epoch)
+
     def next(self) -> dict[str, Any] | None:
         """The next row, or None once the last epoch is done."""
         if self.index == len(self._order):

@@ -29,6 +29,7 @@ class Registered:
     run_id: str
     directory: dict[str, str]
     heartbeat_s: float
+    config: dict[str, Any] | None = None  # the job's settings, for an actor that joined without --config
 
 
 @message

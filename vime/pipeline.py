@@ -7,11 +7,17 @@ workers, then follows RUN_DIR/metrics.jsonl, which
 the trainer appends to after every step. At the end it writes
 RUN_DIR/summary.json (what happened to every prompt group, from the buffer's
 and router's counters) and RUN_DIR/report.png, and shuts the actors down.
+
+Resuming (``resume=True``, ``--resume RUN_DIR``) continues a run that died
+-- trainer, buffer or driver -- from its latest checkpoint: the rows of
+later steps are cut from metrics.jsonl, and the trainer and buffer start
+from the checkpoint's state; the rollout workers get its weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from vime import rewards
+from vime import checkpoint, rewards
 from vime.backends.hf import check_model_folder
 from vime.cluster import Cluster
 from vime.config import RunConfig
@@ -34,21 +40,29 @@ SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "ste
 
 async def train(config: RunConfig, run_dir: Path, *, record: bool = False, transport: str = "ipc",
                 show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
-                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None) -> dict[str, Any]:
+                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None,
+                resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
 
-    Rollout workers are restarted when they die (the router re-issues their
-    groups meanwhile); the death of any other actor ends the run with an
-    error naming its log. ``on_step(job, row)`` runs after each step is seen.
-    Raises RunFailed, saying which actor and which log, when the job cannot go on.
+    Rollout workers are restarted when they die (``--restart-rollouts``; the
+    router re-issues their groups meanwhile); the death of any other actor
+    ends the run with an error naming its log and how to resume.
+    ``on_step(job, row)`` runs after each step is seen. Raises RunFailed
+    when the job cannot go on. Over tcp (or ``tls+tcp``, with ``tls`` as
+    :meth:`Cluster.open` takes it), every actor listens on ``host`` (an
+    address of this machine that other hosts reach), and RUN_DIR/join
+    (readable by its owner only) holds the command that adds a rollout
+    worker from another host.
     """
     preflight(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    start = _resume_point(run_dir) if resume else None
+    _keep_rows_before(run_dir / "metrics.jsonl", checkpoint.step_of(start) if start else 0)
     started = time.monotonic()
     try:
-        rows, counters, ready_s = await _run(config, run_dir, record, transport, show, on_step, timeout_s, started)
+        rows, counters, ready_s = await _run(config, run_dir, record, transport, show, on_step, timeout_s, started,
+                                             start, host, tls)
     except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
         cause = _first_leaf(group)
         if isinstance(cause, (RuntimeError, TimeoutError)):
@@ -72,6 +86,33 @@ def preflight(config: RunConfig) -> None:
     load_rows(config.data.data, config.data.custom_data_source)
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (it holds the job's token)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        os.fchmod(file.fileno(), 0o600)
+        file.write(text)
+
+
+def _resume_point(run_dir: Path) -> Path:
+    """The checkpoint to continue from; ValueError when there is none."""
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        raise ValueError(f"{run_dir} has no checkpoint to resume from (runs write them with --save-every N)")
+    return found
+
+
+def _keep_rows_before(path: Path, step: int) -> None:
+    """Cut metrics rows of step ``step`` and later: a resumed run writes them again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and line.endswith("\n") and json.loads(line)["step"] < step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 class RunFailed(RuntimeError):
     """The job could not go on: an actor failed to start or died, or steps stopped coming."""
 
@@ -86,19 +127,26 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
 async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
-               started: float) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]], float]:
+               started: float, start: Path | None, host: str,
+               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]], float]:
     """Start the actors in dependency order, follow the steps, collect the counters."""
     document = config.to_dict()
-    async with Cluster.open(run_dir, transport=transport, record=record) as job:
+    resumed = {**document, "checkpoint": str(start)} if start else document  # for trainer and buffer
+    async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
+                            tls=tls) as job:
+        if job.token:
+            files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
+            _write_private(run_dir / "join",
+                           f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
         await job.spawn("router", "router", document, seed=seed)
         await job.spawn("reward", "reward", document, seed=seed)
-        await job.spawn("trainer", "trainer", document, seed=seed)
-        await job.spawn("buffer", "buffer", document, seed=seed)  # its first prompts wait at the router
+        await job.spawn("trainer", "trainer", resumed, seed=seed)
+        await job.spawn("buffer", "buffer", resumed, seed=seed)  # its first prompts wait at the router
         async with trio.open_nursery() as nursery:
             for index in range(config.rollout.rollout_workers):
                 nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i,
-                                                             restart=True))
+                                                             restart=config.rollout.restart_rollouts))
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
@@ -113,9 +161,13 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
     follower = MetricsFollower(run_dir)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(seen) < steps:
-        died = [e for e in job.events if e.what == "died" and not e.name.startswith("rollout-")]
+        died = [e for e in job.events if e.what == "died" and e.name in _VITAL]
         if died:
-            raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log")
+            saved = checkpoint.latest(run_dir)
+            then = (f"continue from the checkpoint of step {checkpoint.step_of(saved)} with --resume {run_dir}"
+                    if saved else "no checkpoint was written yet (--save-every N writes them)")
+            raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log; "
+                               f"{then}")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
         for row in follower.new_rows():
@@ -126,6 +178,9 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
                 await on_step(job, row)
         await trio.sleep(0.1)
     return seen[:steps]
+
+
+_VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go
 
 
 def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, dict[str, int]], ready_s: float,
@@ -142,15 +197,25 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, 
         "max_train_rollout_logprob_abs_diff": max((r["train_rollout_logprob_abs_diff"] for r in rows), default=None),
         "startup_s": ready_s,
         "total_s": total_s,
+        "final_weight_version": rows[-1]["weight_version"] if rows else None,
         "groups": {"issued": buffer.get("issued", 0), "trained": buffer.get("trained", 0),
                    "reissued": router.get("reissued", 0), "dropped_stale": buffer.get("dropped_stale", 0),
                    "dropped_filtered": buffer.get("dropped_filtered", 0), "duplicates": buffer.get("duplicates", 0),
                    "injected": buffer.get("injected", 0),
+                   "resumed_in_flight": buffer.get("resumed_in_flight", 0),
                    "in_flight_at_end": buffer.get("in_flight", 0), "ready_at_end": buffer.get("ready", 0),
                    # every issued group is in flight, ready, trained or dropped; anything else went missing
                    "lost": buffer.get("issued", 0) - sum(buffer.get(k, 0) for k in (
-                       "in_flight", "ready", "trained", "dropped_stale", "dropped_filtered"))},
+                       "in_flight", "ready", "trained", "dropped_stale", "dropped_filtered")),
+                   # from the trainer's own record of the groups in each batch
+                   "trained_twice": _trained_twice(rows)},
     }
+
+
+def _trained_twice(rows: list[dict[str, Any]]) -> int:
+    """Groups that went into more than one batch: none, in a run that loses and repeats nothing."""
+    ids = [group for row in rows for group in row.get("group_ids", ())]
+    return len(ids) - len(set(ids))
 
 
 def _trailing_mean(rows: list[dict[str, Any]], step: int, window: int = 10) -> float:

@@ -5,6 +5,7 @@ The flow (see DESIGN.md)::
     buffer --GenerateGroup--> router --GenerateGroup--> rollout --RolloutGroup--> reward --ScoredGroup--> buffer
     trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsChunk--> rollout
     trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
+    trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
 fp32 log-probs arrive bit-exact.
@@ -60,10 +61,18 @@ class GenerateGroup:
 
 @message
 class WorkerReady:
-    """rollout worker -> router and trainer, once at start: give me work, and the current weights."""
+    """rollout worker -> trainer (ask, answered with the WeightsPublished it is being sent),
+    then -> router once it holds those weights: give me work."""
 
     capacity: int  # groups it takes at once
     weight_version: int
+
+
+@message
+class WorkerLeaving:
+    """rollout worker -> router, when told to stop (SIGTERM): these groups are handed back unfinished."""
+
+    group_ids: list[int]
 
 
 @message
@@ -122,7 +131,8 @@ class WeightsChunk:
 
 @message
 class WeightsPublished:
-    """trainer -> buffer: version ``version`` is on its way to every rollout worker."""
+    """trainer -> buffer: version ``version`` is on its way to every rollout worker
+    (and trainer -> a worker that said WorkerReady: the version it is being sent)."""
 
     version: int
 
@@ -144,3 +154,29 @@ class Injected:
 
     accepted: int
     waiting: int
+
+
+@message
+class SnapshotQuery:
+    """trainer -> buffer (ask), right after publishing version ``step``: your state, for a checkpoint."""
+
+    step: int
+
+
+@message
+class BufferState:
+    """buffer -> trainer: everything needed to continue after a crash with no prompt lost or repeated.
+
+    Groups in flight travel as their requests (re-issued on resume); finished
+    groups waiting for a batch travel whole.
+    """
+
+    batches_sent: int
+    trainer_version: int
+    next_group_id: int
+    source_epoch: int
+    source_index: int
+    injected: list[dict[str, Any]]
+    in_flight: list[GenerateGroup]
+    ready: list[ScoredGroup]
+    counters: dict[str, int]

@@ -65,6 +65,8 @@ from vime.transports.sockets import Inbox, Outbox, TlsFiles
 # not expect a fresh instance to reproduce it.
 UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status})
 
+_MAX_STRANGERS = 16
+
 
 class RemoteError(RuntimeError):
     """The peer answered an ask with ErrorReply."""
@@ -192,6 +194,7 @@ class Actor:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._log_writer: LogWriter | None = None
         self._send_hook: Callable[[Envelope], None] | None = None  # replay captures sends here
+        self._strangers: collections.OrderedDict[str, None] = collections.OrderedDict()  # see _reply_error
 
     # ----------------------------------------------------------------- public
 
@@ -278,7 +281,7 @@ class Actor:
         return Status(
             name=self.name,
             role=self.role,
-            counters={**self.counters, "segments_lent": self._segments.lent},
+            counters={**self.counters, "segments_lent": self._segments.lent, "outboxes": len(self._outboxes)},
             errors=dict(self.errors),
             inbox_depth=len(self._queue),
             pending_asks=len(self._pending),
@@ -419,6 +422,8 @@ class Actor:
         reply = await self.ask("driver", register, timeout=30.0)
         self._set_directory(reply.directory)
         self.run_id = reply.run_id
+        if not self.config and reply.config:  # joined by hand: the job's settings come from the driver
+            self.config = dict(reply.config)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -531,7 +536,8 @@ class Actor:
 
         self.counters["frames_in"] += 1
         try:
-            frame = decode_frame(buffer, max_message_bytes=self.settings.max_message_bytes, resolve_shm=resolve_shm)
+            frame = decode_frame(buffer, max_message_bytes=self.settings.max_message_bytes, resolve_shm=resolve_shm,
+                                 token=self.settings.token)
         except FrameError as err:
             self.errors["malformed"] += 1
             self.log.warning("dropped unreadable frame", error=str(err), size=len(buffer))
@@ -611,10 +617,24 @@ class Actor:
                 await self._send(owner, SegmentsFree(names=names), weight_version=None)
 
     async def _reply_error(self, to: str, msg_id: int, error: ErrorReply, address: str | None) -> None:
-        """Answer bad input; a peer we cannot answer (bogus address) only gets logged."""
+        """Answer bad input; a peer we cannot answer (bogus address) only gets logged.
+
+        An address we have no socket to is a stranger's. Sockets to strangers
+        are kept for the last ``_MAX_STRANGERS`` of them only (the oldest is
+        closed when a new one comes), so a flood of bad frames with made-up
+        reply addresses cannot make us open sockets without end.
+        """
+        if address and address not in self._outboxes:
+            self._strangers[address] = None
+            while len(self._strangers) > _MAX_STRANGERS:
+                oldest, _ = self._strangers.popitem(last=False)
+                if oldest not in self._learned.values() and oldest not in self.directory.values():
+                    outbox = self._outboxes.pop(oldest, None)
+                    if outbox is not None:
+                        outbox.close()
         try:
             await self._send(to, error, weight_version=None, reply_to=msg_id, address=address or None)
-        except (LookupError, pynng.NNGException) as err:
+        except (LookupError, PeerGone, pynng.NNGException) as err:
             self.log.warning("could not send an error reply", to=to, error=str(err))
 
     def _route(self, envelope: Envelope, arrived: float) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from vime.config import add_flags, from_flags
+from vime.config import RunConfig, add_flags, from_flags
 from vime.logs import configure
 
 SCENARIOS = {"arithmetic": "vime.scenarios.arithmetic", "selfcheck": "vime.scenarios.selfcheck"}
@@ -36,10 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", default=DEFAULT, help=f"scenario name (default: {DEFAULT})")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/NAME-TIMESTAMP)")
-    parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    parser.add_argument("--transport", choices=["ipc", "tcp", "tls+tcp"], default="ipc",
+                        help="ipc: one host; tcp, tls+tcp: other hosts may join (see RUN_DIR/join)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="with tcp: the address of this machine that other hosts reach")
+    parser.add_argument("--tls-cert-key", default=None, help="with tls+tcp: PEM with this job's certificate and key")
+    parser.add_argument("--tls-ca", default=None, help="with tls+tcp: PEM of the CA that signs the certificates")
     parser.add_argument("--log-level", default="warning")
     if training:
         parser.add_argument("--record", action="store_true", help="write every actor's message log to RUN_DIR/messages/")
+        parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                            help="continue a run that died from its latest checkpoint, with its settings "
+                                 "(flags given here override them, e.g. --steps)")
         add_flags(parser, scenario.defaults())
     args = parser.parse_args(argv)
     if args.list:
@@ -47,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scenario_name:<12} {importlib.import_module(module).DESCRIPTION}")
         return 0
     configure(args.log_level)
-    run_dir = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    resume = training and args.resume is not None
+    run_dir = args.resume if resume else args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
     if not training:
         figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
@@ -56,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     from vime.pipeline import RunFailed, progress_display, train
 
     try:
-        config = scenario.prepare(run_dir, from_flags(args, scenario.defaults()))
+        config = (from_flags(args, _saved_config(run_dir)) if resume
+                  else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:
         return _refuse(err)
     display = progress_display(config.job.steps)
     try:
-        summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display))
+        summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display,
+                                         resume=resume, host=args.host, tls=_tls(args)))
     except ValueError as err:  # train's preflight: raised before any actor starts
         return _refuse(err)
     except RunFailed as err:
@@ -73,6 +84,23 @@ def main(argv: list[str] | None = None) -> int:
                                               "max_train_rollout_logprob_abs_diff", "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
     return 0
+
+
+def _tls(args: argparse.Namespace) -> dict[str, str] | None:
+    """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
+    if args.transport != "tls+tcp":
+        return None
+    if not (args.tls_cert_key and args.tls_ca):
+        raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
+    return {"cert_key": args.tls_cert_key, "ca": args.tls_ca}
+
+
+def _saved_config(run_dir: Path) -> RunConfig:
+    """The settings a run was started with, from RUN_DIR/config.json."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--resume {run_dir}: no config.json there; is it a vime run folder?")
+    return RunConfig.from_dict(json.loads(path.read_text()))
 
 
 def _refuse(error: ValueError) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class RolloutEngine(abc.ABC):
     """
 
     weight_version: int
+    vocab_size: int  # token ids a prompt may hold: 0 <= id < vocab_size
 
     @abc.abstractmethod
     def add(self, sequences: list[Sequence]) -> None:
@@ -129,3 +131,12 @@ class TrainEngine(abc.ABC):
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's live weights as the rollout engines name them (not a copy: copy
         before another thread may step the optimizer)."""
+
+    @abc.abstractmethod
+    def save(self, folder: Path) -> None:
+        """Everything training needs to continue: the policy as a Hugging Face folder in
+        ``folder/model``, and the optimizer, schedule, value model, version and RNG."""
+
+    @abc.abstractmethod
+    def load(self, folder: Path) -> None:
+        """Continue from what :meth:`save` wrote (the engine was built from the original model)."""

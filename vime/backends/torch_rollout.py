@@ -29,6 +29,7 @@ class TorchRolloutEngine(RolloutEngine):
         # transformers 5.24 renamed past_key_values to cache; older releases know only the old name.
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.device = device
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self.generator = torch.Generator(device=device).manual_seed(seed)

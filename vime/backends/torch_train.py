@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,26 @@ class TorchTrainEngine(TrainEngine):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.policy.named_parameters()}
+
+    def save(self, folder: Path) -> None:
+        self.policy.save_pretrained(folder / "model")
+        torch.save({"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                    "critic": None if self.critic is None else self.critic.state_dict()},
+                   folder / "trainer.pt")
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / "trainer.pt", weights_only=True)
+        saved = load_causal_lm(str(folder / "model"), "fp32")
+        with torch.no_grad():
+            for name, param in self.policy.named_parameters():  # in place: the optimizer holds these tensors
+                param.copy_(saved.get_parameter(name))
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.weight_version = state["weight_version"]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == "bf16":
@@ -171,7 +192,8 @@ class TorchTrainEngine(TrainEngine):
         logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
         loss, stats = policy_loss(self.loss, logprobs, scores["old_logprobs"][rows], advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
-                                  if "ref_logprobs" in scores else None, normalizer=normalizer)
+                                  if "ref_logprobs" in scores else None,
+                                  behaviour_logprobs=batch.rollout_logprobs[rows], normalizer=normalizer)
         stats["loss"] = loss.item()
         if self.critic is not None:
             assert returns is not None

@@ -1,0 +1,202 @@
+"""The asynchronous pipeline under failure: killed and leaving workers, a killed trainer
+and a resume, a worker joining over tcp -- with exact accounting of every prompt group."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from vime import checkpoint
+from vime.cluster import Cluster
+from vime.messages import StatusQuery
+from vime.metrics import MetricsFollower
+from vime.pipeline import RunFailed, train
+from vime.scenarios import arithmetic
+
+
+def config_for(run_dir: Path, **overrides):
+    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(**overrides))
+
+
+async def when_busy(job: Cluster, worker: str, timeout: float = 30.0) -> None:
+    """Return once the router has groups out with ``worker``: what a kill then loses must be re-issued."""
+    with trio.fail_after(timeout):
+        while True:
+            counters = (await job.ask("router", StatusQuery(), timeout=10)).counters
+            if counters.get(f"assigned:{worker}", 0) > 0:
+                return
+            await trio.sleep(0.005)
+
+
+def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int, batch: int) -> None:
+    groups = summary["groups"]
+    assert [row["step"] for row in rows] == list(range(steps))
+    assert [row["weight_version"] for row in rows] == list(range(1, steps + 1))
+    assert groups["trained"] == steps * batch == sum(len(row["group_ids"]) for row in rows)
+    assert groups["lost"] == 0 and groups["trained_twice"] == 0
+    assert groups["issued"] == sum(groups[k] for k in ("trained", "in_flight_at_end", "ready_at_end",
+                                                        "dropped_stale", "dropped_filtered"))
+
+
+async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    steps, batch = 12, 16
+    config = config_for(run_dir, steps=steps, rollout_workers=3, rollout_batch_size=batch, rollout_capacity=4,
+                        max_staleness=1, max_new_tokens=12, off_policy_correction="tis")
+    done: list[str] = []
+
+    async def faults(job: Cluster, row: dict) -> None:
+        if row["step"] in (1, 4):  # the same worker twice: the restarted process is killed again
+            await when_busy(job, "rollout-0")
+            job.kill("rollout-0")
+            await job.wait_event("restarted", "rollout-0", timeout=60)
+            done.append(f"killed at {row['step']}")
+        if row["step"] == 6:
+            await when_busy(job, "rollout-2")
+            job.kill("rollout-2", signal.SIGTERM)
+            await job.wait_event("died", "rollout-2", timeout=30)
+            done.append("left")
+
+    summary = await train(config, run_dir, on_step=faults, timeout_s=300)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert done == ["killed at 1", "killed at 4", "left"]
+    assert_every_group_trained_once(summary, rows, steps, batch)
+    assert summary["groups"]["reissued"] >= 3  # each fault found the worker holding groups
+    assert all(row["staleness_max"] <= 1 for row in rows)
+    router_log = (run_dir / "logs" / "router.log").read_text()
+    assert '"why": "gone"' in router_log and '"why": "left"' in router_log
+    assert "handing unfinished groups back" in (run_dir / "logs" / "rollout-2.log").read_text()
+    starts = (run_dir / "logs" / "rollout-2.log").read_text().count('"event": "joined"')
+    assert starts == 1  # SIGTERM is a leave: the worker was not started again
+
+
+async def test_killed_trainer_resumes_from_its_checkpoint_with_nothing_lost_or_repeated(tmp_path):
+    run_dir = tmp_path / "run"
+    steps, batch = 9, 16
+    config = config_for(run_dir, steps=steps, rollout_workers=2, rollout_batch_size=batch, rollout_capacity=4,
+                        max_staleness=2, save_every=3)
+
+    async def kill_trainer(job: Cluster, row: dict) -> None:
+        if row["step"] == 4:
+            job.kill("trainer")
+
+    with pytest.raises(RunFailed, match=rf"actor trainer died .*checkpoint of step 3 with --resume {run_dir}"):
+        await train(config, run_dir, on_step=kill_trainer, timeout_s=240)
+    saved = checkpoint.latest(run_dir)
+    assert saved is not None and checkpoint.step_of(saved) == 3
+    before = {row["step"]: row for row in MetricsFollower(run_dir).new_rows()}
+    summary = await train(config, run_dir, resume=True, timeout_s=240)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert_every_group_trained_once(summary, rows, steps, batch)
+    assert [rows[s]["group_ids"] for s in range(3)] == [before[s]["group_ids"] for s in range(3)]
+    assert summary["groups"]["resumed_in_flight"] + summary["groups"]["ready_at_end"] > 0
+    assert "resumed" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
+    checkpoint.save(tmp_path, 3, lambda folder: (folder / "state").write_text("three"))
+
+    def crash(folder: Path) -> None:
+        (folder / "state").write_text("half of six")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, 6, crash)
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and checkpoint.step_of(latest) == 3 and (latest / "state").read_text() == "three"
+    for step in (6, 9, 12):
+        checkpoint.save(tmp_path, step, lambda folder, s=step: (folder / "state").write_text(str(s)))
+    kept = sorted(p.name for p in checkpoint.folder(tmp_path).glob("step_*"))
+    assert kept == ["step_00000009", "step_00000012"] and checkpoint.step_of(checkpoint.latest(tmp_path)) == 12
+
+
+async def test_a_worker_joins_over_tcp_with_the_token_and_is_refused_without(tmp_path):
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=150, rollout_workers=1, rollout_batch_size=8, rollout_capacity=4,
+                        max_staleness=1, max_new_tokens=8)
+    seen: dict[str, object] = {}
+
+    async def join(job: Cluster, row: dict) -> None:
+        if row["step"] != 2:
+            return
+        command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir", str(run_dir)]
+        log = open(run_dir / "logs" / "rollout-joined.log", "wb")
+        seen["process"] = await trio.lowlevel.open_process([*command, "--name", "rollout-joined", "--token", job.token],
+                                                           stdout=log, stderr=log, env=_env())
+        refused = await trio.run_process([*command, "--name", "intruder", "--token", "wrong"], capture_stdout=True,
+                                         capture_stderr=True, check=False, env=_env())
+        seen["refused"] = (refused.returncode, refused.stderr.decode())
+        await job.wait_event("joined", "rollout-joined", timeout=90)
+        with trio.fail_after(60):
+            while not (await job.ask("router", StatusQuery())).counters.get("dispatched_to:rollout-joined"):
+                await trio.sleep(0.05)
+        seen["joined_at_step"] = row["step"]
+
+    try:
+        summary = await train(config, run_dir, transport="tcp", on_step=join, timeout_s=400)
+    finally:
+        if "process" in seen and seen["process"].returncode is None:
+            with trio.move_on_after(30):  # the job's end shuts the joined worker down too
+                await seen["process"].wait()
+            seen["process"].kill()
+    code, said = seen["refused"]
+    assert code == 2 and "join refused" in said and "token" in said, said
+    assert seen["joined_at_step"] == 2
+    assert (run_dir / "join").stat().st_mode & 0o077 == 0  # the token is for the run's owner only
+    assert seen["process"].returncode == 0  # it left when the job ended
+    joined = [line for line in (run_dir / "logs" / "rollout-joined.log").read_text().splitlines() if '"joined"' in line]
+    assert joined and '"weight_version": 0' not in joined[0]  # it had the current weights before serving
+    rows = MetricsFollower(run_dir).new_rows()
+    assert_every_group_trained_once(summary, rows, 150, 8)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def test_a_killed_driver_resumes_from_the_command_line(tmp_path):
+    import json
+    import os
+    import subprocess
+    import time
+
+    run_dir = tmp_path / "run"
+    steps = 30
+    scenario = [sys.executable, "-m", "vime.scenario", "arithmetic"]
+    driver = subprocess.Popen([*scenario, "--out", str(run_dir), "--steps", str(steps), "--save-every", "3",
+                               "--rollout-batch-size", "16", "--max-staleness", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while checkpoint.latest(run_dir) is None:
+            assert time.monotonic() < deadline and driver.poll() is None, "no checkpoint was written"
+            time.sleep(0.02)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert not (run_dir / "summary.json").exists()  # it died mid-run
+    pids = [actor["pid"] for actor in json.loads((run_dir / "actors.json").read_text())["actors"]]
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids):  # orphaned actors notice and exit
+        assert time.monotonic() < deadline, "actors outlived their driver"
+        time.sleep(0.1)
+    resumed = subprocess.run([*scenario, "--resume", str(run_dir)], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert_every_group_trained_once(summary, MetricsFollower(run_dir).new_rows(), steps, 16)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped by whoever adopted it does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"

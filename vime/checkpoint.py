@@ -1,0 +1,102 @@
+"""Resumable checkpoints: RUN_DIR/checkpoints/step_N, written atomically.
+
+A checkpoint holds what the trainer and the buffer need to continue as if
+nothing had happened: the policy (a Hugging Face folder, ``model/``), the
+optimizer, scheduler, value model and RNG (``trainer.pt``), and the buffer's
+state (``buffer.vmsg``: the data cursor, injected prompts, finished groups
+and the requests in flight). It is written into a temporary folder, synced,
+and renamed into place; then ``latest`` is replaced to name it. A crash at
+any moment leaves the previous checkpoint whole and named by ``latest``.
+The newest ``KEEP`` checkpoints are kept.
+
+Records are stored in the wire format (``vime.transports.codec``), so a
+checkpoint is read back with the same validation as a message; ``trainer.pt``
+is read with ``torch.load(weights_only=True)``, which refuses code objects.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from vime.transports.codec import BadMessage, Envelope, decode_frame, encode, encode_frame
+
+KEEP = 2
+
+
+def folder(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Write checkpoint ``step`` with ``write(tmp_folder)``, then publish it atomically."""
+    root = folder(run_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    _sync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after this step once before
+    os.replace(tmp, final)
+    pointer = root / "latest.tmp"
+    pointer.write_text(final.name + "\n")
+    _sync_file(pointer)
+    os.replace(pointer, root / "latest")
+    _sync_dir(root)
+    for old in sorted(root.glob("step_*"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None when it wrote none."""
+    pointer = folder(run_dir) / "latest"
+    if not pointer.exists():
+        return None
+    path = folder(run_dir) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def step_of(checkpoint: Path) -> int:
+    """The number of training steps done when ``checkpoint`` was written."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def write_record(path: Path, record: Any) -> None:
+    """A message record to a file, in the wire format."""
+    envelope = Envelope(type(record).__name__, "checkpoint", "checkpoint", 0, None, 0.0, None, False, record)
+    path.write_bytes(encode_frame("", None, [encode(envelope)]))
+
+
+def read_record(path: Path, kind: type) -> Any:
+    """The record in ``path``, validated; ValueError when it is not a ``kind``."""
+    frame = decode_frame(path.read_bytes(), max_message_bytes=1 << 40)
+    item = frame.messages[0] if len(frame.messages) == 1 else None
+    if isinstance(item, BadMessage) or item is None or not isinstance(item.payload, kind):
+        detail = item.error if isinstance(item, BadMessage) else "wrong kind"
+        raise ValueError(f"{path} does not hold a {kind.__name__} ({detail}); the checkpoint is damaged")
+    return item.payload
+
+
+def _sync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            _sync_file(path)
+    for path in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _sync_dir(path)
+
+
+def _sync_file(path: Path) -> None:
+    with path.open("rb+") as file:
+        os.fsync(file.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
