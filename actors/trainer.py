@@ -48,6 +48,8 @@ class Trainer(Actor):
         super().__init__(settings, config)
         self.run = RunConfig.from_dict(self.config)
         run = self.run
+        if run.job.train_threads:
+            torch.set_num_threads(run.job.train_threads)
         self.engine = TorchTrainEngine(run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss,
                                        grpo_config=run.grpo, ppo_config=run.ppo, temperature=run.sampling.temperature,
                                        dtype=run.model.dtype, total_steps=run.job.steps, seed=settings.seed)

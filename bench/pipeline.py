@@ -21,6 +21,7 @@ Usage::
 
     python bench/pipeline.py --runs grpo:0 ppo:0 grpo:1 --steps 300 --out runs/bench --json bench/pipeline.json
     python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 2 4 --rollout-workers 3 --steps 100
+    python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 --tag t1 --train-threads 1   # other flags: to the scenario
     python bench/pipeline.py --from runs/bench/grpo-s0 runs/bench/ppo-s0
 
 It measures; it decides nothing (the exit status does not depend on the figures).
@@ -38,10 +39,12 @@ from pathlib import Path
 PARTS = ("step_time_s", "time_wait_s", "time_generate_s", "time_reward_s", "time_train_s", "time_weight_sync_s")
 
 
-def run(algo: str, seed: int, steps: int, out: Path, staleness: int | None, workers: int | None) -> Path:
-    run_dir = out / f"{algo}-s{seed}" if staleness is None else out / f"{algo}-s{seed}-k{staleness}"
+def run(algo: str, seed: int, steps: int, out: Path, staleness: int | None, workers: int | None,
+        extra: list[str], tag: str) -> Path:
+    name = f"{algo}-s{seed}" + ("" if staleness is None else f"-k{staleness}") + (f"-{tag}" if tag else "")
+    run_dir = out / name
     command = [sys.executable, "-m", "vime.scenario", "arithmetic", "--algo", algo, "--seed", str(seed),
-               "--steps", str(steps), "--out", str(run_dir)]
+               "--steps", str(steps), "--out", str(run_dir), *extra]
     if staleness is not None:
         command += ["--max-staleness", str(staleness)]
     if workers is not None:
@@ -92,11 +95,11 @@ def table(results: list[dict]) -> str:
         parts = " ".join(f"{r['median_' + p]:6.3f}" for p in PARTS)
         lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {r['max_logprob_diff']:11.1e} "
                      f"{r['total_s']:7.0f} {parts}")
-    head = f"{'run':<14} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}  staleness share (0, 1, ...)"
+    head = f"{'run':<18} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}  staleness share (age:share)"
     lines += ["", head, "-" * len(head)]
     for r in results:
-        shares = " ".join(f"{share:.2f}" for share in r["staleness_share"].values())
-        lines.append(f"{r['run']:<14} {r['max_staleness']:>2} {r['rollout_workers']:>7} {r['samples_per_s']:9.0f} "
+        shares = " ".join(f"{age}:{share:.2f}" for age, share in r["staleness_share"].items())
+        lines.append(f"{r['run']:<18} {r['max_staleness']:>2} {r['rollout_workers']:>7} {r['samples_per_s']:9.0f} "
                      f"{r['samples_per_s'] / results[0]['samples_per_s']:7.2f}x {r['trainer_idle']:5.2f}  {shares}")
     return "\n".join(lines)
 
@@ -108,15 +111,17 @@ def main() -> int:
     parser.add_argument("--max-staleness", nargs="*", type=int, default=[None], metavar="K",
                         help="run each ALGO:SEED once per bound (default: the scenario's)")
     parser.add_argument("--rollout-workers", type=int, default=None)
+    parser.add_argument("--tag", default="", help="suffix of the run folders' names")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--from", dest="existing", nargs="*", type=Path, default=[], help="summarise these run folders")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()
     folders = list(args.existing)
     for spec in args.runs:
         algo, _, seed = spec.partition(":")
         for staleness in args.max_staleness:
-            folders.append(run(algo, int(seed or 0), args.steps, args.out, staleness, args.rollout_workers))
+            folders.append(run(algo, int(seed or 0), args.steps, args.out, staleness, args.rollout_workers, extra,
+                               args.tag))
     results = [figures(folder) for folder in folders]
     print("median seconds per step; 'to 0.9': first step whose 10-step trailing mean reward >= 0.9;")
     print("samples/s, idle (trainer waiting / step time) and staleness over the steps after the first")
