@@ -93,18 +93,19 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
     assert starts == 1  # SIGTERM is a leave: the worker was not started again
 
 
-async def test_killed_trainer_resumes_from_its_checkpoint_with_nothing_lost_or_repeated(tmp_path):
+@pytest.mark.parametrize("victim", ["trainer", "buffer"])
+async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothing_lost_or_repeated(tmp_path, victim):
     run_dir = tmp_path / "run"
     steps, batch = 12, 16
     config = config_for(run_dir, steps=steps, rollout_workers=2, rollout_batch_size=batch, rollout_capacity=4,
                         max_staleness=2, save_every=3)
 
-    async def kill_trainer(job: Cluster, row: dict) -> None:
+    async def kill(job: Cluster, row: dict) -> None:
         if row["step"] == 4:
-            job.kill("trainer")
+            job.kill(victim)
 
-    with pytest.raises(RunFailed, match=rf"actor trainer died .*checkpoint of step \d+ with --resume {run_dir}") as failed:
-        await train(config, run_dir, on_step=kill_trainer, timeout_s=240)
+    with pytest.raises(RunFailed, match=rf"actor {victim} died .*checkpoint of step \d+ with --resume {run_dir}") as failed:
+        await train(config, run_dir, on_step=kill, timeout_s=240)
     saved = checkpoint.latest(run_dir)
     assert saved is not None and f"checkpoint of step {checkpoint.step_of(saved)} " in str(failed.value)
     resumed_at = checkpoint.step_of(saved)
@@ -116,6 +117,7 @@ async def test_killed_trainer_resumes_from_its_checkpoint_with_nothing_lost_or_r
     assert [rows[s]["group_ids"] for s in range(resumed_at)] == [before[s]["group_ids"] for s in range(resumed_at)]
     assert summary["groups"]["resumed_in_flight"] + summary["groups"]["ready_at_end"] > 0
     assert "resumed" in (run_dir / "logs" / "trainer.log").read_text()
+    assert "resumed" in (run_dir / "logs" / "buffer.log").read_text()
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
