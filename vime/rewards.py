@@ -8,9 +8,11 @@ user's is given as ``--custom-reward package.module:function``.
 
 from __future__ import annotations
 
+import decimal
 import inspect
-import math
+import math as _math
 import re
+import threading
 from typing import Any, Awaitable, Callable
 
 from vime.plugins import import_function
@@ -37,14 +39,94 @@ def last_number(response: str, label: str, **metadata: Any) -> float:
     return 1.0 if found and _same_number(found[-1], label) else 0.0
 
 
+_GSM8K_NUMBER = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+_CURRENCY = re.compile(r"\\?[$\u20ac\u00a3\u00a5]|\\%|%")
+_FRACTION = re.compile(r"\\d?frac\{\s*(-?\d+(?:\.\d+)?)\s*\}\{\s*(\d+(?:\.\d+)?)\s*\}")
+
+
+def gsm8k(response: str, label: str, **metadata: Any) -> float:
+    """1.0 when the response's final answer equals GSM8K's reference answer.
+
+    The reference is what follows "####" in the label (the whole label when
+    there is none). The response's answer is, by priority, the first number
+    after its last "####", the number in its last ``\\boxed{}`` (which may be
+    a ``\\frac``), or its last number. Numbers compare as decimals, so commas, currency signs, a percent
+    sign and trailing zeros do not matter: "$1,000.00" equals "1000".
+    """
+    reference = _gsm8k_number(label.rpartition("####")[2] if "####" in label else label)
+    answer = _final_number(response)
+    return 1.0 if reference is not None and answer is not None and answer == reference else 0.0
+
+
+def _final_number(response: str) -> decimal.Decimal | None:
+    if "####" in response:
+        return _gsm8k_number(response.rpartition("####")[2], first=True)
+    boxed = _last_boxed(response)
+    if boxed is not None:
+        return _gsm8k_number(_FRACTION.sub(_divide, boxed))
+    return _gsm8k_number(response)
+
+
+def _divide(fraction: re.Match) -> str:
+    """``\\frac{15}{2}`` -> ``7.5``, for a boxed answer written as a fraction."""
+    numerator, denominator = (decimal.Decimal(part) for part in fraction.groups())
+    return str(numerator / denominator) if denominator else fraction.group()
+
+
+def _gsm8k_number(text: str, first: bool = False) -> decimal.Decimal | None:
+    """The first (or last) number in ``text`` as a Decimal, signs and separators dropped."""
+    found = _GSM8K_NUMBER.findall(_CURRENCY.sub("", text))
+    if not found:
+        return None
+    digits = (found[0] if first else found[-1]).replace(",", "").replace("\u2212", "-")
+    try:
+        return decimal.Decimal(digits).normalize()
+    except decimal.InvalidOperation:
+        return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}``, nested braces included; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[begin:index]
+    return None
+
+
+def math(response: str, label: str, **metadata: Any) -> float:
+    """1.0 when the response's answer is mathematically equal to the label, checked by math-verify.
+
+    The label is a LaTeX or plain expression (``\\frac{1}{2}``, ``34``,
+    ``(1,2)``); the response's answer is found by math-verify (a ``\\boxed{}``,
+    an "Answer:" line, or the last expression) and compared symbolically --
+    ``0.5`` equals ``\\frac{1}{2}`` and ``1+x^2`` equals ``x^2+1``. math-verify
+    stops a slow comparison after 5 s with ``signal.alarm``, which only the
+    main thread can use; called from another thread, it runs without that limit.
+    """
+    from math_verify import parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(label if "$" in label or "\\boxed" in label else f"${label}$", parsing_timeout=timeout)
+    answer = parse(response, parsing_timeout=timeout)
+    if not gold or not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
 def _same_number(text: str, label: str) -> bool:
     try:
-        return math.isclose(float(text.replace(",", "")), float(label.replace(",", "").strip()), abs_tol=1e-9)
+        return _math.isclose(float(text.replace(",", "")), float(label.replace(",", "").strip()), abs_tol=1e-9)
     except ValueError:
         return False
 
 
-BUILT_IN: dict[str, RewardFn] = {"exact": exact, "first_number": first_number, "last_number": last_number}
+BUILT_IN: dict[str, RewardFn] = {"exact": exact, "first_number": first_number, "last_number": last_number,
+                                  "gsm8k": gsm8k, "math": math}
 
 
 def resolve(name: str, custom: str = "") -> RewardFn:
@@ -62,7 +144,7 @@ async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any
     value = fn(response, label, **metadata)
     if inspect.isawaitable(value):
         value = await value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _math.isfinite(value):
         raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} returned {value!r}; "
                         "it must return a finite float")
     return float(value)
