@@ -50,7 +50,9 @@ def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int 
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+    from vime.tools.make_tiny_model import tiny_config
 
     vocab = {token: index for index, token in enumerate(_SPECIAL + _SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -59,10 +61,8 @@ def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
     tokenizer.save_pretrained(folder)
-    config = Qwen3Config(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=hidden_size // 4, max_position_embeddings=64, tie_word_embeddings=False,
-                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    config = tiny_config("qwen3", len(vocab), hidden_size=hidden_size, layers=layers, pad_token_id=vocab["<pad>"],
+                         bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
     Qwen3ForCausalLM(config).save_pretrained(folder)
