@@ -35,7 +35,7 @@ from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
-from vime.data import PromptSource, check_row, load_rows
+from vime.data import PromptSource, check_row, load_rows, prompt_ids
 from vime.plugins import import_function
 from vime.protocol import (
     BufferState,
@@ -61,7 +61,8 @@ class Buffer(Actor):
         self.run = RunConfig.from_dict(self.config)
         data = self.run.data
         self.tokenizer = load_tokenizer(self.run.model.model_path)
-        self.source = PromptSource(load_rows(data.data, data.custom_data_source), seed=settings.seed,
+        self.source = PromptSource(load_rows(data.data, data.custom_data_source, input_key=data.input_key,
+                                             label_key=data.label_key), seed=settings.seed,
                                    epochs=data.epochs)
         sampling = dataclasses.asdict(self.run.sampling)
         if not sampling["stop_token_ids"] and self.tokenizer.eos_token_id is not None:
@@ -224,7 +225,10 @@ class Buffer(Actor):
         group_id = self.next_group_id
         self.next_group_id += 1
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
-        request = GenerateGroup(group_id=group_id, prompt_ids=list(self.tokenizer(row["prompt"])["input_ids"]),
+        data = self.run.data
+        ids = prompt_ids(self.tokenizer, row["prompt"], template=data.prompt_template, chat=data.chat_template,
+                         thinking=data.enable_thinking)
+        request = GenerateGroup(group_id=group_id, prompt_ids=ids,
                                 label=str(row["label"]), metadata=metadata,
                                 group_size=row.get("group_size", self.run.data.group_size),
                                 min_weight_version=min_weight_version,

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig, RunConfig, add_flags, from_flags
-from vime.data import PromptSource, load_rows
+from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
 
 VOCAB = 16  # the arithmetic tokenizer: 4 specials, 10 digits, "+" and "="
@@ -379,6 +380,41 @@ def test_load_rows_and_its_errors(tmp_path):
         load_rows(str(bad))
     with pytest.raises(ValueError, match="expected package.module:function"):
         load_rows(custom_data_source="no_colon")
+
+
+def test_rows_named_otherwise_are_mapped_with_the_input_and_label_keys(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "Tom has 3+4 apples?", "answer": "3+4=7\n#### 7", "id": 9}) + "\n")
+    assert load_rows(str(data), input_key="question", label_key="answer") == [
+        {"prompt": "Tom has 3+4 apples?", "label": "3+4=7\n#### 7", "id": 9}]
+    with pytest.raises(ValueError, match=re.escape(f"{data}:1: the row has no --input-key 'problem'; "
+                                                   "its keys are ['answer', 'id', 'question']")):
+        load_rows(str(data), input_key="problem", label_key="answer")
+
+
+def test_prompts_with_a_template_and_the_chat_template(tmp_path):
+    folder = tmp_path / "model"
+    build_model(folder, seed=0, hidden_size=32, layers=1)
+    tokenizer = load_tokenizer(str(folder))
+    assert prompt_ids(tokenizer, "1+2=") == tokenizer("1+2=")["input_ids"]
+    assert prompt_ids(tokenizer, "2", template="1+{prompt}=") == tokenizer("1+2=")["input_ids"]
+    check_prompting(tokenizer, "Q: {prompt}", chat=False)
+    with pytest.raises(ValueError, match=r"must contain \{prompt\}"):
+        check_prompting(tokenizer, "no slot", chat=False)
+    with pytest.raises(ValueError, match="has no chat template; leave the flag out"):
+        check_prompting(tokenizer, "{prompt}", chat=True)
+    qwen3 = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
+    if not (qwen3 / "tokenizer.json").is_file():
+        pytest.skip(f"the Qwen3 tokenizer is not at {qwen3}; the chat-template half of this test needs it")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3))
+    check_prompting(tokenizer, "{prompt}", chat=True)
+    template = "Solve: {prompt}\nAnswer: $Answer"
+    thinking = tokenizer.decode(prompt_ids(tokenizer, "1+1?", template=template, chat=True))
+    assert thinking == "<|im_start|>user\nSolve: 1+1?\nAnswer: $Answer<|im_end|>\n<|im_start|>assistant\n"
+    direct = tokenizer.decode(prompt_ids(tokenizer, "1+1?", template=template, chat=True, thinking=False))
+    assert direct == thinking + "<think>\n\n</think>\n\n"
 
 
 def test_a_line_that_is_not_json_is_reported_with_file_and_line(tmp_path):

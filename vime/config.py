@@ -38,6 +38,11 @@ class DataConfig:
     data: str = ""  # a JSONL file of {"prompt", "label", ...} rows
     custom_data_source: str = ""  # module:function returning an iterable of such rows
     custom_rollout: str = ""  # module:function turning a prompt row into the requests of its group
+    input_key: str = "prompt"  # the field of a data row that holds the prompt text
+    label_key: str = "label"  # the field that holds the label (the reference answer)
+    prompt_template: str = "{prompt}"  # the prompt text goes where {prompt} is (an instruction around it)
+    chat_template: bool = False  # wrap the prompt as a user turn with the tokenizer's chat template
+    enable_thinking: bool = True  # with --chat-template: False closes the thinking block at once (Qwen3)
 
     def __post_init__(self) -> None:
         _at_least(self, rollout_batch_size=1, group_size=1, max_staleness=0, epochs=0)

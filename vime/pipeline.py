@@ -26,10 +26,10 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from vime import checkpoint, rewards
-from vime.backends.hf import check_model_folder
+from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
 from vime.config import RunConfig
-from vime.data import load_rows
+from vime.data import check_prompting, load_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.plugins import import_function
@@ -78,12 +78,15 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 def preflight(config: RunConfig) -> None:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config.json, an unknown reward, a plug-in that does not
-    import, prompts that do not load. Raises ValueError saying what to pass."""
+    import, prompts that do not load, prompt settings the tokenizer cannot serve.
+    Raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
-    if config.data.custom_rollout:
-        import_function(config.data.custom_rollout, "--custom-rollout")
-    load_rows(config.data.data, config.data.custom_data_source)
+    data = config.data
+    if data.custom_rollout:
+        import_function(data.custom_rollout, "--custom-rollout")
+    load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)
+    check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template)
 
 
 def _write_private(path: Path, text: str) -> None:
