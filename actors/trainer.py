@@ -6,7 +6,9 @@ the algorithm's optimizer steps); send the new weights, version v+1, to
 every rollout worker in chunks; tell the buffer the version is out; append
 the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
 later gets the latest published weights as soon as it says WorkerReady.
-After the last step the policy is saved to RUN_DIR/checkpoint.
+After the last step the policy is saved to RUN_DIR/checkpoint, and every
+``save_hf_every`` steps to RUN_DIR/hf/step_N: Hugging Face folders, usable
+as ``--model-path``.
 
 Every ``save_every`` steps it writes a resumable checkpoint (``vime.checkpoint``):
 its own state and the buffer's, asked for right after the version is
@@ -22,6 +24,8 @@ batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -57,7 +61,9 @@ class Trainer(Actor):
         self.workers: set[str] = set()
         self.published: list[WeightsChunk] = []  # a copy of the latest version, for workers that join later
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
-        self.metrics = MetricsWriter(settings.run_dir or ".")
+        self.run_dir = Path(settings.run_dir or ".")
+        self.tokenizer = load_tokenizer(run.model.model_path)
+        self.metrics = MetricsWriter(self.run_dir)
         self.first_step = 0
         resume = self.config.get("checkpoint")
         if resume:
@@ -108,6 +114,9 @@ class Trainer(Actor):
             every = self.run.job.save_every
             if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:
                 await self._save(step + 1)
+            every = self.run.job.save_hf_every
+            if every and (step + 1) % every == 0:
+                await trio.to_thread.run_sync(self._export, self.run_dir / "hf" / f"step_{step + 1}")
             response_tokens = int(tensors.response_mask.sum())
             row = {
                 "step": step,
@@ -126,7 +135,7 @@ class Trainer(Actor):
                 **metrics,
             }
             if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
-                await trio.to_thread.run_sync(self._save_checkpoint)
+                await trio.to_thread.run_sync(self._export, self.run_dir / "checkpoint")
             self.metrics.write({k: _plain(v) for k, v in row.items()})
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
@@ -137,18 +146,22 @@ class Trainer(Actor):
 
         def write(folder: Path) -> None:
             self.engine.save(folder)
-            load_tokenizer(self.run.model.model_path).save_pretrained(folder / "model")
+            self.tokenizer.save_pretrained(folder / "model")
             checkpoint.write_record(folder / "buffer.vmsg", state)
 
-        path = await trio.to_thread.run_sync(checkpoint.save, self.settings.run_dir or ".", step, write)
+        path = await trio.to_thread.run_sync(checkpoint.save, self.run_dir, step, write)
         self.log.info("checkpoint written", path=str(path), step=step, groups_in_flight=len(state.in_flight))
 
-    def _save_checkpoint(self) -> None:
-        """The trained policy as a Hugging Face folder, RUN_DIR/checkpoint: loadable as --model-path."""
-        folder = Path(self.settings.run_dir or ".") / "checkpoint"
-        self.engine.policy.save_pretrained(folder)
-        load_tokenizer(self.run.model.model_path).save_pretrained(folder)
-        self.log.info("checkpoint saved", path=str(folder), weight_version=self.engine.weight_version)
+    def _export(self, folder: Path) -> None:
+        """The policy and its tokenizer as a Hugging Face folder (loadable as --model-path),
+        written beside it first and then renamed, so a reader never sees half of one."""
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.save_hf(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        self.log.info("model exported", path=str(folder), weight_version=self.engine.weight_version)
 
     def _weight_chunks(self) -> list[WeightsChunk]:
         """A copy of the current weights cut into chunks of about ``weight_chunk_mb`` each.

@@ -132,6 +132,28 @@ def test_trainer_recomputes_the_rollout_logprobs(model):
     assert shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.25, abs=1e-5)
 
 
+def test_a_saved_checkpoint_reloads_with_identical_logits_and_resumes_the_same(model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, _, prompts = model
+    batch = hand_batch(prompts[0], [[3, 4], [5], [6, 7]], [1.0, 0.0, 0.5], [0, 0, 0])
+    engine = train_engine(folder, algo="ppo", lr_schedule="cosine")
+    engine.train_step(batch)
+    engine.save_hf(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([prompts[0] + [3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, engine.policy.eval()(ids).logits)
+    engine.save(tmp_path / "ckpt")
+    resumed = train_engine(folder, algo="ppo", lr_schedule="cosine")
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.weight_version == 1
+    after, again = engine.train_step(batch), resumed.train_step(batch)
+    assert after == again  # optimizer moments, schedule and value model came back too
+    for (name, param), (_, other) in zip(engine.policy.named_parameters(), resumed.policy.named_parameters()):
+        assert torch.equal(param, other), name
+
+
 def test_stop_token_and_length_limit(model):
     folder, _, prompts = model
     engine = TorchRolloutEngine(folder)

@@ -33,7 +33,7 @@ def config_for(run_dir: Path, **overrides):
 
 async def test_short_grpo_run_learns_from_chance(tmp_path):
     run_dir = tmp_path / "run"
-    config = config_for(run_dir, steps=45, seed=3)
+    config = config_for(run_dir, steps=45, seed=3, save_hf_every=15)
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(45))
@@ -48,6 +48,9 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     assert RunConfig.from_dict(json.loads((run_dir / "config.json").read_text())) == config
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert (run_dir / "checkpoint" / "config.json").is_file() and (run_dir / "checkpoint" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_15", "step_30", "step_45"]
+    for folder in (run_dir / "hf").iterdir():
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained"] == 45 * 128

@@ -102,12 +102,13 @@ class JobConfig:
     seed: int = 0
     weight_chunk_mb: int = 64  # weights travel to rollout workers in chunks of about this size
     save_every: int = 0  # a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none
+    save_hf_every: int = 0  # the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none
     train_threads: int = 0  # CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
             raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
-        _at_least(self, steps=1, weight_chunk_mb=1, save_every=0, train_threads=0)
+        _at_least(self, steps=1, weight_chunk_mb=1, save_every=0, save_hf_every=0, train_threads=0)
 
 
 def _at_least(settings: Any, **minimums: int) -> None:

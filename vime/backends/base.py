@@ -133,6 +133,10 @@ class TrainEngine(abc.ABC):
         before another thread may step the optimizer)."""
 
     @abc.abstractmethod
+    def save_hf(self, folder: Path) -> None:
+        """The policy as a Hugging Face model folder (config and safetensors) in ``folder``."""
+
+    @abc.abstractmethod
     def save(self, folder: Path) -> None:
         """Everything training needs to continue: the policy as a Hugging Face folder in
         ``folder/model``, and the optimizer, schedule, value model, version and RNG."""

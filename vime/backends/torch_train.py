@@ -74,8 +74,11 @@ class TorchTrainEngine(TrainEngine):
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.policy.named_parameters()}
 
+    def save_hf(self, folder: Path) -> None:
+        self.policy.save_pretrained(folder)
+
     def save(self, folder: Path) -> None:
-        self.policy.save_pretrained(folder / "model")
+        self.save_hf(folder / "model")
         torch.save({"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                     "critic": None if self.critic is None else self.critic.state_dict()},
