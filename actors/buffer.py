@@ -26,9 +26,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from vime import checkpoint
 from vime.algorithms.dynamic_sampling import is_informative
@@ -113,10 +112,9 @@ class Buffer(Actor):
 
     @handles(ScoredGroup)
     async def _on_scored(self, msg: ScoredGroup, envelope: Envelope) -> None:
-        if msg.group_id not in self.in_flight:
+        if self.in_flight.pop(msg.group_id, None) is None:
             self.counters["duplicates"] += 1
             return
-        del self.in_flight[msg.group_id]
         self.counters["scored"] += 1
         if self.run.data.dynamic_sampling and not is_informative([s.reward for s in msg.samples]):
             self.counters["dropped_filtered"] += 1
@@ -204,8 +202,7 @@ class Buffer(Actor):
             raise ValueError(f"{where}: a row may not change the temperature (the trainer computes log-probs "
                              f"at --temperature {self.run.sampling.temperature}); change --temperature instead")
         try:
-            SamplingParams(**{**self._sampling, **overrides, "stop_token_ids": tuple(
-                overrides.get("stop_token_ids", self._sampling["stop_token_ids"]))})
+            SamplingParams.from_dict({**self._sampling, **overrides})
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: bad sampling settings {overrides!r}: {err}") from None
 

@@ -100,7 +100,7 @@ class RolloutWorker(Actor):
     @handles(GenerateGroup)
     async def _on_group(self, msg: GenerateGroup, envelope: Envelope) -> None:
         """Check the request here, where a bad one fails alone, not in the generation loop it would stop."""
-        params = SamplingParams(**{**msg.sampling, "stop_token_ids": tuple(msg.sampling.get("stop_token_ids", ()))})
+        params = SamplingParams.from_dict(msg.sampling)
         vocab = self.engine.vocab_size
         if msg.group_size < 1 or not msg.prompt_ids or not all(0 <= t < vocab for t in msg.prompt_ids):
             raise ValueError(f"group {msg.group_id}: needs group_size >= 1 and a prompt of token ids below {vocab}")

@@ -24,8 +24,6 @@ batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -153,15 +151,13 @@ class Trainer(Actor):
         self.log.info("checkpoint written", path=str(path), step=step, groups_in_flight=len(state.in_flight))
 
     def _export(self, folder: Path) -> None:
-        """The policy and its tokenizer as a Hugging Face folder (loadable as --model-path),
-        written beside it first and then renamed, so a reader never sees half of one."""
-        tmp = folder.with_name(f".{folder.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.engine.save_hf(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        """The policy and its tokenizer as a Hugging Face folder (loadable as --model-path), written whole."""
+        checkpoint.write_folder(folder, self._write_hf)
         self.log.info("model exported", path=str(folder), weight_version=self.engine.weight_version)
+
+    def _write_hf(self, folder: Path) -> None:
+        self.engine.save_hf(folder)
+        self.tokenizer.save_pretrained(folder)
 
     def _weight_chunks(self) -> list[WeightsChunk]:
         """A copy of the current weights cut into chunks of about ``weight_chunk_mb`` each.

@@ -38,6 +38,19 @@ async def stop_while_busy(job: Cluster, worker: str, timeout: float = 30.0) -> i
             await trio.sleep(0.002)
 
 
+async def hold_run_until_serving(job: Cluster, worker: str, event: str) -> None:
+    """Freeze the buffer (no new work, so no more steps) until ``worker`` has had ``event`` at the driver
+    and has said WorkerReady to the router: fast machines would otherwise finish the run first."""
+    job.kill("buffer", signal.SIGSTOP)
+    try:
+        await job.wait_event(event, worker, timeout=90)
+        with trio.fail_after(90):
+            while f"assigned:{worker}" not in (await job.ask("router", StatusQuery())).counters:
+                await trio.sleep(0.05)
+    finally:
+        job.kill("buffer", signal.SIGCONT)
+
+
 def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int, batch: int) -> None:
     groups = summary["groups"]
     assert [row["step"] for row in rows] == list(range(steps))
@@ -60,14 +73,7 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
         if row["step"] == 1:
             held.append(await stop_while_busy(job, "rollout-0"))
             job.kill("rollout-0")
-            job.kill("buffer", signal.SIGSTOP)  # hold the run until the new process serves, so it can be killed again
-            try:
-                await job.wait_event("restarted", "rollout-0", timeout=90)
-                with trio.fail_after(90):
-                    while "assigned:rollout-0" not in (await job.ask("router", StatusQuery())).counters:
-                        await trio.sleep(0.05)
-            finally:
-                job.kill("buffer", signal.SIGCONT)
+            await hold_run_until_serving(job, "rollout-0", "restarted")  # so the new process can be killed again
             done.append("killed at 1")
         if row["step"] == 4:  # the restarted process
             held.append(await stop_while_busy(job, "rollout-0"))
@@ -153,14 +159,7 @@ async def test_a_worker_joins_over_tcp_with_the_token_and_is_refused_without(tmp
         refused = await trio.run_process([*command, "--name", "intruder", "--token", "wrong"], capture_stdout=True,
                                          capture_stderr=True, check=False, env=_env())
         seen["refused"] = (refused.returncode, refused.stderr.decode())
-        job.kill("buffer", signal.SIGSTOP)  # hold the run until the newcomer serves (fast machines finish first)
-        try:
-            await job.wait_event("joined", "rollout-joined", timeout=90)
-            with trio.fail_after(90):
-                while "assigned:rollout-joined" not in (await job.ask("router", StatusQuery())).counters:
-                    await trio.sleep(0.05)
-        finally:
-            job.kill("buffer", signal.SIGCONT)
+        await hold_run_until_serving(job, "rollout-joined", "joined")
         with trio.fail_after(60):
             while not (await job.ask("router", StatusQuery())).counters.get("dispatched_to:rollout-joined"):
                 await trio.sleep(0.05)

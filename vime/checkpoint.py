@@ -30,17 +30,23 @@ def folder(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Write checkpoint ``step`` with ``write(tmp_folder)``, then publish it atomically."""
-    root = folder(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".step_{step:08d}.tmp"
+def write_folder(final: Path, write: Callable[[Path], None]) -> Path:
+    """Fill ``final`` with ``write(tmp_folder)`` beside it, synced, then renamed into place:
+    a reader (or a crash) never meets half a folder. A folder already there is replaced."""
+    tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
     _sync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)  # a leftover of a run that crashed after this step once before
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    return final
+
+
+def save(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Write checkpoint ``step`` with ``write(tmp_folder)``, then publish it atomically."""
+    root = folder(run_dir)
+    final = write_folder(root / f"step_{step:08d}", write)
     pointer = root / "latest.tmp"
     pointer.write_text(final.name + "\n")
     _sync_file(pointer)

@@ -32,6 +32,12 @@ class SamplingParams:
         if self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """From the map a request carries (JSON/msgpack have lists, not tuples).
+        Raises TypeError for an unknown field and ValueError for a bad value."""
+        return cls(**{**values, "stop_token_ids": tuple(values.get("stop_token_ids", ()))})
+
 
 @dataclasses.dataclass
 class Sequence:
