@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,22 @@ class TorchTrainEngine(TrainEngine):
         self.dtype = dtype
         self.device = device
         self.weight_version = 0
-        self.policy = load_causal_lm(model_path, "fp32").to(device)
-        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if loss.kl_coef else None
+        self.policy = self._load_policy(model_path).to(device)
+        self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
         self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
         groups = [{"params": list(self.policy.parameters()), "lr": optim.lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": optim.critic_lr})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay,
+                                           betas=(optim.adam_beta1, optim.adam_beta2))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: optim.lr_factor(step, total_steps))
+
+    def _load_policy(self, model_path: str) -> torch.nn.Module:
+        """The policy in fp32 (the master weights), answering ``model(input_ids=, attention_mask=,
+        position_ids=).logits``: the one thing another backend overrides to reuse this step (called
+        again for the frozen KL reference)."""
+        return load_causal_lm(model_path, "fp32")
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: param.detach() for name, param in self.policy.named_parameters()}
@@ -173,9 +181,9 @@ class TorchTrainEngine(TrainEngine):
                                                    value_normalizer).items():
                     totals.setdefault(key, []).append(value)
             totals.setdefault("grad_norm", []).append(float(torch.nn.utils.clip_grad_norm_(
-                self.policy.parameters(), self.optim.grad_clip)))
+                self.policy.parameters(), self.optim.grad_clip or math.inf)))
             if self.critic is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.optim.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.optim.grad_clip or math.inf)
             self.optimizer.step()
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()

@@ -1,0 +1,290 @@
+"""The Megatron-core backend on CPU: weight conversion, log-prob parity with transformers, routing replay.
+
+Each family vime trains (Qwen3 dense, tied and untied; Qwen3-MoE; GLM-4.5
+MoE with attention biases, a shared expert, a dense first layer, an expert
+score bias and a routed scaling factor) is built at toy size with random
+weights spread wide enough that a wrong mapping shows: norms away from one,
+logits far from uniform, routing decided by the weights. megatron-core runs
+on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install --no-deps "
+                    "--ignore-requires-python megatron-core==0.19.2 triton==3.9.0")
+
+import transformers  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+
+from vime.algorithms.grpo import GRPOConfig  # noqa: E402
+from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
+from vime.algorithms.ppo import PPOConfig  # noqa: E402
+from vime.backends import megatron  # noqa: E402
+from vime.backends.base import TensorBatch, collate  # noqa: E402
+from vime.backends.hf import scaled_logprobs  # noqa: E402
+from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
+from vime.config import OptimConfig  # noqa: E402
+from vime.tools.make_tiny_model import tiny_config  # noqa: E402
+
+VOCAB = 256
+TEMPERATURE = 0.7
+CASES = {  # name: (arch, changes to the tiny config)
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "glm4_moe": ("glm4_moe", {"attention_bias": True, "routed_scaling_factor": 2.5}),
+}
+MOE_CASES = ["qwen3_moe", "glm4_moe"]
+
+
+def _hf_model(case: str) -> transformers.PreTrainedModel:
+    arch, changes = CASES[case]
+    config = tiny_config(arch, VOCAB)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    transformers.utils.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(sorted(CASES).index(case))
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            noise = torch.randn(tensor.shape, generator=generator)
+            if "norm" in name:
+                tensor.copy_(1 + 0.3 * noise)
+            elif "e_score_correction_bias" in name:
+                tensor.copy_(0.1 * noise)
+            else:
+                tensor.copy_(0.15 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel, dict[str, torch.Tensor], Path]]:
+    """Each case's transformers model, its checkpoint tensors as ``save_pretrained`` writes them, and its folder."""
+    from safetensors.torch import load_file
+
+    models = {}
+    for case in CASES:
+        model = _hf_model(case)
+        folder = tmp_path_factory.mktemp(case)
+        model.save_pretrained(folder)
+        models[case] = (model, load_file(folder / "model.safetensors"), folder)
+    return models
+
+
+def _megatron_model(hf_models, case: str, **kwargs) -> megatron.GPTModel:
+    model, checkpoint, _ = hf_models[case]
+    policy = megatron.build_model(model.config, **kwargs)
+    megatron.load_hf_weights(policy, checkpoint, model.config)
+    return policy.eval()
+
+
+def _right_padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [24, 17, 9]
+    input_ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=generator)
+    mask = (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)).long()
+    return input_ids * mask, mask
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_megatron_hf_round_trip_is_bit_exact(hf_models, case):
+    model, checkpoint, _ = hf_models[case]
+    back = megatron.hf_weights(_megatron_model(hf_models, case), model.config)
+    assert sorted(back) == sorted(checkpoint)
+    for name, tensor in checkpoint.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logprobs_match_transformers_in_fp32(hf_models, case):
+    model, _, _ = hf_models[case]
+    policy = _megatron_model(hf_models, case)
+    input_ids, mask = _right_padded_batch(seed=3)
+    with torch.no_grad():
+        ours = megatron.token_logprobs(megatron.forward(policy, input_ids).logits, input_ids, TEMPERATURE)
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+    theirs = scaled_logprobs(logits[:, :-1], TEMPERATURE).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    real = mask[:, 1:].bool()
+    assert theirs[real].std() > 1.0  # far from uniform: a wrong mapping could not hide
+    assert (ours - theirs)[real].abs().max() <= 1e-5
+
+
+def _hf_experts(model: transformers.PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The experts transformers' routers choose: ``[batch, seq, moe_layers, top_k]``, as a rollout records them."""
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda module, args, output, index=index: chosen.__setitem__(index, output[2]))
+        for index, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    with torch.no_grad():
+        model(input_ids=input_ids)
+    for hook in hooks:
+        hook.remove()
+    return torch.stack([chosen[index].view(*input_ids.shape, -1) for index in sorted(chosen)], dim=2)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_recorded_experts_are_those_transformers_routes_to(hf_models, case):
+    model, _, _ = hf_models[case]
+    policy = _megatron_model(hf_models, case, routing_replay=True)
+    input_ids, _ = _right_padded_batch(seed=4)
+    with torch.no_grad():
+        recorded = megatron.forward(policy, input_ids, record_experts=True).experts
+    expected = _hf_experts(model, input_ids)
+    assert recorded.shape == expected.shape
+    assert torch.equal(recorded.sort(-1).values, expected.sort(-1).values)  # top-k order is not meaningful
+
+
+def _routing_maps(policy) -> tuple[list[torch.Tensor], list]:
+    maps: list[torch.Tensor] = []
+    hooks = [module.register_forward_hook(lambda module, args, output: maps.append(output[1]))
+             for module in policy.modules() if isinstance(module, TopKRouter)]
+    return maps, hooks
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_replay_forces_recorded_experts_after_the_router_changes(hf_models, case):
+    model, _, _ = hf_models[case]
+    policy = _megatron_model(hf_models, case, routing_replay=True)
+    input_ids, _ = _right_padded_batch(seed=5)
+    with torch.no_grad():
+        recorded = megatron.forward(policy, input_ids, record_experts=True)
+        for module in policy.modules():
+            if isinstance(module, TopKRouter):
+                module.weight.add_(torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(6)))
+        moved = megatron.forward(policy, input_ids, record_experts=True).experts
+    assert not torch.equal(moved.sort(-1).values, recorded.experts.sort(-1).values)
+
+    maps, hooks = _routing_maps(policy)
+    replayed = megatron.forward(policy, input_ids, replay_experts=recorded.experts)
+    for hook in hooks:
+        hook.remove()
+    batch, seq = input_ids.shape
+    for layer, routing_map in enumerate(maps):  # [seq * batch, experts], sequence-major
+        chosen = routing_map.view(seq, batch, -1).transpose(0, 1)
+        expected = torch.zeros_like(chosen).scatter_(-1, recorded.experts[:, :, layer], True)
+        assert torch.equal(chosen, expected)
+    # the gates are the live router's scores at the replayed experts: the router still learns
+    megatron.token_logprobs(replayed.logits, input_ids, TEMPERATURE).sum().backward()
+    routers = [module for module in policy.modules() if isinstance(module, TopKRouter)]
+    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in routers)
+    # and replay is one forward only: the next routes freely again
+    with torch.no_grad():
+        assert torch.equal(megatron.forward(policy, input_ids, record_experts=True).experts, moved)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_replaying_bf16_rollout_experts_brings_fp32_logprobs_closer(hf_models, case):
+    """R3 at model level: a bf16 rollout routes some tokens differently from the fp32 trainer; replaying the
+    rollout's experts removes that part of train_rollout_logprob_abs_diff (measured here: qwen3_moe
+    0.046 -> 0.024, glm4_moe 0.029 -> 0.022)."""
+    model, _, _ = hf_models[case]
+    policy = _megatron_model(hf_models, case, routing_replay=True)
+    rollout = copy.deepcopy(model).to(torch.bfloat16)
+    input_ids = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        experts = _hf_experts(rollout, input_ids)
+        logits = rollout(input_ids=input_ids).logits
+        rollout_logprobs = scaled_logprobs(logits[:, :-1], TEMPERATURE).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        free = megatron.forward(policy, input_ids, record_experts=True)
+        replayed = megatron.forward(policy, input_ids, replay_experts=experts)
+    assert not torch.equal(free.experts.sort(-1).values, experts.sort(-1).values)  # bf16 did route differently
+    diff_free = (megatron.token_logprobs(free.logits, input_ids, TEMPERATURE) - rollout_logprobs).abs().mean()
+    diff_r3 = (megatron.token_logprobs(replayed.logits, input_ids, TEMPERATURE) - rollout_logprobs).abs().mean()
+    assert diff_r3 < 0.9 * diff_free
+
+
+def test_replay_needs_experts_for_every_token_and_moe_layer(hf_models):
+    policy = _megatron_model(hf_models, "qwen3_moe", routing_replay=True)
+    input_ids, _ = _right_padded_batch(seed=7)
+    with pytest.raises(ValueError, match="moe_layers"):
+        megatron.forward(policy, input_ids, replay_experts=torch.zeros(3, 24, 1, 2, dtype=torch.long))
+    dense = _megatron_model(hf_models, "qwen3", routing_replay=True)
+    with pytest.raises(ValueError, match="routing_replay=True"):
+        megatron.forward(dense, input_ids, record_experts=True)
+
+
+def test_hf_folder_written_from_megatron_loads_in_transformers(hf_models, tmp_path):
+    model, _, _ = hf_models["glm4_moe"]
+    policy = _megatron_model(hf_models, "glm4_moe")
+    megatron.write_hf_folder(tmp_path, model.config, megatron.hf_weights(policy, model.config))
+    config, state = megatron.read_hf_folder(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids, _ = _right_padded_batch(seed=8)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=input_ids).logits, model(input_ids=input_ids).logits)
+    assert config.model_type == "glm4_moe" and sorted(state) == sorted(hf_models["glm4_moe"][1])
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    llama = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        megatron.transformer_config(llama)
+    glm = tiny_config("glm4_moe", VOCAB)
+    glm.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        megatron.transformer_config(glm)
+
+
+# -- the train engine -------------------------------------------------------------------------------------------
+
+
+def _engine(cls, folder: Path, **loss):
+    return cls(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=2, micro_batch_size=2),
+               loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+               temperature=TEMPERATURE, total_steps=4)
+
+
+def _batch(seed: int) -> TensorBatch:
+    """Two groups of three made-up responses of different lengths, with rollout log-probs near the truth."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (5, 5, 5, 8, 8, 8)]
+    responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (6, 3, 9, 4, 7, 2)]
+    logprobs = [(-5.0 + torch.randn(len(r), generator=generator)).tolist() for r in responses]
+    return collate(prompts, responses, logprobs, [[0] * len(r) for r in responses],
+                   rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0], group_ids=[0, 0, 0, 1, 1, 1], pad_token_id=0)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
+def test_train_step_matches_the_reference_trainer(hf_models, case):
+    _, _, folder = hf_models[case]
+    reference, engine = _engine(TorchTrainEngine, folder, kl_coef=0.1), _engine(megatron.MegatronTrainEngine, folder,
+                                                                               kl_coef=0.1)
+    batch = _batch(seed=0)
+    expected, got = reference.train_step(batch), engine.train_step(batch)
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
+    assert engine.weight_version == 1
+    theirs = reference.policy.state_dict()
+    ours = engine.named_weights()
+    for name, tensor in ours.items():
+        if ".experts." in name:  # transformers keeps experts fused in memory: [experts, 2 * ffn, hidden]
+            continue
+        assert torch.allclose(tensor, theirs[name], atol=1e-5), name
+    fused = theirs["model.layers.1.mlp.experts.gate_up_proj"] if case == "qwen3_moe" else None
+    if fused is not None:
+        gate, up = ours["model.layers.1.mlp.experts.2.gate_proj.weight"], ours["model.layers.1.mlp.experts.2.up_proj.weight"]
+        assert torch.allclose(torch.cat([gate, up]), fused[2], atol=1e-5)
+
+
+def test_save_and_load_continue_training_exactly(hf_models, tmp_path):
+    _, _, folder = hf_models["qwen3"]
+    engine = _engine(megatron.MegatronTrainEngine, folder)
+    engine.train_step(_batch(seed=0))
+    engine.save(tmp_path)
+    resumed = _engine(megatron.MegatronTrainEngine, folder)
+    resumed.load(tmp_path)
+    assert resumed.weight_version == 1
+    expected, got = engine.train_step(_batch(seed=1)), resumed.train_step(_batch(seed=1))
+    assert got == expected
+    ours, theirs = engine.named_weights(), resumed.named_weights()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.model_type == "qwen3"

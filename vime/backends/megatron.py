@@ -1,0 +1,547 @@
+"""The policy as a megatron-core GPTModel, built from a Hugging Face config.
+
+What is here: the mapping from a Hugging Face config of the three families
+vime trains (``qwen3``, ``qwen3_moe``, ``glm4_moe``) to a megatron-core
+``TransformerConfig`` and layer spec; the conversion of Hugging Face
+safetensors weights to Megatron's layout and back (bit-exact both ways); a
+core attention on ``torch.nn.functional.scaled_dot_product_attention``, the
+one attention path on CPU and GPU (no Transformer Engine); per-token
+log-probs under the sampling temperature, computed exactly as the rollout
+reports them (``vime.backends.hf.scaled_logprobs``); R3 -- recording the
+experts each token is routed to, and replaying given experts, through
+megatron-core's ``RouterReplay``, with the gate weights still differentiable;
+and ``MegatronTrainEngine``, the reference trainer's step on this model.
+
+What is deliberately not here yet: tensor, pipeline and expert parallelism
+(``init_parallel`` sets up a single rank, and the conversions work on whole,
+unsharded tensors), Megatron's own optimizer and mixed-precision wrapper,
+sequence packing, activation recomputation, and PPO's value model.
+
+Layout conventions that the conversion relies on:
+
+- Megatron fuses q, k and v into ``linear_qkv`` *grouped by key/value head*:
+  for each of the ``num_key_value_heads`` groups, that group's query heads,
+  then its key head, then its value head (weights and biases alike).
+- ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` stacked on the output dim.
+- Hugging Face checkpoints store experts one by one
+  (``mlp.experts.{e}.gate_proj.weight``), as ``save_pretrained`` writes them
+  and vLLM reads them; GLM's ``e_score_correction_bias`` is Megatron's
+  ``router.expert_bias``.
+- The rotary embedding uses positions ``0..seq-1`` of each row, so batches
+  are right-padded (as ``vime.backends.base.collate`` pads them): padding
+  then sits after every real token and, under causal attention, cannot change
+  a real token's output.
+
+On CPU (tests only) ``vime.backends.cpu_compat`` patches the one CUDA query
+megatron-core cannot do without, and MoE layers use the ``allgather``
+token dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vime.algorithms import grpo, ppo
+from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.backends import cpu_compat
+from vime.backends.hf import check_model_folder, scaled_logprobs
+from vime.backends.torch_train import TorchTrainEngine
+from vime.config import OptimConfig
+
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
+
+
+def init_parallel() -> None:
+    """Set up torch.distributed and megatron-core's process groups for one rank, once.
+
+    Megatron's layers look up their tensor/pipeline/expert groups globally, so
+    even a single-process model needs them. With no launcher around, the
+    process group is a world of one over an in-memory store (no port).
+    Without CUDA (tests), megatron-core is first patched to place tensors on the CPU.
+    """
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise NotImplementedError("vime's Megatron backend runs on one rank so far; launch it without torchrun")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+class SDPAttention(MegatronModule):
+    """Megatron core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Megatron's local ``DotProductAttention`` materialises the ``[b, heads, s, s]``
+    score matrix; SDPA picks a fused kernel instead (flash attention on the
+    GPU, a blocked kernel on CPU) and handles grouped-query attention without
+    repeating the key/value heads. It replaces the local core attention on CPU
+    and GPU alike, so tests and training run the same code.
+
+    Only causal self-attention over unpacked sequences is supported: that is
+    all a decoder-only policy needs when batches are right-padded.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal or config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention covers causal self-attention without context parallelism")
+        self.softmax_scale = softmax_scale  # None: SDPA's 1/sqrt(head_dim), as in every supported family
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        """``query [s, b, heads, d]``, ``key``/``value [s, b, groups, d]`` -> ``[s, b, heads * d]``."""
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention takes neither masks, biases nor packed sequences: "
+                                      "right-pad the batch and rely on the causal mask")
+        query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=query.shape[1] != key.shape[1])
+        seq, batch = context.shape[2], context.shape[0]
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _check_family(hf_config: Any) -> None:
+    family = hf_config.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported by the Megatron backend; "
+                         f"supported: {', '.join(FAMILIES)}")
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: the Megatron backend builds SwiGLU MLPs only")
+    rope = hf_config.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; only plain RoPE is")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported by the Megatron backend")
+    if family == "glm4_moe":
+        if not hf_config.norm_topk_prob:
+            raise ValueError("glm4_moe with norm_topk_prob=False: megatron-core always normalises sigmoid top-k")
+        if hf_config.n_group > 1 and hf_config.num_experts_per_tok != 2 * hf_config.topk_group:
+            # HF scores a group by its best two experts, Megatron by its best top_k / topk_group
+            raise ValueError("glm4_moe group-limited routing maps to Megatron only when "
+                             "num_experts_per_tok == 2 * topk_group")
+
+
+def moe_layer_pattern(hf_config: Any) -> list[int]:
+    """1 for each decoder layer that is a mixture of experts, 0 for a dense one, in order."""
+    layers = hf_config.num_hidden_layers
+    if hf_config.model_type == "qwen3_moe":
+        return [int(layer not in hf_config.mlp_only_layers and hf_config.num_experts > 0
+                    and (layer + 1) % hf_config.decoder_sparse_step == 0) for layer in range(layers)]
+    if hf_config.model_type == "glm4_moe":
+        return [int(layer >= hf_config.first_k_dense_replace) for layer in range(layers)]
+    return [0] * layers
+
+
+def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
+                       routing_replay: bool = False) -> TransformerConfig:
+    """The megatron-core config equivalent to ``hf_config``.
+
+    Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
+    takes a softmax over the top-k router logits (the same as softmax-then-
+    renormalise when ``norm_topk_prob``), GLM-4.5 a sigmoid, chooses experts
+    by score plus ``e_score_correction_bias``, renormalises and scales by
+    ``routed_scaling_factor``. The router runs in fp32, as both HF models do.
+    No load-balancing loss is added and the expert bias is never updated here:
+    the loss is the RL loss alone, as in the reference trainer.
+    """
+    _check_family(hf_config)
+    family = hf_config.model_type
+    settings: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads, kv_channels=hf_config.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=hf_config.attention_bias,
+        qk_layernorm=hf_config.use_qk_norm if family == "glm4_moe" else True,
+        hidden_dropout=0.0, attention_dropout=hf_config.attention_dropout,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+    )
+    pattern = moe_layer_pattern(hf_config)
+    if any(pattern):
+        settings.update(
+            num_moe_experts=hf_config.num_experts if family == "qwen3_moe" else hf_config.n_routed_experts,
+            moe_router_topk=hf_config.num_experts_per_tok, moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_layer_freq=pattern, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32", moe_grouped_gemm=False, moe_enable_routing_replay=routing_replay,
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        )
+        if family == "qwen3_moe":
+            settings.update(moe_router_score_function="softmax", moe_router_pre_softmax=not hf_config.norm_topk_prob)
+        else:
+            settings.update(
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=hf_config.routed_scaling_factor,
+                moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts)
+            if hf_config.n_group > 1:
+                settings.update(moe_router_num_groups=hf_config.n_group, moe_router_group_topk=hf_config.topk_group)
+    return TransformerConfig(**settings)
+
+
+def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
+                routing_replay: bool = False) -> GPTModel:
+    """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
+
+    ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
+    :func:`forward` to record or replay experts.
+    """
+    init_parallel()
+    config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    for layer_spec in block.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    rope = hf_config.rope_parameters
+    model = GPTModel(
+        config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+        rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+# --- weights -------------------------------------------------------------------------------------------------
+
+
+def _only(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def _whole(tensor: torch.Tensor) -> tuple[torch.Tensor]:
+    return (tensor,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorMap:
+    """One Megatron tensor and the Hugging Face tensors it is made of, with the two ways between them."""
+
+    hf_names: tuple[str, ...]
+    megatron_name: str
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor] = _only  # one-to-one unless given
+    split: Callable[[torch.Tensor], Sequence[torch.Tensor]] = _whole
+
+
+def _qkv_map(hf_names: tuple[str, ...], megatron_name: str, hf_config: Any) -> _TensorMap:
+    """q, k and v interleaved by key/value group, as Megatron's ``linear_qkv`` holds them."""
+    groups, head_dim = hf_config.num_key_value_heads, hf_config.head_dim
+    per_group = hf_config.num_attention_heads // groups
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = parts
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(groups, per_group, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                          v.reshape(groups, 1, head_dim, *rest)], dim=1).reshape(-1, *rest)
+
+    def split(qkv: torch.Tensor) -> Sequence[torch.Tensor]:
+        rest = qkv.shape[1:]
+        parts = qkv.reshape(groups, per_group + 2, head_dim, *rest).split([per_group, 1, 1], dim=1)
+        return [part.reshape(-1, *rest) for part in parts]
+
+    return _TensorMap(hf_names, megatron_name, fuse, split)
+
+
+def _tensor_maps(hf_config: Any) -> list[_TensorMap]:
+    """Every tensor of the GPTModel, and where it comes from in a Hugging Face checkpoint."""
+    maps = [_TensorMap(("model.embed_tokens.weight",), "embedding.word_embeddings.weight"),
+            _TensorMap(("model.norm.weight",), "decoder.final_layernorm.weight")]
+    if not hf_config.tie_word_embeddings:
+        maps.append(_TensorMap(("lm_head.weight",), "output_layer.weight"))
+    experts = hf_config.num_experts if hf_config.model_type == "qwen3_moe" else getattr(hf_config, "n_routed_experts", 0)
+    for layer, moe in enumerate(moe_layer_pattern(hf_config)):
+        hf, megatron = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        pairs = [("input_layernorm.weight", "input_layernorm.weight"),
+                 ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+                 ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight")]
+        if hf_config.model_type != "glm4_moe" or hf_config.use_qk_norm:
+            pairs += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                      ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
+        mlps = [("mlp.", "mlp.")]
+        if moe:
+            pairs.append(("mlp.gate.weight", "mlp.router.weight"))
+            mlps = [(f"mlp.experts.{expert}.", f"mlp.experts.local_experts.{expert}.") for expert in range(experts)]
+            if hf_config.model_type == "glm4_moe":
+                pairs.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
+                mlps.append(("mlp.shared_experts.", "mlp.shared_experts."))
+        maps += [_TensorMap((hf + hf_name,), megatron + megatron_name) for hf_name, megatron_name in pairs]
+        for kind in ("weight", "bias") if hf_config.attention_bias else ("weight",):
+            maps.append(_qkv_map(tuple(f"{hf}self_attn.{proj}_proj.{kind}" for proj in "qkv"),
+                                 f"{megatron}self_attention.linear_qkv.{kind}", hf_config))
+        for hf_mlp, megatron_mlp in mlps:
+            maps += [_TensorMap((f"{hf}{hf_mlp}gate_proj.weight", f"{hf}{hf_mlp}up_proj.weight"),
+                                f"{megatron}{megatron_mlp}linear_fc1.weight", torch.cat, lambda fc1: fc1.chunk(2)),
+                     _TensorMap((f"{hf}{hf_mlp}down_proj.weight",), f"{megatron}{megatron_mlp}linear_fc2.weight")]
+    return maps
+
+
+def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Hugging Face checkpoint tensors (safetensors names) as the GPTModel's state, by Megatron name.
+
+    GLM-4.5 checkpoints carry multi-token-prediction layers after the last
+    decoder layer (``model.layers.{num_hidden_layers}...``); like the Hugging
+    Face model, the policy has no use for them and they are left out, as is a
+    tied model's ``lm_head.weight`` if the checkpoint stores it. Any other
+    tensor that has no place in the model is an error.
+    """
+    _check_family(hf_config)
+    state = dict(hf_state)
+    maps = _tensor_maps(hf_config)
+    missing = [name for tensor_map in maps for name in tensor_map.hf_names if name not in state]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors its config.json implies, e.g. {missing[:3]}; "
+                         "is it a complete Hugging Face folder of this model?")
+    out = {tensor_map.megatron_name: tensor_map.fuse([state.pop(name) for name in tensor_map.hf_names])
+           for tensor_map in maps}
+    extra_layers = f"model.layers.{hf_config.num_hidden_layers}."
+    unknown = sorted(name for name in state if not name.startswith(extra_layers)
+                     and not (hf_config.tie_word_embeddings and name == "lm_head.weight"))
+    if unknown:
+        raise ValueError(f"checkpoint tensors with no place in a {hf_config.model_type} model: {unknown[:5]}")
+    return out
+
+
+def megatron_to_hf(megatron_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron`: Hugging Face checkpoint names and layouts, contiguous tensors.
+
+    This is what ``save_pretrained`` writes and vLLM loads. A tied model gives
+    ``model.embed_tokens.weight`` only, as Hugging Face saves it.
+    """
+    state = dict(megatron_state)
+    out: dict[str, torch.Tensor] = {}
+    for tensor_map in _tensor_maps(hf_config):
+        for name, tensor in zip(tensor_map.hf_names, tensor_map.split(state.pop(tensor_map.megatron_name)),
+                                strict=True):
+            out[name] = tensor.contiguous()
+    if state:
+        raise ValueError(f"Megatron tensors with no Hugging Face counterpart: {sorted(state)[:5]}")
+    return out
+
+
+def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out)."""
+    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if isinstance(tensor, torch.Tensor)}
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid)."""
+    converted = hf_to_megatron(hf_state, hf_config)
+    live = model_tensors(model)
+    if set(converted) != set(live):
+        raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - set(converted))[:5]},"
+                         f" unknown {sorted(set(converted) - set(live))[:5]}")
+    for name, tensor in converted.items():
+        live[name].copy_(tensor)
+
+
+def hf_weights(model: GPTModel, hf_config: Any) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies)."""
+    return megatron_to_hf({name: tensor.detach() for name, tensor in model_tensors(model).items()}, hf_config)
+
+
+def read_hf_folder(folder: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The config and every safetensors tensor of a Hugging Face model folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = check_model_folder(folder, tokenizer=False)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    return AutoConfig.from_pretrained(folder), state
+
+
+def write_hf_folder(folder: str | Path, hf_config: Any, hf_state: Mapping[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` as ``save_pretrained`` would (one shard)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(folder)
+    save_file({name: tensor.contiguous() for name, tensor in hf_state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+# --- forward, log-probs, routing replay ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """What one forward gives: the logits, and the experts chosen when they were recorded."""
+
+    logits: torch.Tensor  # [batch, seq, vocab]
+    experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
+
+
+def _replay_handles(model: GPTModel) -> list[RouterReplay]:
+    """The RouterReplay handle of each MoE layer of ``model``, in layer order.
+
+    megatron-core also keeps every handle ever created in a class-level list
+    (``RouterReplay.global_router_replay_instances``); that list spans every
+    model built in the process, so vime addresses the model's own handles.
+    """
+    handles = [module.router_replay for module in model.modules() if isinstance(module, TopKRouter)]
+    if not handles or any(handle is None for handle in handles):
+        raise ValueError("recording or replaying experts needs an MoE model built with routing_replay=True")
+    return handles
+
+
+@contextlib.contextmanager
+def _routing(model: GPTModel, input_ids: torch.Tensor, experts: torch.Tensor | None,
+             record: bool) -> Iterator[list[RouterReplay]]:
+    if experts is None and not record:
+        yield []
+        return
+    handles = _replay_handles(model)
+    if experts is not None:
+        batch, seq = input_ids.shape
+        if experts.shape[:3] != (batch, seq, len(handles)):
+            raise ValueError(f"experts of shape {tuple(experts.shape)} do not fit a batch of {batch} x {seq} tokens "
+                             f"through {len(handles)} MoE layers: pass [batch, seq, moe_layers, top_k]")
+        # Megatron's router sees tokens sequence-major: token (position p, row r) is number p * batch + r
+        per_layer = experts.to(torch.long).permute(2, 1, 0, 3).reshape(len(handles), seq * batch, -1)
+    try:
+        for layer, handle in enumerate(handles):
+            handle.clear_indices()
+            if experts is not None:
+                handle.set_target_indices(per_layer[layer])
+                handle.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            else:
+                handle.set_router_replay_action(RouterReplayAction.RECORD)
+        yield handles
+    finally:
+        for handle in handles:
+            handle.clear_router_replay_action()
+
+
+def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.Tensor | None = None,
+            record_experts: bool = False) -> ForwardOutput:
+    """Logits of right-padded ``input_ids [batch, seq]``, routing freely, recording, or replaying experts.
+
+    ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
+    layer send each token to those experts; the gate weights are the router's
+    live scores at them, so the router still learns. Positions past a row's
+    last real token may hold any valid expert ids. ``record_experts`` returns
+    the experts the routers chose, in that same layout.
+    """
+    batch, seq = input_ids.shape
+    positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    with _routing(model, input_ids, replay_experts, record_experts) as handles:
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)
+        experts = None
+        if record_experts:
+            recorded = torch.stack([handle.get_recorded_indices() for handle in handles])  # [layers, seq*batch, k]
+            experts = recorded.reshape(len(handles), seq, batch, -1).permute(2, 1, 0, 3).contiguous()
+        for handle in handles:
+            handle.clear_indices()
+    return ForwardOutput(logits=logits, experts=experts)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) under ``softmax(logits / temperature)``, fp32: ``[batch, seq - 1]``.
+
+    The same formula as the rollout engines and the reference trainer
+    (``scaled_logprobs``), so the three agree to float rounding.
+    """
+    logprobs = scaled_logprobs(logits[:, :-1], temperature)
+    return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+# --- the train engine ------------------------------------------------------------------------------------------
+
+
+class _AsCausalLM(torch.nn.Module):
+    """A GPTModel called the way the reference trainer calls a transformers causal LM.
+
+    The reference trainer's step (score, advantages, mini- and micro-batches,
+    loss, clipping, AdamW, schedule) is written against
+    ``model(input_ids=, attention_mask=, position_ids=).logits``; answering
+    that call lets :class:`MegatronTrainEngine` run the very same step. The
+    trainer's batches are right-padded and trimmed, so the mask and positions
+    it passes are those the causal GPTModel assumes anyway.
+    """
+
+    def __init__(self, model: GPTModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> ForwardOutput:
+        return forward(self.model, input_ids)
+
+
+class MegatronTrainEngine(TorchTrainEngine):
+    """The trainer on a megatron-core GPTModel, with the reference trainer's training step.
+
+    Everything algorithmic -- log-prob recomputation, advantages, the policy
+    loss of ``vime.algorithms``, mini- and micro-batches, clipping, AdamW and
+    the schedule -- is inherited from :class:`TorchTrainEngine`, so the two
+    backends cannot drift apart; this class supplies the model (built from
+    the Hugging Face config, weights converted on load) and the conversions
+    back to Hugging Face names for weight sync, ``save_hf`` and checkpoints.
+    ``dtype="bf16"`` runs the forward under bf16 autocast over fp32 master
+    weights, as the reference trainer does.
+
+    GRPO only for now: PPO's value model is a Hugging Face backbone there.
+    """
+
+    def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
+                 grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
+                 total_steps: int = 1, seed: int = 0) -> None:
+        if algo != "grpo":
+            raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
+                                      "use the torch trainer for ppo")
+        self.hf_config, self._checkpoint = read_hf_folder(model_path)
+        super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
+                         ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
+                         seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
+        del self._checkpoint
+
+    def _load_policy(self, model_path: str) -> _AsCausalLM:
+        return self._policy(self._checkpoint)
+
+    def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
+        model = build_model(self.hf_config)
+        load_hf_weights(model, checkpoint, self.hf_config)
+        return _AsCausalLM(model).eval()
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies)."""
+        return hf_weights(self.policy.model, self.hf_config)
+
+    def save_hf(self, folder: Path) -> None:
+        write_hf_folder(folder, self.hf_config, self.named_weights())
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / "trainer.pt", weights_only=True)
+        load_hf_weights(self.policy.model, read_hf_folder(folder / "model")[1], self.hf_config)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.weight_version = state["weight_version"]
