@@ -19,6 +19,14 @@ messages and the message clock, so ``vime.replay`` can re-drive it.
 At a checkpoint the trainer asks for the buffer's whole state (SnapshotQuery);
 started from a checkpoint, the buffer takes that state back and re-issues
 the groups that were in flight, under their own ids (``resumed_in_flight``).
+
+Evaluation (``--eval-data``, ``--eval-every``): when a version to evaluate
+is published (and at the start, for version 0), the buffer issues one group
+of ``--eval-samples`` responses per held-out prompt, ahead of the training
+groups issued with it, asking for at least that version, with the eval
+sampling settings. Eval groups share the id sequence but nothing else: they
+never enter a batch, the counters or a checkpoint. Once all of a version's
+groups are scored, the trainer gets their ``eval/*`` metrics (EvalResult).
 """
 
 from __future__ import annotations
@@ -32,15 +40,18 @@ from typing import Any
 from vime import checkpoint
 from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
-from vime.backends.hf import load_tokenizer
+from vime.backends.hf import load_tokenizer, stop_token_ids
 from vime.config import RunConfig
 from vime.data import PromptSource, check_row, load_rows, prompt_ids
+from vime.evaluation import eval_metrics, eval_rows
 from vime.plugins import import_function
 from vime.protocol import (
     BufferState,
+    EvalResult,
     GenerateGroup,
     InjectPrompts,
     Injected,
+    Sample,
     ScoredGroup,
     SnapshotQuery,
     TrainBatch,
@@ -64,9 +75,15 @@ class Buffer(Actor):
                                              label_key=data.label_key), seed=settings.seed,
                                    epochs=data.epochs)
         sampling = dataclasses.asdict(self.run.sampling)
-        if not sampling["stop_token_ids"] and self.tokenizer.eos_token_id is not None:
-            sampling["stop_token_ids"] = [self.tokenizer.eos_token_id]  # a real model stops at its EOS
+        if not sampling["stop_token_ids"]:  # a real model stops at its EOS
+            sampling["stop_token_ids"] = stop_token_ids(self.run.model.model_path, self.tokenizer)
         self._sampling = {**sampling, "stop_token_ids": list(sampling["stop_token_ids"])}
+        self.eval_rows = eval_rows(self.run)
+        self.eval_versions = set(self.run.eval.versions(self.run.job.steps))
+        self._eval_sampling = {**dataclasses.asdict(self.run.eval.sampling(self.run.sampling)),
+                               "stop_token_ids": self._sampling["stop_token_ids"]}
+        self.eval_rounds: dict[int, dict[int, list[Sample]]] = {}  # version -> eval group id -> scored samples
+        self.eval_version_of: dict[int, int] = {}  # eval group id -> the version it evaluates
         self.custom_rollout = import_function(data.custom_rollout, "--custom-rollout") if data.custom_rollout else None
         self.injected: collections.deque[dict[str, Any]] = collections.deque()
         self.trainer_version = 0
@@ -83,6 +100,8 @@ class Buffer(Actor):
             self._restore(checkpoint.read_record(Path(resume) / "buffer.vmsg", BufferState))
             for request in list(self.in_flight.values()):
                 await self.tell("router", request)
+        elif 0 in self.eval_versions:
+            await self._issue_eval(0)
         await self._issue()
 
     def _restore(self, state: BufferState) -> None:
@@ -107,11 +126,16 @@ class Buffer(Actor):
 
     @handles(WeightsPublished)
     async def _on_weights(self, msg: WeightsPublished, envelope: Envelope) -> None:
+        if msg.version > self.trainer_version and msg.version in self.eval_versions:
+            await self._issue_eval(msg.version)
         self.trainer_version = max(self.trainer_version, msg.version)
         await self._issue()
 
     @handles(ScoredGroup)
     async def _on_scored(self, msg: ScoredGroup, envelope: Envelope) -> None:
+        if msg.group_id in self.eval_version_of:
+            await self._on_eval_scored(msg)
+            return
         if self.in_flight.pop(msg.group_id, None) is None:
             self.counters["duplicates"] += 1
             return
@@ -219,20 +243,45 @@ class Buffer(Actor):
                 "pass --epochs 0 (as many as needed) or more data"))
 
     async def _issue_group(self, row: dict[str, Any], min_weight_version: int) -> None:
+        request = self._request(row, row.get("group_size", self.run.data.group_size),
+                                {**self._sampling, **row.get("sampling", {})}, min_weight_version)
+        self.in_flight[request.group_id] = request
+        self.counters["issued"] += 1
+        await self.tell("router", request)
+
+    def _request(self, row: dict[str, Any], group_size: int, sampling: dict[str, Any],
+                 min_weight_version: int) -> GenerateGroup:
+        """The generation request for a prompt row, under the next group id."""
         group_id = self.next_group_id
         self.next_group_id += 1
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
         data = self.run.data
         ids = prompt_ids(self.tokenizer, row["prompt"], template=data.prompt_template, chat=data.chat_template,
                          thinking=data.enable_thinking)
-        request = GenerateGroup(group_id=group_id, prompt_ids=ids,
-                                label=str(row["label"]), metadata=metadata,
-                                group_size=row.get("group_size", self.run.data.group_size),
-                                min_weight_version=min_weight_version,
-                                sampling={**self._sampling, **row.get("sampling", {})})
-        self.in_flight[group_id] = request
-        self.counters["issued"] += 1
-        await self.tell("router", request)
+        return GenerateGroup(group_id=group_id, prompt_ids=ids, label=str(row["label"]), metadata=metadata,
+                             group_size=group_size, min_weight_version=min_weight_version, sampling=sampling)
+
+    # ----------------------------------------------------------------- eval
+
+    async def _issue_eval(self, version: int) -> None:
+        """Every eval prompt, once, for weight version ``version``."""
+        requests = [self._request(row, self.run.eval.eval_samples, self._eval_sampling, version)
+                    for row in self.eval_rows]
+        self.eval_rounds[version] = {}
+        for request in requests:
+            self.eval_version_of[request.group_id] = version
+        self.log.info("evaluating", version=version, prompts=len(requests))
+        for request in requests:
+            await self.tell("router", request)
+
+    async def _on_eval_scored(self, msg: ScoredGroup) -> None:
+        version = self.eval_version_of.pop(msg.group_id)
+        scored = self.eval_rounds[version]
+        scored[msg.group_id] = msg.samples
+        if len(scored) == len(self.eval_rows):
+            del self.eval_rounds[version]
+            metrics = eval_metrics([scored[group_id] for group_id in sorted(scored)], version)
+            await self.tell("trainer", EvalResult(version=version, metrics=metrics))
 
     # ---------------------------------------------------------------- batch
 

@@ -16,6 +16,13 @@ published -- so the two agree on which groups were trained. Started with a
 checkpoint (``--resume``), it continues from there and sends the restored
 weights to every worker that says WorkerReady.
 
+With evaluation on, a step's row waits (in a writer task; training goes on)
+for the ``eval/*`` metrics of the version the step produced when that version
+is evaluated, so metrics.jsonl holds them beside the step's own; every eval
+result, version 0's included, is also appended to RUN_DIR/eval.jsonl as it
+arrives. A checkpoint is written only once the rows before it are, so a
+resumed run neither loses nor repeats a row.
+
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
 ``time_generate_s`` and ``time_reward_s`` from the rollout side.
@@ -23,11 +30,12 @@ batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import trio
@@ -38,7 +46,15 @@ from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
-from vime.protocol import SnapshotQuery, TrainBatch, WantBatch, WeightsChunk, WeightsPublished, WorkerReady
+from vime.protocol import (
+    EvalResult,
+    SnapshotQuery,
+    TrainBatch,
+    WantBatch,
+    WeightsChunk,
+    WeightsPublished,
+    WorkerReady,
+)
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
@@ -62,16 +78,23 @@ class Trainer(Actor):
         self.run_dir = Path(settings.run_dir or ".")
         self.tokenizer = load_tokenizer(run.model.model_path)
         self.metrics = MetricsWriter(self.run_dir)
+        self.rows_in, self.rows = trio.open_memory_channel[dict[str, Any]](math.inf)
+        self.eval_versions = set(run.eval.versions(run.job.steps))
+        self.eval_results: dict[int, dict[str, float]] = {}
         self.first_step = 0
+        self.rows_written = 0  # steps whose row is in metrics.jsonl
+        self._changed = trio.Event()  # set (and replaced) when a row is written or an eval result arrives
         resume = self.config.get("checkpoint")
         if resume:
             self.engine.load(Path(resume))
             self.first_step = checkpoint.step_of(Path(resume))
             self.published = self._weight_chunks()
+            self.rows_written = self.first_step
             self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
 
     async def on_start(self) -> None:
         self.start_soon(self._train_loop)
+        self.start_soon(self._write_rows)
 
     async def on_stop(self) -> None:
         self.metrics.close()
@@ -88,6 +111,33 @@ class Trainer(Actor):
         if msg.weight_version < self.published[0].version:
             await self._send_weights(envelope.sender, self.published)
         return WeightsPublished(version=self.published[0].version)
+
+    @handles(EvalResult)
+    async def _on_eval(self, msg: EvalResult, envelope: Envelope) -> None:
+        self.eval_results[msg.version] = msg.metrics
+        with (self.run_dir / "eval.jsonl").open("a") as file:
+            file.write(json.dumps({"weight_version": msg.version, **msg.metrics}) + "\n")
+        self.log.info("evaluated", version=msg.version, pass_at_1=msg.metrics.get("eval/pass@1"))
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    async def _write_rows(self) -> None:
+        """Append each step's row in order, with its version's eval metrics when that version is evaluated."""
+        async for row in self.rows:
+            version = row["weight_version"]
+            if version in self.eval_versions:
+                await self._until(lambda: version in self.eval_results)
+                row.update(self.eval_results[version])
+            self.metrics.write({k: _plain(v) for k, v in row.items()})
+            self.rows_written = row["step"] + 1
+            self._notify()
 
     @handles(TrainBatch)
     async def _on_batch(self, msg: TrainBatch, envelope: Envelope) -> None:
@@ -111,6 +161,9 @@ class Trainer(Actor):
             synced = time.perf_counter()
             every = self.run.job.save_every
             if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:
+                version = self.engine.weight_version
+                await self._until(lambda: self.rows_written == step and (
+                    version not in self.eval_versions or version in self.eval_results))
                 await self._save(step + 1)
             every = self.run.job.save_hf_every
             if every and (step + 1) % every == 0:
@@ -134,7 +187,7 @@ class Trainer(Actor):
             }
             if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
                 await trio.to_thread.run_sync(self._export, self.run_dir / "checkpoint")
-            self.metrics.write({k: _plain(v) for k, v in row.items()})
+            await self.rows_in.send(row)
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
 

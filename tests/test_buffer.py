@@ -103,7 +103,7 @@ async def test_injected_prompts_go_first_with_their_metadata(model_path):
     request = issued(sent)[1]
     assert request.label == "8" and request.metadata == {"source": "ops"}
     assert request.prompt_ids == buffer.tokenizer("4+4=")["input_ids"]
-    with pytest.raises(ValueError, match="'prompt' string"):
+    with pytest.raises(ValueError, match=r"a 'prompt' \(a string"):
         await deliver(buffer, InjectPrompts(prompts=[{"text": "no prompt key"}]))
 
 

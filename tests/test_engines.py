@@ -391,13 +391,13 @@ def test_load_rows_and_its_errors(tmp_path):
     good.write_text("\n".join(json.dumps(row) for row in ROWS[:3]) + "\n\n")
     assert load_rows(str(good)) == ROWS[:3]
     assert len(load_rows(custom_data_source="vime.scenarios.arithmetic:prompts")) == 55
-    with pytest.raises(ValueError, match=r"pass --data FILE.jsonl or --custom-data-source"):
+    with pytest.raises(ValueError, match=r"pass --data FILE.jsonl \(or .parquet\) or --custom-data-source"):
         load_rows()
-    with pytest.raises(ValueError, match=r"no such file; pass a JSONL file"):
+    with pytest.raises(ValueError, match=r"no such file; pass a JSONL or Parquet file"):
         load_rows(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"question": "1+1=", "label": "2"}) + "\n")
-    expected = f"{bad}:2: a prompt row must be a map with a 'prompt' string and a 'label'"
+    expected = f"{bad}:2: a prompt row must be a map with a 'prompt' (a string"
     with pytest.raises(ValueError, match=re.escape(expected)):
         load_rows(str(bad))
     with pytest.raises(ValueError, match="expected package.module:function"):
@@ -412,6 +412,27 @@ def test_rows_named_otherwise_are_mapped_with_the_input_and_label_keys(tmp_path)
     with pytest.raises(ValueError, match=re.escape(f"{data}:1: the row has no --input-key 'problem'; "
                                                    "its keys are ['answer', 'id', 'question']")):
         load_rows(str(data), input_key="problem", label_key="answer")
+
+
+def test_parquet_rows_with_conversations_and_nested_labels(tmp_path):
+    """A verl-style Parquet file: the prompt a list of messages, the label inside reward_model."""
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+             "reward_model": {"ground_truth": str(2 * a), "style": "rule"}} for a in range(3)]
+    data = tmp_path / "train.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), data)
+    loaded = load_rows(str(data), label_key="reward_model.ground_truth")
+    assert [row["prompt"] for row in loaded] == [row["prompt"] for row in rows]
+    assert [row["label"] for row in loaded] == ["0", "2", "4"]
+    assert loaded[0]["data_source"] == "toy" and loaded[0]["reward_model"]["style"] == "rule"
+    with pytest.raises(ValueError, match=re.escape("row 0: the row has no --label-key 'reward_model.answer'")):
+        load_rows(str(data), label_key="reward_model.answer")
+    not_parquet = tmp_path / "broken.parquet"
+    not_parquet.write_text("{}")
+    with pytest.raises(ValueError, match="not a Parquet file"):
+        load_rows(str(not_parquet))
 
 
 def test_prompts_with_a_template_and_the_chat_template(tmp_path):
@@ -437,6 +458,14 @@ def test_prompts_with_a_template_and_the_chat_template(tmp_path):
     assert thinking == "<|im_start|>user\nSolve: 1+1?\nAnswer: $Answer<|im_end|>\n<|im_start|>assistant\n"
     direct = tokenizer.decode(prompt_ids(tokenizer, "1+1?", template=template, chat=True, thinking=False))
     assert direct == thinking + "<think>\n\n</think>\n\n"
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    rendered = tokenizer.decode(prompt_ids(tokenizer, conversation, template=template, chat=True))
+    assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n" + thinking
+    assert conversation[1]["content"] == "1+1?"  # the row is not changed in place
+    with pytest.raises(ValueError, match="needs --chat-template"):
+        prompt_ids(tokenizer, conversation)
+    with pytest.raises(ValueError, match="pass --chat-template"):
+        check_prompting(tokenizer, "{prompt}", chat=False, rows=[{"prompt": conversation, "label": "2"}])
 
 
 def test_a_line_that_is_not_json_is_reported_with_file_and_line(tmp_path):

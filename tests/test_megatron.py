@@ -288,3 +288,35 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path):
     ours, theirs = engine.named_weights(), resumed.named_weights()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.model_type == "qwen3"
+
+
+# -- on the GPU (gpu marker; run with `pytest -m gpu`) ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models):
+    """fp32 on the GPU: the batch is moved to the device and the step agrees with the CPU reference trainer."""
+    _, _, folder = hf_models["qwen3"]
+    reference, engine = _engine(TorchTrainEngine, folder), _engine(megatron.MegatronTrainEngine, folder)
+    assert next(engine.policy.parameters()).is_cuda
+    batch = _batch(seed=0)
+    expected, got = reference.train_step(batch), engine.train_step(batch)
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-4), key
+    ours, theirs = engine.named_weights(), reference.policy.state_dict()
+    assert all(torch.allclose(ours[name].cpu(), theirs[name], atol=1e-4) for name in ours)
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_step_on_cuda_keeps_fp32_masters(hf_models):
+    """dtype="bf16": forward and backward under autocast (flash SDPA), weights and their updates in fp32."""
+    _, _, folder = hf_models["qwen3"]
+    fp32 = _engine(megatron.MegatronTrainEngine, folder)
+    bf16 = megatron.MegatronTrainEngine(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, micro_batch_size=2),
+                                        loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                        temperature=TEMPERATURE, dtype="bf16")
+    before = {name: tensor.clone() for name, tensor in bf16.named_weights().items()}
+    expected, got = fp32.train_step(_batch(seed=0)), bf16.train_step(_batch(seed=0))
+    assert all(param.dtype == torch.float32 for param in bf16.policy.parameters())
+    assert got["train_rollout_logprob_abs_diff"] == pytest.approx(expected["train_rollout_logprob_abs_diff"], rel=0.05)
+    assert all(not torch.equal(before[name], tensor) for name, tensor in bf16.named_weights().items())

@@ -33,7 +33,10 @@ def config_for(run_dir: Path, **overrides):
 
 async def test_short_grpo_run_learns_from_chance(tmp_path):
     run_dir = tmp_path / "run"
-    config = config_for(run_dir, steps=45, seed=3, save_hf_every=15)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in arithmetic.prompts()[::3]))
+    config = config_for(run_dir, steps=45, seed=3, save_hf_every=15, eval_data=str(held_out), eval_every=15,
+                        eval_samples=2, eval_top_k=1)
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(45))
@@ -54,6 +57,13 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained"] == 45 * 128
+    # greedy eval on held-out prompts: version 0 at chance, the trained weights well above it
+    assert [row.get("eval/weight_version") for row in rows if "eval/pass@1" in row] == [15, 30, 45]
+    evals = {row["weight_version"]: row for row in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
+    assert sorted(evals) == [0, 15, 30, 45] and sorted(summary["eval"]) == ["0", "15", "30", "45"]
+    assert all(row["eval/prompts"] == 19 and row["eval/newer_tokens"] == 0 for row in evals.values())
+    assert evals[0]["eval/pass@1"] < 0.2 and evals[45]["eval/pass@1"] >= 0.6, {v: r["eval/pass@1"] for v, r in evals.items()}
+    assert rows[44]["eval/pass@1"] == evals[45]["eval/pass@1"]
 
 
 async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkeypatch):

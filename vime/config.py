@@ -20,29 +20,30 @@ from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams
+from vime.settings import help_of, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_path: str = ""  # a Hugging Face model folder (config.json, safetensors, tokenizer)
-    dtype: str = "fp32"  # fp32, or bf16 (rollout weights in bf16; trainer autocasts over fp32 masters)
+    model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
+    dtype: str = setting("fp32", "fp32, or bf16 (rollout weights in bf16; trainer autocasts over fp32 masters)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    rollout_batch_size: int = 128  # prompt groups per training step
-    group_size: int = 8  # responses per prompt
-    max_staleness: int = 0  # a sample from version v may train at trainer version <= v + k; 0 = on-policy
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal and draw new prompts
-    epochs: int = 0  # passes over the prompt source; 0 = as many as the run needs
-    data: str = ""  # a JSONL file of {"prompt", "label", ...} rows
-    custom_data_source: str = ""  # module:function returning an iterable of such rows
-    custom_rollout: str = ""  # module:function turning a prompt row into the requests of its group
-    input_key: str = "prompt"  # the field of a data row that holds the prompt text
-    label_key: str = "label"  # the field that holds the label (the reference answer)
-    prompt_template: str = "{prompt}"  # the prompt text goes where {prompt} is (an instruction around it)
-    chat_template: bool = False  # wrap the prompt as a user turn with the tokenizer's chat template
-    enable_thinking: bool = True  # with --chat-template: False closes the thinking block at once (Qwen3)
+    rollout_batch_size: int = setting(128, "prompt groups per training step")
+    group_size: int = setting(8, "responses per prompt")
+    max_staleness: int = setting(0, "a sample from version v may train at trainer version <= v + k; 0 = on-policy")
+    dynamic_sampling: bool = setting(False, "drop groups whose rewards are all equal and draw new prompts")
+    epochs: int = setting(0, "passes over the prompt source; 0 = as many as the run needs")
+    data: str = setting("", "a JSONL or Parquet file of prompt rows: a prompt (text or messages), a label, metadata")
+    custom_data_source: str = setting("", "module:function returning an iterable of such rows")
+    custom_rollout: str = setting("", "module:function turning a prompt row into the requests of its group")
+    input_key: str = setting("prompt", "the field holding the prompt; a dotted key reaches into nested maps")
+    label_key: str = setting("label", "the field holding the label (the reference answer), e.g. reward_model.ground_truth")
+    prompt_template: str = setting("{prompt}", "the prompt text goes where {prompt} is (an instruction around it)")
+    chat_template: bool = setting(False, "wrap the prompt as a user turn with the tokenizer's chat template")
+    enable_thinking: bool = setting(True, "with --chat-template: False closes the thinking block at once (Qwen3)")
 
     def __post_init__(self) -> None:
         _at_least(self, rollout_batch_size=1, group_size=1, max_staleness=0, epochs=0)
@@ -50,11 +51,11 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    rollout_workers: int = 1
-    rollout_max_batch_size: int = 1024  # sequences decoded together by one worker
-    rollout_capacity: int = 64  # groups a worker takes at once
-    restart_rollouts: bool = True  # the driver restarts a rollout worker that dies (its groups are re-issued)
-    rollout_threads: int = 1  # CPU threads per worker's torch (CPU engine); 0: torch's default (all cores)
+    rollout_workers: int = setting(1, "rollout worker processes (each one engine)")
+    rollout_max_batch_size: int = setting(1024, "sequences decoded together by one worker")
+    rollout_capacity: int = setting(64, "groups a worker takes at once")
+    restart_rollouts: bool = setting(True, "the driver restarts a rollout worker that dies (its groups are re-issued)")
+    rollout_threads: int = setting(1, "CPU threads per worker's torch (CPU engine); 0: torch's default (all cores)")
 
     def __post_init__(self) -> None:
         _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0)
@@ -62,21 +63,23 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    reward: str = "exact"  # a built-in reward of vime.rewards
-    custom_reward: str = ""  # module:function, fn(response, label, **metadata) -> float, sync or async
+    reward: str = setting("exact", "a built-in reward of vime.rewards")
+    custom_reward: str = setting("", "module:function, fn(response, label, **metadata) -> float, sync or async")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    critic_lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    updates_per_step: int = 4  # optimizer steps per batch (mini-batches)
-    micro_batch_size: int = 256  # samples per forward/backward; gradients accumulate over a mini-batch
-    lr_schedule: str = "constant"  # constant, linear or cosine decay over the run's steps
-    lr_warmup_steps: int = 0  # linear warm-up from 0 over this many steps
-    lr_min_ratio: float = 0.0  # linear/cosine decay ends at lr * lr_min_ratio
+    lr: float = setting(1e-3, "policy learning rate (AdamW)")
+    critic_lr: float = setting(1e-3, "value model learning rate (PPO)")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.999, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the gradient norm to this before each optimizer step; 0: no clipping")
+    updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)")
+    micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
+    lr_schedule: str = setting("constant", "constant, linear or cosine decay over the run's steps")
+    lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
+    lr_min_ratio: float = setting(0.0, "linear/cosine decay ends at lr * lr_min_ratio")
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in ("constant", "linear", "cosine"):
@@ -96,14 +99,46 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    eval_data: str = setting("", "a held-out JSONL or Parquet file, scored every --eval-every versions")
+    eval_every: int = setting(0, "evaluate weight versions N, 2N, ... and the last; 0: never")
+    eval_before_train: bool = setting(True, "with --eval-every: evaluate the starting weights too (version 0)")
+    eval_input_key: str = setting("", "the eval rows' prompt field; empty: --input-key")
+    eval_label_key: str = setting("", "the eval rows' label field; empty: --label-key")
+    eval_samples: int = setting(1, "responses per eval prompt (k of mean@k and pass@k)")
+    eval_max_prompts: int = setting(0, "evaluate the first N rows of --eval-data only; 0: all")
+    eval_max_new_tokens: int = setting(0, "longest eval response; 0: --max-new-tokens")
+    eval_temperature: float = setting(0.0, "eval sampling temperature; 0: --temperature")
+    eval_top_p: float = setting(0.0, "eval nucleus sampling; 0: --top-p")
+    eval_top_k: int = setting(-1, "eval top-k (1: greedy); -1: --top-k")
+
+    def __post_init__(self) -> None:
+        _at_least(self, eval_every=0, eval_samples=1, eval_max_prompts=0, eval_max_new_tokens=0, eval_top_k=-1)
+
+    def sampling(self, train: SamplingParams) -> SamplingParams:
+        """The eval sampling settings: the training ones where no eval value is given."""
+        return dataclasses.replace(train, temperature=self.eval_temperature or train.temperature,
+                                   top_p=self.eval_top_p or train.top_p,
+                                   top_k=train.top_k if self.eval_top_k < 0 else self.eval_top_k,
+                                   max_new_tokens=self.eval_max_new_tokens or train.max_new_tokens)
+
+    def versions(self, steps: int) -> list[int]:
+        """The weight versions a run of ``steps`` steps evaluates."""
+        if not (self.eval_data and self.eval_every):
+            return []
+        chosen = set(range(self.eval_every, steps + 1, self.eval_every)) | {steps}
+        return sorted(chosen | {0} if self.eval_before_train else chosen)
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
-    algo: str = "grpo"  # grpo or ppo
-    steps: int = 300
-    seed: int = 0
-    weight_chunk_mb: int = 64  # weights travel to rollout workers in chunks of about this size
-    save_every: int = 0  # a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none
-    save_hf_every: int = 0  # the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none
-    train_threads: int = 0  # CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)
+    algo: str = setting("grpo", "grpo or ppo")
+    steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
+    seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
+    weight_chunk_mb: int = setting(64, "weights travel to rollout workers in chunks of about this size")
+    save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none")
+    save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
+    train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
@@ -129,6 +164,7 @@ class RunConfig:
     loss: PolicyLossConfig = PolicyLossConfig()
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
+    eval: EvalConfig = EvalConfig()
     job: JobConfig = JobConfig()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -171,10 +207,11 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     for section in dataclasses.fields(RunConfig):
         group = parser.add_argument_group(section.name)
         values = getattr(defaults, section.name)
-        for name, annotation in typing.get_type_hints(type(values)).items():
-            default = getattr(values, name)
+        hints = typing.get_type_hints(type(values))
+        for field in dataclasses.fields(values):
+            name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
             flag = "--" + name.replace("_", "-")
-            help_text = f"default: {default!r}"
+            help_text = f"{help_of(field)} (default: {default!r})".replace("%", "%%")
             if annotation is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif typing.get_origin(annotation) is tuple:

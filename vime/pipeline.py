@@ -30,6 +30,7 @@ from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
 from vime.config import RunConfig
 from vime.data import check_prompting, load_rows
+from vime.evaluation import eval_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.plugins import import_function
@@ -58,7 +59,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     start = _resume_point(run_dir) if resume else None
-    _keep_rows_before(run_dir / "metrics.jsonl", checkpoint.step_of(start) if start else 0)
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        _keep_rows_up_to(run_dir / name, checkpoint.step_of(start) if start else -1)
     started = time.monotonic()
     try:
         rows, counters, ready_s = await _run(config, run_dir, record, transport, show, on_step, timeout_s, started,
@@ -68,7 +70,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         if isinstance(cause, (RuntimeError, TimeoutError)):
             raise RunFailed(str(cause)) from cause
         raise
-    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started)
+    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
@@ -77,16 +79,21 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 
 def preflight(config: RunConfig) -> None:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
-    a model folder without config.json, an unknown reward, a plug-in that does not
-    import, prompts that do not load, prompt settings the tokenizer cannot serve.
+    a model folder without config, weights or tokenizer, an unknown reward, a plug-in
+    that does not import, prompts or eval prompts that do not load, prompt settings
+    the tokenizer or the rows cannot serve.
     Raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
     if data.custom_rollout:
         import_function(data.custom_rollout, "--custom-rollout")
-    load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)
-    check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template)
+    rows = load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)
+    held_out = eval_rows(config)
+    if config.eval.eval_every and not held_out:
+        raise ValueError("--eval-every needs --eval-data FILE (held-out prompts)")
+    check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
+                    rows + held_out)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -105,12 +112,13 @@ def _resume_point(run_dir: Path) -> Path:
     return found
 
 
-def _keep_rows_before(path: Path, step: int) -> None:
-    """Cut metrics rows of step ``step`` and later: a resumed run writes them again."""
+def _keep_rows_up_to(path: Path, version: int) -> None:
+    """Cut the rows of weight versions after ``version`` (steps ``version`` and later): a resumed run
+    writes them again. A step's row has the version the step produced; an eval row the version it scored."""
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and line.endswith("\n") and json.loads(line)["step"] < step]
+            if line.strip() and line.endswith("\n") and json.loads(line)["weight_version"] <= version]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
@@ -186,8 +194,13 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
 _VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go
 
 
+def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, dict[str, int]], ready_s: float,
-             total_s: float) -> dict[str, Any]:
+             total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
     return {
@@ -201,6 +214,8 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, 
         "startup_s": ready_s,
         "total_s": total_s,
         "final_weight_version": rows[-1]["weight_version"] if rows else None,
+        "eval": {str(row["weight_version"]): {k: v for k, v in row.items() if k.startswith("eval/")}
+                 for row in sorted(evals, key=lambda row: row["weight_version"])},
         "groups": {"issued": buffer.get("issued", 0), "trained": buffer.get("trained", 0),
                    "reissued": router.get("reissued", 0), "dropped_stale": buffer.get("dropped_stale", 0),
                    "dropped_filtered": buffer.get("dropped_filtered", 0), "duplicates": buffer.get("duplicates", 0),

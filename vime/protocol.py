@@ -6,6 +6,7 @@ The flow (see DESIGN.md)::
     trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsChunk--> rollout
     trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
+    buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
 fp32 log-probs arrive bit-exact.
@@ -117,6 +118,14 @@ class TrainBatch:
     step: int
     samples: list[Sample]
     stats: dict[str, float]
+
+
+@message
+class EvalResult:
+    """buffer -> trainer: the scores of weight version ``version`` on the held-out prompts (``eval/*`` metrics)."""
+
+    version: int
+    metrics: dict[str, float]
 
 
 @message

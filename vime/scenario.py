@@ -20,7 +20,8 @@ import trio
 from vime.config import RunConfig, add_flags, from_flags
 from vime.logs import configure
 
-SCENARIOS = {"arithmetic": "vime.scenarios.arithmetic", "selfcheck": "vime.scenarios.selfcheck"}
+SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
+    "arithmetic", "qwen3_4b_gsm8k", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
 DEFAULT = "arithmetic"
 
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scenario = importlib.import_module(SCENARIOS[name])
     training = hasattr(scenario, "defaults")
-    parser = argparse.ArgumentParser(prog="python -m vime.scenario", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vime.scenario", usage="%(prog)s [NAME] [--flag VALUE ...]",
+                                     description=scenario.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", default=DEFAULT, help=f"scenario name (default: {DEFAULT})")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/NAME-TIMESTAMP)")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with tcp: the address of this machine that other hosts reach")
     parser.add_argument("--tls-cert-key", default=None, help="with tls+tcp: PEM with this job's certificate and key")
     parser.add_argument("--tls-ca", default=None, help="with tls+tcp: PEM of the CA that signs the certificates")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error (default: warning)")
     if training:
         parser.add_argument("--record", action="store_true", help="write every actor's message log to RUN_DIR/messages/")
         parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for scenario_name, module in SCENARIOS.items():
-            print(f"{scenario_name:<12} {importlib.import_module(module).DESCRIPTION}")
+            print(f"{scenario_name:<20} {importlib.import_module(module).DESCRIPTION}")
         return 0
     configure(args.log_level)
     resume = training and args.resume is not None

@@ -13,11 +13,13 @@ import dataclasses
 
 import torch
 
+from vime.settings import setting
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-    normalize_std: bool = True  # False: Dr.GRPO (centre only)
-    std_eps: float = 1e-6
+    normalize_std: bool = setting(True, "False: Dr.GRPO (centre only)")
+    std_eps: float = setting(1e-6, "added to the group's reward std before dividing")
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: GRPOConfig) -> torch.Tensor:

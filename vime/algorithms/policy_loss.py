@@ -24,19 +24,21 @@ import dataclasses
 
 import torch
 
+from vime.settings import setting
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """Settings of the surrogate loss, common to every algorithm."""
 
-    clip_low: float = 0.2  # ratio floor is 1 - clip_low
-    clip_high: float = 0.2  # ratio ceiling is 1 + clip_high (DAPO uses 0.28)
-    loss_aggregation: str = "token"  # "token": mean over all tokens of the batch; "sequence": per sequence first
-    kl_coef: float = 0.0  # > 0 keeps a frozen reference model and penalises KL to it
-    kl_estimator: str = "k3"  # "k1": log p - log p_ref; "k3": Schulman's unbiased, always >= 0
-    entropy_coef: float = 0.0  # > 0 rewards entropy (a bonus, subtracted from the loss)
-    off_policy_correction: str = "none"  # "tis" or "decoupled": weigh tokens by pi_old / pi_behaviour
-    tis_cap: float = 2.0  # tis truncates the weight here; decoupled drops tokens above it
+    clip_low: float = setting(0.2, "ratio floor is 1 - clip_low")
+    clip_high: float = setting(0.2, "ratio ceiling is 1 + clip_high (DAPO uses 0.28)")
+    loss_aggregation: str = setting("token", "'token': mean over all tokens of the batch; 'sequence': per sequence first")
+    kl_coef: float = setting(0.0, "> 0 keeps a frozen reference model and penalises KL to it")
+    kl_estimator: str = setting("k3", "'k1': log p - log p_ref; 'k3': Schulman's unbiased, always >= 0")
+    entropy_coef: float = setting(0.0, "> 0 rewards entropy (a bonus, subtracted from the loss)")
+    off_policy_correction: str = setting("none", "'tis' or 'decoupled': weigh tokens by pi_old / pi_behaviour")
+    tis_cap: float = setting(2.0, "tis truncates the weight here; decoupled drops tokens above it")
 
     def __post_init__(self) -> None:
         if self.loss_aggregation not in ("token", "sequence"):

@@ -13,14 +13,16 @@ import dataclasses
 
 import torch
 
+from vime.settings import setting
+
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
-    value_coef: float = 0.5
-    whiten_advantages: bool = True
+    gamma: float = setting(1.0, "GAE discount per token")
+    lam: float = setting(0.95, "GAE lambda")
+    value_clip: float = setting(0.2, "value loss clipped to this around the step's starting values")
+    value_coef: float = setting(0.5, "weight of the value loss")
+    whiten_advantages: bool = setting(True, "normalise advantages over the batch (mean 0, std 1)")
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,19 @@ from typing import Any
 
 import torch
 
+from vime.settings import setting
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()  # empty in a run's settings: the buffer uses the tokenizer's EOS
+    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
+    max_new_tokens: int = setting(16, "longest response in tokens")
+    stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
+                                                   "(tokenizer and generation_config.json)")
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

@@ -7,20 +7,44 @@ the same model class, so that in fp32 they agree to float rounding
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_model_folder(path: str | Path) -> Path:
-    """The folder, or a ValueError saying what is missing and what to pass instead."""
+def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
+    """The folder, or a ValueError naming what is missing and what to pass instead
+    (a trainer's own checkpoint folder holds the model without a tokenizer)."""
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--model-path {folder} has no config.json; pass a Hugging Face model folder "
-                         "(config.json, *.safetensors, tokenizer files)")
+    if not folder.is_dir():
+        raise ValueError(f"--model-path {folder}: no such folder; pass a local Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files); nothing is downloaded")
+    missing = [what for what, present in (
+        ("config.json", (folder / "config.json").is_file()),
+        ("weights (*.safetensors)", any(folder.glob("*.safetensors"))),
+        ("tokenizer (tokenizer.json or tokenizer_config.json)", not tokenizer
+         or (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()),
+    ) if not present]
+    if missing:
+        raise ValueError(f"--model-path {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files), or make a tiny stand-in with "
+                         "python -m vime.tools.make_tiny_model")
     return folder
+
+
+def stop_token_ids(path: str | Path, tokenizer: Any) -> list[int]:
+    """The ids a response of this model ends at: the tokenizer's EOS and generation_config.json's
+    ``eos_token_id`` (GLM-4.5 and Qwen3 list several there)."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        declared = json.loads(generation.read_text()).get("eos_token_id")
+        ids += declared if isinstance(declared, list) else [] if declared is None else [declared]
+    return sorted(set(ids))
 
 
 def load_causal_lm(path: str | Path, dtype: str = "fp32") -> torch.nn.Module:
@@ -29,7 +53,7 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32") -> torch.nn.Module:
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(check_model_folder(path), dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(check_model_folder(path, tokenizer=False), dtype=DTYPES[dtype])
     return model.eval()
 
 

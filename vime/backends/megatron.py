@@ -12,6 +12,11 @@ experts each token is routed to, and replaying given experts, through
 megatron-core's ``RouterReplay``, with the gate weights still differentiable;
 and ``MegatronTrainEngine``, the reference trainer's step on this model.
 
+On the GPU the model lives on the current CUDA device in fp32 (the master
+weights), batches are moved there, and ``dtype="bf16"`` runs forward and
+backward under bf16 autocast, so SDPA dispatches to its flash kernel. Speed
+figures are measured by ``bench/train.py``.
+
 What is deliberately not here yet: tensor, pipeline and expert parallelism
 (``init_parallel`` sets up a single rank, and the conversions work on whole,
 unsharded tensors), Megatron's own optimizer and mixed-precision wrapper,
@@ -52,6 +57,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
@@ -61,6 +67,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends import cpu_compat
+from vime.backends.base import TensorBatch
 from vime.backends.hf import check_model_folder, scaled_logprobs
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig
@@ -77,6 +84,8 @@ def init_parallel() -> None:
     Without CUDA (tests), megatron-core is first patched to place tensors on the CPU.
     """
     cpu_compat.apply()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(torch.cuda.current_device())
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -84,6 +93,9 @@ def init_parallel() -> None:
         raise NotImplementedError("vime's Megatron backend runs on one rank so far; launch it without torchrun")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        if torch.cuda.is_available():
+            # Megatron's layers consult the CUDA RNG tracker for dropout and recomputation; it must be seeded
+            model_parallel_cuda_manual_seed(0)
 
 
 class SDPAttention(MegatronModule):
@@ -476,6 +488,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 # --- the train engine ------------------------------------------------------------------------------------------
 
 
+def batch_to(batch: TensorBatch, device: str | torch.device) -> TensorBatch:
+    """``batch`` with every tensor on ``device`` (the same object when it is there already)."""
+    fields = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    if all(tensor.device == torch.device(device) for tensor in fields.values()):
+        return batch
+    return TensorBatch(**{name: tensor.to(device, non_blocking=True) for name, tensor in fields.items()})
+
+
 class _AsCausalLM(torch.nn.Module):
     """A GPTModel called the way the reference trainer calls a transformers causal LM.
 
@@ -522,6 +542,10 @@ class MegatronTrainEngine(TorchTrainEngine):
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
         del self._checkpoint
+
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
+        """The reference trainer's step, on a copy of ``batch`` moved to the model's device."""
+        return super().train_step(batch_to(batch, self.device))
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)

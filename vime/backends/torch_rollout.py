@@ -83,7 +83,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._cache = DynamicCache()
         ids, self._mask = ids.to(self.device), self._mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=position_ids(self._mask),
-                         use_cache=True, **{self._cache_arg: self._cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache})
         return out.logits[:, -1]
 
     def _decode(self) -> torch.Tensor:
@@ -100,7 +100,7 @@ class TorchRolloutEngine(RolloutEngine):
         logprobs = scaled_logprobs(logits, temperature)
         filtered = _top_k_top_p(logprobs, [s.params.top_k for s in self._running],
                                 [s.params.top_p for s in self._running])
-        tokens = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self.generator).squeeze(1)
+        tokens = _sample_tokens(filtered, self.generator)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         self._last_tokens = tokens
         finished = []
@@ -121,13 +121,26 @@ class TorchRolloutEngine(RolloutEngine):
         return finished
 
 
+def _sample_tokens(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logprobs), by inverting the row's CDF (float64) at one uniform
+    draw: exact like torch.multinomial, which on CPU is about 20 times slower over a 150k vocabulary."""
+    cdf = torch.cumsum((logprobs - logprobs.max(dim=-1, keepdim=True).values).double().exp(), dim=-1)
+    draw = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+
+
 def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k and nucleus (top-p); rows with neither pass unchanged."""
+    """Set to -inf every token outside each row's top-k and nucleus (top-p); rows with neither pass unchanged.
+
+    When every row has a top-k, only the best max(k) tokens are ranked (torch.topk) rather than
+    sorting the whole vocabulary: the nucleus lies inside them, and the sort dominates on CPU."""
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
         return logprobs
-    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
     vocab = logprobs.shape[-1]
-    ranks = torch.arange(vocab, device=logprobs.device).expand_as(sorted_lp)
+    ranked = min(vocab, max(top_k)) if all(k > 0 for k in top_k) else vocab
+    sorted_lp, order = torch.topk(logprobs, ranked, dim=-1) if ranked < vocab else torch.sort(
+        logprobs, dim=-1, descending=True)
+    ranks = torch.arange(ranked, device=logprobs.device).expand_as(sorted_lp)
     k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logprobs.device).unsqueeze(1)
     drop = ranks >= k
     p = torch.tensor(top_p, device=logprobs.device, dtype=torch.float32).unsqueeze(1)

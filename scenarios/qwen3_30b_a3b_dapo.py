@@ -1,0 +1,33 @@
+"""qwen3_30b_a3b_dapo: Qwen3-30B-A3B (MoE) learns DAPO-Math-17k with GRPO.
+
+``python -m vime.scenario qwen3_30b_a3b_dapo --model-path Qwen3-30B-A3B
+--data dapo_math_17k.jsonl --eval-data aime-2024.jsonl``. The rows are
+``{"problem", "answer"}`` (``--input-key``/``--label-key`` map others; a
+verl-style Parquet file works with ``--input-key prompt --label-key
+reward_model.ground_truth``); the problem goes into DAPO's "Answer:"
+instruction (``recipes.DAPO_TEMPLATE``) and the answer is checked by
+math-verify (``vime.rewards.math``).
+
+Recipe: slime's ``run-qwen3-30B-A3B.sh``: 32 prompts x 8 responses of up to
+8192 tokens, one optimizer step per batch (global batch 256), temperature
+0.8, thinking on, eval every 20 steps with 16 responses per prompt of up to
+16384 tokens at top-p 0.7. Departures: the reward is math-verify on the
+last ``\\boxed{}`` or "Answer:" line, where slime's ``deepscaler`` reward
+also requires a closed ``</think>``; rollout routing replay (R3), which the
+script leaves off too, arrives with the Megatron backend.
+"""
+
+from __future__ import annotations
+
+from vime.config import RunConfig
+from vime.scenarios.recipes import DAPO_TEMPLATE, prepare, slime_grpo
+
+DESCRIPTION = "Qwen3-30B-A3B (MoE) learns DAPO-Math-17k with GRPO (--model-path, --data, --eval-data)"
+
+__all__ = ["DESCRIPTION", "defaults", "prepare"]
+
+
+def defaults() -> RunConfig:
+    return slime_grpo(input_key="problem", label_key="answer", reward="math", prompt_template=DAPO_TEMPLATE,
+                      rollout_batch_size=32, group_size=8, max_new_tokens=8192, updates_per_step=1,
+                      eval_samples=16, eval_top_p=0.7, eval_max_new_tokens=16384)
