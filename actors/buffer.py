@@ -91,6 +91,7 @@ class Buffer(Actor):
         self.in_flight: dict[int, GenerateGroup] = {}  # issued and not yet scored
         self.ready: collections.deque[tuple[int, ScoredGroup]] = collections.deque()  # (weight version, group)
         self.trained_groups = 0
+        self.filtered_in_a_row = 0  # groups dynamic sampling dropped since it last kept one
         self.wanted_step: int | None = None
         self.exhausted = False
 
@@ -142,10 +143,23 @@ class Buffer(Actor):
         self.counters["scored"] += 1
         if self.run.data.dynamic_sampling and not is_informative([s.reward for s in msg.samples]):
             self.counters["dropped_filtered"] += 1
+            self.filtered_in_a_row += 1
+            self._check_patience()
         else:
+            self.filtered_in_a_row = 0
             self.ready.append((_version(msg), msg))
         await self._send_batch()
         await self._issue()
+
+    def _check_patience(self) -> None:
+        """Stop a run that dynamic sampling would keep drawing prompts for without end."""
+        data = self.run.data
+        limit = data.dynamic_sampling_patience * data.rollout_batch_size
+        if self.filtered_in_a_row >= limit:
+            self.crash(RuntimeError(
+                f"dynamic sampling dropped {self.filtered_in_a_row} groups in a row: every response of each got "
+                "the same reward (all wrong, for a model that solves none of these prompts). Pass "
+                "--no-dynamic-sampling, easier data, or a larger --dynamic-sampling-patience"))
 
     @handles(WantBatch)
     async def _on_want(self, msg: WantBatch, envelope: Envelope) -> None:

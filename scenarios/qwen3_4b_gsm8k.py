@@ -7,7 +7,9 @@
 Recipe: slime's ``run-qwen3-4B.sh`` for the GRPO and optimizer settings
 (``recipes.slime_grpo``), and slime's GSM8K runs of Qwen3 for the shape:
 32 prompts x 8 responses of up to 1024 tokens per step, all in one optimizer
-step (global batch 256), greedy eval on the GSM8K test set every 20 steps.
+step (global batch 256), the loss averaged over tokens (their
+``--calculate-per-token-loss``), greedy eval on the GSM8K test set every 20
+steps.
 The instruction after the question is verl's GSM8K preprocessing. Departure:
 thinking is off (``--no-enable-thinking``), since Qwen3's thinking rarely
 ends within 1024 tokens; pass ``--enable-thinking --max-new-tokens 8192`` to
@@ -26,6 +28,7 @@ __all__ = ["DESCRIPTION", "defaults", "prepare"]
 
 def defaults() -> RunConfig:
     return slime_grpo(input_key="question", label_key="answer", reward="gsm8k", enable_thinking=False,
+                      loss_aggregation="token",
                       prompt_template="{prompt} Let's think step by step and output the final answer after \"####\".",
                       rollout_batch_size=32, group_size=8, max_new_tokens=1024, updates_per_step=1,
                       eval_samples=1, eval_top_k=1, eval_max_new_tokens=1024)

@@ -22,12 +22,13 @@ DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line o
 
 def slime_grpo(**overrides: object) -> RunConfig:
     """GRPO as slime's Qwen3 scripts run it: lr 1e-6 constant, AdamW (0.9, 0.98) with weight decay 0.1,
-    clip 0.2 / 0.28 (clip-higher), no KL or entropy term, rollout temperature 0.8, the chat template,
+    clip 0.2 / 0.28 (clip-higher), no KL or entropy term, the loss averaged per response then over
+    responses (slime's default without --calculate-per-token-loss), rollout temperature 0.8, the chat template,
     bf16 rollout over fp32 master weights, an eval and a checkpoint every 20 steps, 3000 steps."""
     return RunConfig().replace(**{
         "algo": "grpo", "lr": 1e-6, "lr_schedule": "constant", "weight_decay": 0.1, "adam_beta1": 0.9,
         "adam_beta2": 0.98, "grad_clip": 1.0, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0,
-        "entropy_coef": 0.0, "loss_aggregation": "token", "temperature": 0.8, "top_p": 1.0,
+        "entropy_coef": 0.0, "loss_aggregation": "sequence", "temperature": 0.8, "top_p": 1.0,
         "chat_template": True, "dtype": "bf16", "eval_every": 20, "save_every": 20, "steps": 3000,
         "micro_batch_size": 4, **overrides})
 

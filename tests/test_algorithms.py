@@ -242,6 +242,26 @@ def test_clipped_surrogate_asymmetric_clip(ratio: float, advantage: float, loss:
     close(clipped, [was_clipped])
 
 
+def test_gspo_clips_the_geometric_mean_ratio_of_each_response() -> None:
+    """Two responses (the second one token shorter): each token carries its response's ratio
+    exp(mean log ratio); the gradient is that ratio times the mean token score."""
+    old = tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
+    logprobs = (old + tensor([[0.3, 0.1, -0.1], [-0.6, 0.0, 0.0]])).requires_grad_(True)
+    mask = tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages = tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    per_token, clipped = clipped_surrogate(logprobs, old, advantages, 0.2, 0.05, mask, "sequence")
+    first, second = math.exp(0.3 / 3), math.exp(-0.6 / 2)  # 1.105 (above 1.05), 0.741 (below 0.8)
+    close(per_token[0], [-1.05] * 3)  # A > 0 above the ceiling: clipped, no gradient
+    close(per_token[1, :2], [0.8] * 2)  # A < 0 below the floor: clipped
+    close(clipped * mask, [[1.0] * 3, [1.0, 1.0, 0.0]])
+    per_token, _ = clipped_surrogate(logprobs, old, advantages, 0.2, 0.28, mask, "sequence")
+    close(per_token[0], [-first] * 3)  # inside a 0.28 ceiling: unclipped
+    aggregate(per_token, mask, "sequence").backward()
+    close(logprobs.grad[0], [-first / 3 / 2] * 3)  # d(-s)/dlogp_t = -s / |y|, over 2 sequences
+    close(logprobs.grad[1], [0.0, 0.0, 0.0])  # the second is still clipped at the floor
+    assert second < 0.8
+
+
 def test_kl_k1_and_k3_values() -> None:
     logprobs = tensor([math.log(0.5), math.log(0.25), math.log(0.3)])
     ref_logprobs = tensor([math.log(0.25), math.log(0.5), math.log(0.3)])

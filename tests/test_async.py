@@ -3,6 +3,7 @@ and a resume, a worker joining over tcp -- with exact accounting of every prompt
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -103,8 +104,10 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
 async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothing_lost_or_repeated(tmp_path, victim):
     run_dir = tmp_path / "run"
     steps, batch = 12, 16
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in arithmetic.prompts()[:8]))
     config = config_for(run_dir, steps=steps, rollout_workers=2, rollout_batch_size=batch, rollout_capacity=4,
-                        max_staleness=2, save_every=3)
+                        max_staleness=2, save_every=3, eval_data=str(held_out), eval_every=2)
 
     async def kill(job: Cluster, row: dict) -> None:
         if row["step"] == 4:
@@ -124,6 +127,10 @@ async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothi
     assert summary["groups"]["resumed_in_flight"] + summary["groups"]["ready_at_end"] > 0
     assert "resumed" in (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed" in (run_dir / "logs" / "buffer.log").read_text()
+    # every scheduled version scored once: those after the checkpoint again, none twice, none missing
+    evals = [json.loads(line)["weight_version"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert sorted(evals) == [0, 2, 4, 6, 8, 10, 12]
+    assert [row.get("eval/weight_version") for row in rows] == [None, 2, None, 4, None, 6, None, 8, None, 10, None, 12]
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
@@ -190,7 +197,6 @@ def _env() -> dict[str, str]:
 
 
 def test_a_killed_driver_resumes_from_the_command_line(tmp_path):
-    import json
     import os
     import subprocess
     import time

@@ -6,12 +6,22 @@ rule is checked message by message.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from vime.actors.buffer import Buffer
-from vime.protocol import GenerateGroup, InjectPrompts, Sample, ScoredGroup, TrainBatch, WantBatch, WeightsPublished
+from vime.protocol import (
+    EvalResult,
+    GenerateGroup,
+    InjectPrompts,
+    Sample,
+    ScoredGroup,
+    TrainBatch,
+    WantBatch,
+    WeightsPublished,
+)
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.transports.codec import Envelope
@@ -94,6 +104,48 @@ async def test_dynamic_sampling_drops_uniform_groups_and_refills(model_path):
     assert len(issued(sent)) == 5  # one replacement prompt
     await deliver(buffer, scored(first[0], [0.0, 1.0], version=0))
     assert buffer.counters["duplicates"] == 1
+
+
+async def test_dynamic_sampling_stops_a_run_that_never_keeps_a_group(model_path):
+    buffer, sent = await started_buffer(model_path, dynamic_sampling=True, dynamic_sampling_patience=2)
+    crashes = []
+    buffer.crash = crashes.append
+    for count in range(7):  # 2 batches' worth is 8 groups; a kept one starts the count again
+        await deliver(buffer, scored(issued(sent)[count], [0.0, 0.0], version=0))
+    await deliver(buffer, scored(issued(sent)[7], [0.0, 1.0], version=0))
+    for count in range(8, 15):
+        await deliver(buffer, scored(issued(sent)[count], [1.0, 1.0], version=0))
+    assert not crashes
+    await deliver(buffer, scored(issued(sent)[15], [0.0, 0.0], version=0))
+    assert len(crashes) == 1 and "dropped 8 groups in a row" in str(crashes[0])
+    assert "--no-dynamic-sampling" in str(crashes[0])
+
+
+async def test_eval_rounds_score_held_out_prompts_apart_from_training(model_path, tmp_path):
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"q": f"{a}+1=", "a": str(a + 1), "data_source": "s"}) + "\n"
+                                for a in range(3)))
+    buffer, sent = await started_buffer(model_path, eval_data=str(held_out), eval_every=2, eval_samples=3,
+                                        eval_input_key="q", eval_label_key="a", eval_top_k=1, eval_max_new_tokens=5,
+                                        steps=3)
+    requests = issued(sent)
+    evals, train = requests[:3], requests[3:]  # version 0's eval goes out first
+    assert [g.group_size for g in evals] == [3, 3, 3] and len(train) == 4
+    assert evals[0].sampling["top_k"] == 1 and evals[0].sampling["max_new_tokens"] == 5
+    assert evals[0].sampling["stop_token_ids"] == train[0].sampling["stop_token_ids"] != []
+    assert buffer.counters["issued"] == 4
+    for request, rewards in zip(evals, ([1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])):
+        await deliver(buffer, scored(request, rewards, version=0))
+    results = [e.payload for e in sent if isinstance(e.payload, EvalResult)]
+    assert len(results) == 1 and results[0].version == 0
+    assert results[0].metrics["eval/pass@1"] == pytest.approx((1 / 3 + 1 + 0) / 3)
+    assert results[0].metrics["eval/pass@3"] == pytest.approx(2 / 3)
+    assert not buffer.ready and buffer.counters["scored"] == 0 and buffer.counters["duplicates"] == 0
+    await deliver(buffer, WeightsPublished(version=1))  # not scheduled
+    assert len(issued(sent)) == 3 + 4 + 4
+    await deliver(buffer, WeightsPublished(version=2))
+    again = issued(sent)[11:14]
+    assert [g.min_weight_version for g in again] == [2, 2, 2] and all(g.group_size == 3 for g in again)
 
 
 async def test_injected_prompts_go_first_with_their_metadata(model_path):

@@ -35,6 +35,8 @@ class DataConfig:
     group_size: int = setting(8, "responses per prompt")
     max_staleness: int = setting(0, "a sample from version v may train at trainer version <= v + k; 0 = on-policy")
     dynamic_sampling: bool = setting(False, "drop groups whose rewards are all equal and draw new prompts")
+    dynamic_sampling_patience: int = setting(10, "with --dynamic-sampling: stop the run once this many batches' "
+                                                 "worth of groups in a row were all dropped")
     epochs: int = setting(0, "passes over the prompt source; 0 = as many as the run needs")
     data: str = setting("", "a JSONL or Parquet file of prompt rows: a prompt (text or messages), a label, metadata")
     custom_data_source: str = setting("", "module:function returning an iterable of such rows")
@@ -46,7 +48,7 @@ class DataConfig:
     enable_thinking: bool = setting(True, "with --chat-template: False closes the thinking block at once (Qwen3)")
 
     def __post_init__(self) -> None:
-        _at_least(self, rollout_batch_size=1, group_size=1, max_staleness=0, epochs=0)
+        _at_least(self, rollout_batch_size=1, group_size=1, max_staleness=0, epochs=0, dynamic_sampling_patience=1)
 
 
 @dataclasses.dataclass(frozen=True)
