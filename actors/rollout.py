@@ -73,7 +73,8 @@ class RolloutWorker(Actor):
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
         self.engine = await trio.to_thread.run_sync(lambda: TorchRolloutEngine(
             self.run.model.model_path, dtype=self.run.model.dtype,
-            max_batch_size=self.run.rollout.rollout_max_batch_size, seed=self.settings.seed))
+            max_batch_size=self.run.rollout.rollout_max_batch_size, seed=self.settings.seed,
+            record_experts=self.run.rollout.use_rollout_routing_replay))
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.start_soon(self._generate_loop)
         self.start_soon(self._join)
@@ -170,7 +171,8 @@ class RolloutWorker(Actor):
         samples = [Sample(group_id=request.group_id, index=index, prompt_ids=request.prompt_ids,
                           response_ids=s.response_ids, logprobs=s.logprobs, versions=s.versions,
                           finish_reason=s.finish_reason or "length", label=request.label, metadata=request.metadata,
-                          response_text=self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
+                          response_text=self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                          routed_experts=s.routed_experts)
                    for index, s in enumerate(group.sequences)]
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)

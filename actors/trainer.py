@@ -153,7 +153,9 @@ class Trainer(Actor):
             samples = batch.samples
             tensors = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                               [s.logprobs for s in samples], [s.versions for s in samples],
-                              [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id)
+                              [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
+                              [s.routed_experts for s in samples] if self.run.rollout.use_rollout_routing_replay
+                              else None)
             train_started = time.perf_counter()
             metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
             trained = time.perf_counter()

@@ -58,6 +58,8 @@ class RolloutConfig:
     rollout_capacity: int = setting(64, "groups a worker takes at once")
     restart_rollouts: bool = setting(True, "the driver restarts a rollout worker that dies (its groups are re-issued)")
     rollout_threads: int = setting(1, "CPU threads per worker's torch (CPU engine); 0: torch's default (all cores)")
+    use_rollout_routing_replay: bool = setting(False, "R3 for MoE models: the rollout records each token's experts "
+                                                      "and the trainer routes it to the same ones")
 
     def __post_init__(self) -> None:
         _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0)

@@ -36,6 +36,7 @@ class Sample:
     metadata: dict[str, Any]
     response_text: str = ""
     reward: float | None = None
+    routed_experts: torch.Tensor | None = None  # routing replay: [prompt + response - 1, moe_layers, top_k] int16
 
     @property
     def weight_version(self) -> int:

@@ -53,6 +53,8 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished
+    # with routing replay: [prompt + response - 1, moe_layers, top_k] experts of every token fed to the model
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -97,11 +99,14 @@ class TensorBatch:
     versions: torch.Tensor  # [samples, max_response]: weight version that produced each token
     rewards: torch.Tensor  # [samples]
     group_ids: torch.Tensor  # [samples]
+    routed_experts: torch.Tensor | None = None  # [samples, prompt + response, moe_layers, top_k]; -1: route freely
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
-            versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int) -> TensorBatch:
-    """Pad samples into a TensorBatch (right padding; positions come from the mask)."""
+            versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int,
+            routed_experts: list[torch.Tensor | None] | None = None) -> TensorBatch:
+    """Pad samples into a TensorBatch (right padding; positions come from the mask). Routed experts,
+    when any sample has them, are padded with -1 (free routing) where a sample has none."""
     count = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     longest = max(len(r) for r in responses)
@@ -124,6 +129,12 @@ def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list
         batch.response_ids[row, :len(response)] = torch.tensor(response)
         batch.rollout_logprobs[row, :len(response)] = torch.tensor(logprobs[row], dtype=torch.float32)
         batch.versions[row, :len(response)] = torch.tensor(versions[row])
+    recorded = [experts for experts in routed_experts or () if experts is not None]
+    if recorded:
+        batch.routed_experts = torch.full((count, width, *recorded[0].shape[1:]), -1, dtype=torch.int16)
+        for row, experts in enumerate(routed_experts):
+            if experts is not None:
+                batch.routed_experts[row, :experts.shape[0]] = experts
     return batch
 
 

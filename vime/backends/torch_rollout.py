@@ -7,6 +7,10 @@ meanwhile start with the next batch. Weights loaded between steps apply to
 the very next token; the KV cache of tokens already generated is kept (the
 vLLM in-flight update does the same), and each token records its version.
 
+With ``record_experts`` (routing replay, MoE models), each finished
+sequence carries the experts its prompt and response tokens were routed to
+(``vime.backends.routing_replay``).
+
 Deliberately missing: continuous batching and paged attention -- that is
 what the vLLM engine is for.
 """
@@ -14,18 +18,23 @@ what the vLLM engine is for.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 
 import torch
 
+from vime.backends import routing_replay
 from vime.backends.base import RolloutEngine, Sequence
 from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
 
 
 class TorchRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 1024, seed: int = 0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", record_experts: bool = False) -> None:
         self.model = load_causal_lm(model_path, dtype).to(device)
+        self.record_experts = record_experts
+        if record_experts and not routing_replay.moe_routers(self.model):
+            raise ValueError("routing replay needs a mixture-of-experts model; this one has no MoE routers")
         # transformers 5.24 renamed past_key_values to cache; older releases know only the old name.
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.device = device
@@ -60,13 +69,25 @@ class TorchRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        if not self._running:
-            if not self._waiting:
-                return []
-            logits = self._prefill()
-        else:
-            logits = self._decode()
+        if not self._running and not self._waiting:
+            return []
+        recorder = routing_replay.recording(self.model) if self.record_experts else contextlib.nullcontext([])
+        with recorder as routed:
+            logits = self._decode() if self._running else self._prefill()
+        if routed:
+            self._keep_experts(routed[0])
         return self._sample(logits)
+
+    def _keep_experts(self, experts: torch.Tensor) -> None:
+        """Add this forward's experts (``[rows x width, layers, top_k]``) to each unfinished sequence."""
+        rows = len(self._running)
+        experts = experts.view(rows, -1, *experts.shape[1:]).cpu()
+        for row, sequence in enumerate(self._running):
+            if sequence.finish_reason is not None:
+                continue
+            new = experts[row, -len(sequence.prompt_ids):] if sequence.routed_experts is None else experts[row]
+            sequence.routed_experts = new if sequence.routed_experts is None else torch.cat(
+                [sequence.routed_experts, new])
 
     def _prefill(self) -> torch.Tensor:
         count = min(len(self._waiting), self.max_batch_size)

@@ -27,6 +27,7 @@ import torch
 
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergence, policy_loss
+from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
 from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
@@ -110,11 +111,16 @@ class TorchTrainEngine(TrainEngine):
             return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> contextlib.AbstractContextManager:
+        """Route the forward's tokens to the rollout's experts (``[rows, width, moe_layers, top_k]``, R3)."""
+        return routing_replay.replaying(model, None if experts is None else experts.flatten(0, 1))
+
     def _response_logprobs(self, model: torch.nn.Module, batch: TensorBatch,
                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
         input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
-        with self._autocast():
+        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :input_ids.shape[1]]
+        with self._autocast(), self._replaying(model, experts):
             logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
         index = _response_index(batch, rows, logits.shape[1])
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
