@@ -11,6 +11,7 @@ on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,9 @@ from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
 from vime.backends import megatron  # noqa: E402
-from vime.backends.base import TensorBatch, collate  # noqa: E402
+from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
+from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
 from vime.tools.make_tiny_model import tiny_config  # noqa: E402
@@ -273,6 +275,37 @@ def test_train_step_matches_the_reference_trainer(hf_models, case):
     if fused is not None:
         gate, up = ours["model.layers.1.mlp.experts.2.gate_proj.weight"], ours["model.layers.1.mlp.experts.2.up_proj.weight"]
         assert torch.allclose(torch.cat([gate, up]), fused[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_replayed_rollout_experts_give_the_reference_trainers_logprobs(hf_models, case):
+    """R3 end to end on CPU: experts recorded by the torch rollout engine in bf16, replayed by both trainers
+    in fp32 -- the Megatron and the reference trainer then agree to float rounding."""
+    _, _, folder = hf_models[case]
+    rollout = TorchRolloutEngine(str(folder), dtype="bf16", seed=1, record_experts=True)
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=6)
+    sequences = [Sequence(i, list(range(1 + i, 6 + 2 * i)), params) for i in range(4)]
+    rollout.add(sequences)
+    while rollout.busy:
+        rollout.step()
+    batch = collate([s.prompt_ids for s in sequences], [s.response_ids for s in sequences],
+                    [s.logprobs for s in sequences], [s.versions for s in sequences], [1.0, 0.0, 1.0, 0.0],
+                    [0, 0, 1, 1], pad_token_id=0, routed_experts=[s.routed_experts for s in sequences])
+    reference, engine = _engine(TorchTrainEngine, folder), _engine(megatron.MegatronTrainEngine, folder)
+    rows = torch.arange(4)
+    free = reference._response_logprobs(reference.policy, dataclasses.replace(batch, routed_experts=None), rows)[0]
+    recorded = batch.routed_experts
+    moved = torch.where(recorded < 0, recorded, (recorded + 1) % 4)  # other experts than the router's own
+    for experts in (recorded, moved):
+        replayed = dataclasses.replace(batch, routed_experts=experts)
+        expected = reference._response_logprobs(reference.policy, replayed, rows)[0]
+        got = engine._response_logprobs(engine.policy, replayed, rows)[0]
+        assert (got - expected).abs().max() <= 1e-5
+    assert not torch.allclose(free, expected, atol=1e-3)  # the moved experts were really used
+    missing = batch.routed_experts.clone()
+    missing[1] = -1
+    with pytest.raises(ValueError, match="a sample without recorded experts cannot be replayed"):
+        engine._response_logprobs(engine.policy, dataclasses.replace(batch, routed_experts=missing), rows)
 
 
 def test_save_and_load_continue_training_exactly(hf_models, tmp_path):

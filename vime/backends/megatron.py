@@ -69,6 +69,7 @@ from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends import cpu_compat
 from vime.backends.base import TensorBatch
 from vime.backends.hf import check_model_folder, scaled_logprobs
+from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig
 
@@ -489,11 +490,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 
 
 def batch_to(batch: TensorBatch, device: str | torch.device) -> TensorBatch:
-    """``batch`` with every tensor on ``device`` (the same object when it is there already)."""
-    fields = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
-    if all(tensor.device == torch.device(device) for tensor in fields.values()):
-        return batch
-    return TensorBatch(**{name: tensor.to(device, non_blocking=True) for name, tensor in fields.items()})
+    """``batch`` with every tensor on ``device`` (optional fields left unset stay ``None``)."""
+    return dataclasses.replace(batch, **{
+        field.name: value.to(device, non_blocking=True) for field in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, field.name), torch.Tensor)})
 
 
 class _AsCausalLM(torch.nn.Module):
@@ -510,10 +510,11 @@ class _AsCausalLM(torch.nn.Module):
     def __init__(self, model: GPTModel) -> None:
         super().__init__()
         self.model = model
+        self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor) -> ForwardOutput:
-        return forward(self.model, input_ids)
+        return forward(self.model, input_ids, replay_experts=self.replay_experts)
 
 
 class MegatronTrainEngine(TorchTrainEngine):
@@ -550,8 +551,29 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
 
+    @contextlib.contextmanager
+    def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
+        """R3 through megatron-core's RouterReplay, which needs an expert for every position: the free ones
+        (-1: a response's last token, padding) get any valid ids, since no kept log-prob depends on them."""
+        if experts is None:
+            yield
+            return
+        free = experts < 0
+        unrouted = free.all(dim=-1).all(dim=-1)  # [rows, width]
+        first = unrouted.int().argmax(dim=1, keepdim=True)
+        tail = torch.arange(unrouted.shape[1], device=unrouted.device) >= first
+        if not torch.equal(unrouted, tail) or not first.all():
+            raise ValueError("replayed experts must cover every position of a row but its last and the padding; "
+                             "a sample without recorded experts cannot be replayed by the Megatron trainer")
+        model.replay_experts = torch.where(free, torch.arange(experts.shape[-1], dtype=experts.dtype,
+                                                              device=experts.device), experts).to(self.device)
+        try:
+            yield
+        finally:
+            model.replay_experts = None
+
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
-        model = build_model(self.hf_config)
+        model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model).eval()
 

@@ -231,5 +231,5 @@ def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _response_index(batch: TensorBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
     """For each response token, the position whose output predicts it: ``[rows, max_response]``."""
-    steps = torch.arange(batch.response_ids.shape[1])
+    steps = torch.arange(batch.response_ids.shape[1], device=batch.response_start.device)
     return (batch.response_start[rows].unsqueeze(1) - 1 + steps).clamp(max=width - 1)

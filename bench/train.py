@@ -1,0 +1,331 @@
+"""Trainer throughput: tokens/s and MFU of one training step, Megatron backend against a plain HF trainer.
+
+A step is forward + backward over ``--micro-batches`` micro-batches of random
+tokens, gradient clipping and an AdamW update, with the loss the RL trainer
+uses (mean of ``token_logprobs``, fp32 log-softmax over the vocabulary).
+Weights are random, built from a Qwen3 config of the named shape: nothing is
+downloaded. Each (shape, backend) runs in its own process, so one running out
+of memory or failing to compile costs only its own row.
+
+Backends:
+
+* ``megatron`` -- ``vime.backends.megatron`` as the trainer runs it: a
+  megatron-core GPTModel with the SDPA core attention, fp32 master weights,
+  bf16 autocast (fp32 throughout on CPU), fused ``torch.optim.AdamW``; no
+  activation recomputation.
+* ``megatron-compile`` -- the same, with ``torch.compile`` on each layer's MLP
+  and norms and on the loss (fusing the SwiGLU and RMSNorm element-wise work
+  and the fp32 log-softmax).
+* ``hf`` -- what a TRL user gets: ``Qwen3ForCausalLM`` in bf16 with SDPA
+  attention, gradient checkpointing and fused AdamW on the bf16 weights.
+
+MFU = model FLOPs / step time / the bf16 matmul peak measured in the same run
+(best short burst of square ``torch.matmul`` products, see
+:func:`matmul_peak_tflops`). Model FLOPs per token = 6 x matmul parameters
+(every linear layer and the output projection; the input embedding is a
+lookup) + 6 x layers x seq x heads x head_dim (causal attention, forward and
+backward); recomputation is not counted.
+
+Usage::
+
+    python bench/train.py --tiny                          # CPU check of the plumbing, seconds
+    python bench/train.py --json bench/results/train-h200.json   # on the GPU: 0.6B and 4B at 4096
+    python bench/train.py --shapes 4b --backends megatron hf --steps 6
+    python bench/train.py --profile ...                   # + GPU kernel time by kind (matmul, attention, ...)
+
+It measures; it decides nothing (the exit status does not depend on the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Qwen3 shapes as their config.json give them (both have tied embeddings)
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+# micro-batch size x micro-batches per step at the full sequence length: 16k tokens per optimizer step
+BATCHING = {"tiny": (2, 2), "0.6b": (4, 1), "4b": (1, 4)}
+BACKENDS = ("megatron", "megatron-compile", "hf")
+
+
+def qwen3_config(shape: str, seq_len: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 40960), rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_dropout=0.0,
+                       use_cache=False)
+
+
+def model_flops_per_token(config: Any, seq_len: int) -> tuple[int, float]:
+    """Matmul parameters and model FLOPs per token (6 x matmul params + causal attention)."""
+    hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                       config.head_dim)
+    per_layer = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
+    matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * hidden
+    attention = 6 * config.num_hidden_layers * seq_len * heads * head_dim
+    return matmul_params, 6 * matmul_params + attention
+
+
+def matmul_peak_tflops(device: str) -> dict[int, float]:
+    """The bf16 matmul rate (TFLOP/s) of square products of a few sizes: the best of short bursts.
+
+    MFU is taken against the best of them. Bursts of about 50 ms, not a
+    sustained run: a second of back-to-back matmuls drops the clocks to the
+    power limit (about 670 TFLOP/s on an H200, against about 780 for the
+    same kernels inside a training step, where other work lets the clocks
+    recover), and a low peak would flatter the MFU. On CPU the product is
+    fp32 and small (plumbing only).
+    """
+    sizes, dtype = ((4096, 8192, 16384), torch.bfloat16) if device == "cuda" else ((512,), torch.float32)
+    rates = {}
+    for size in sizes:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        repeats = max(2, int(5e13 / (2 * size**3))) if device == "cuda" else 3  # ~50 ms at 1 PFLOP/s
+        best = 0.0
+        for _ in range(8):
+            _sync(device)
+            time.sleep(0.2)  # let the clocks recover, as they do between a training step's matmuls
+            start = time.perf_counter()
+            for _ in range(repeats):
+                torch.matmul(a, b)
+            _sync(device)
+            best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12)
+        rates[size] = best
+        del a, b
+    return rates
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The RL trainer's per-token log-probs (fp32 log-softmax over the vocabulary), averaged."""
+    from vime.backends.hf import scaled_logprobs
+
+    logprobs = scaled_logprobs(logits[:, :-1], 1.0)
+    return -logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).mean()
+
+
+def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[torch.nn.Module, Any, Any]:
+    """The Megatron backend's model (fp32 masters, random weights) and a step function under bf16 autocast."""
+    from vime.backends import megatron
+    from vime.backends.hf import scaled_logprobs  # noqa: F401 -- imported before torch.compile traces _loss
+
+    model = megatron.build_model(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02)
+            else:
+                param.fill_(1.0)
+    loss_fn = _loss
+    if compile_layers:
+        for layer in model.decoder.layers:
+            for module in (layer.mlp, layer.input_layernorm, layer.pre_mlp_layernorm,
+                           layer.self_attention.q_layernorm, layer.self_attention.k_layernorm):
+                module.compile()
+        model.decoder.final_layernorm.compile()
+        loss_fn = torch.compile(_loss)
+
+    def micro_step(input_ids: torch.Tensor, scale: float) -> float:
+        # megatron's linear layers re-enter *CUDA* autocast in backward, so a CPU run (--tiny) stays in fp32
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = megatron.forward(model, input_ids).logits
+        loss = loss_fn(logits, input_ids) * scale
+        loss.backward()
+        return float(loss)
+
+    return model, micro_step, "fp32 master weights, bf16 autocast, SDPA core attention, no recomputation"
+
+
+def hf_trainer(config: Any, device: str) -> tuple[torch.nn.Module, Any, Any]:
+    """Qwen3ForCausalLM in bf16, SDPA attention, gradient checkpointing: a TRL-style trainer."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    model.train()
+
+    def micro_step(input_ids: torch.Tensor, scale: float) -> float:
+        logits = model(input_ids=input_ids).logits
+        loss = _loss(logits, input_ids) * scale
+        loss.backward()
+        return float(loss)
+
+    return model, micro_step, "bf16 weights, SDPA attention, gradient checkpointing"
+
+
+# kernel-name fragments -> what the kernel does, for --profile (first match wins)
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "matmul")),
+                ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+                ("loss", ("softmax", "log_softmax", "gather", "nll")))
+
+
+def kernel_time_by_kind(step: Any, device: str) -> dict[str, float]:
+    """Milliseconds of device kernels per kind over one profiled step (what the GPU spends its time on)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as profiler:
+        step()
+        _sync(device)
+    kernel_type = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    by_name: dict[str, float] = {}
+    for event in profiler.events():
+        if event.device_type == kernel_type:  # on CPU this double counts nested ops: plumbing only
+            elapsed = event.device_time_total if device == "cuda" else event.cpu_time_total
+            by_name[event.name] = by_name.get(event.name, 0.0) + elapsed / 1e3
+    totals: dict[str, float] = {}
+    for name, ms in by_name.items():
+        kind = next((kind for kind, parts in KERNEL_KINDS if any(part in name.lower() for part in parts)), "other")
+        totals[kind] = totals.get(kind, 0.0) + ms
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:12]
+    return {kind: round(ms, 1) for kind, ms in sorted(totals.items())} | {
+        "top_kernels_ms": [(name[:100], round(ms, 1)) for name, ms in top]}
+
+
+def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, peak: float,
+            profile_step: bool = False) -> dict[str, Any]:
+    """Time ``steps`` training steps after ``warmup`` of one backend at one shape; one result row."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    config = qwen3_config(shape, seq_len)
+    if backend == "hf":
+        model, micro_step, precision = hf_trainer(config, device)
+    else:
+        model, micro_step, precision = megatron_trainer(config, device, compile_layers=backend == "megatron-compile")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device == "cuda")
+    micro_batch_size, micro_batches = BATCHING[shape]
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def step() -> float:
+        total = 0.0
+        for _ in range(micro_batches):
+            input_ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len), device=device,
+                                      generator=generator)
+            total += micro_step(input_ids, 1.0 / micro_batches)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    losses, times = [], []
+    for index in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(round(step(), 4))
+        _sync(device)
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+    step_s = sum(times) / len(times)
+    kernels = kernel_time_by_kind(step, device) if profile_step else None
+    tokens = micro_batch_size * micro_batches * seq_len
+    matmul_params, flops_per_token = model_flops_per_token(config, seq_len)
+    tflops = flops_per_token * tokens / step_s / 1e12
+    return dict(
+        shape=shape, backend=backend, seq_len=seq_len, tokens_per_s=round(tokens / step_s), mfu=round(tflops / peak, 4),
+        tflops=round(tflops, 1), peak_tflops_measured=round(peak, 1), step_s=round(step_s, 4),
+        micro_batch_size=micro_batch_size, micro_batches=micro_batches, steps=steps, warmup_steps=warmup,
+        params=sum(param.numel() for param in model.parameters()), matmul_params=matmul_params,
+        flops_per_token=flops_per_token, precision=precision, losses=losses,
+        peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else None,
+        device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        **({"kernel_ms_by_kind": kernels} if kernels else {}))
+
+
+def run_in_child(args: argparse.Namespace, shape: str, backend: str, peak: float) -> dict[str, Any]:
+    """One row, computed in a fresh process (clean GPU memory; a crash or OOM is reported, not fatal)."""
+    command = [sys.executable, __file__, "--child", shape, backend, "--seq-len", str(args.seq_len),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak", str(peak)]
+    if args.profile:
+        command.append("--profile")
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return dict(shape=shape, backend=backend, seq_len=args.seq_len, error=f"timed out after {args.timeout} s")
+    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not rows:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
+        return dict(shape=shape, backend=backend, seq_len=args.seq_len, error="\n".join(tail))
+    row = json.loads(rows[-1])
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape at seq 64 on any device: checks the plumbing")
+    parser.add_argument("--shapes", nargs="+", default=["0.6b", "4b"], choices=sorted(SHAPES))
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds allowed per (shape, backend)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one more step and add its kernel time by kind to each row")
+    parser.add_argument("--child", nargs=2, metavar=("SHAPE", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    if args.child:
+        print("RESULT " + json.dumps(run_one(*args.child, args.seq_len, args.steps, args.warmup, args.peak,
+                                                  args.profile)),
+              flush=True)
+        return
+    if args.tiny:
+        args.shapes, args.seq_len, args.steps, args.warmup = ["tiny"], 64, 2, 1
+        if not torch.cuda.is_available():
+            args.backends = [backend for backend in args.backends if "compile" not in backend]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rates = matmul_peak_tflops(device)
+    peak = max(rates.values())
+    print(f"measured matmul peak: {peak:.1f} TFLOP/s ({'bf16' if device == 'cuda' else 'fp32, CPU'}; by size: "
+          + ", ".join(f"{size}: {rate:.1f}" for size, rate in rates.items()) + ")", flush=True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    rows = []
+    for shape in args.shapes:
+        for backend in args.backends:
+            row = run_in_child(args, shape, backend, peak)
+            rows.append(row)
+            print(json.dumps({key: value for key, value in row.items() if key != "losses"}), flush=True)
+            if args.json:  # after every row, so a run cut short keeps what it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(dict(
+                    peak_tflops_measured=round(peak, 1), matmul_tflops_by_size={size: round(rate, 1) for size, rate
+                                                                                 in rates.items()},
+                    torch=torch.__version__, command=" ".join(sys.argv), rows=rows), indent=2) + "\n")
+    print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} {'mem GiB':>8}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} failed: {row['error'].splitlines()[-1]}")
+            continue
+        print(f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} {row['tokens_per_s']:>9} {row['tflops']:>8} "
+              f"{row['mfu']:>6.1%} {row['step_s']:>7} {row['peak_memory_gib'] or '-':>8}")
+
+
+if __name__ == "__main__":
+    main()
