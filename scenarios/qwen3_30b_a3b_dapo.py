@@ -13,8 +13,10 @@ Recipe: slime's ``run-qwen3-30B-A3B.sh``: 32 prompts x 8 responses of up to
 0.8, thinking on, eval every 20 steps with 16 responses per prompt of up to
 16384 tokens at top-p 0.7. Departures: the reward is math-verify on the
 last ``\\boxed{}`` or "Answer:" line, where slime's ``deepscaler`` reward
-also requires a closed ``</think>``; rollout routing replay (R3), which the
-script leaves off too, arrives with the Megatron backend.
+also requires a closed ``</think>``; rollout routing replay (R3) is on
+(``--use-rollout-routing-replay``; the script leaves it off): the rollout's
+experts are replayed by the trainer, which keeps an MoE's train/rollout
+log-prob gap small. ``--no-use-rollout-routing-replay`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,4 +32,4 @@ __all__ = ["DESCRIPTION", "defaults", "prepare"]
 def defaults() -> RunConfig:
     return slime_grpo(input_key="problem", label_key="answer", reward="math", prompt_template=DAPO_TEMPLATE,
                       rollout_batch_size=32, group_size=8, max_new_tokens=8192, updates_per_step=1,
-                      eval_samples=16, eval_top_p=0.7, eval_max_new_tokens=16384)
+                      eval_samples=16, eval_top_p=0.7, eval_max_new_tokens=16384, use_rollout_routing_replay=True)

@@ -132,3 +132,6 @@ def test_replay_refuses_experts_of_the_wrong_shape_and_dense_models(folders, tmp
     transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3", VOCAB)).save_pretrained(dense)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         TorchRolloutEngine(str(dense), record_experts=True)
+    with pytest.raises(ValueError, match="holds a qwen3: pass --no-use-rollout-routing-replay"):
+        routing_replay.check_model_folder(dense)
+    routing_replay.check_model_folder(folders["glm4_moe"])

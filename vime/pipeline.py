@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from vime import checkpoint, rewards
+from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
 from vime.config import RunConfig
@@ -79,11 +80,14 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 
 def preflight(config: RunConfig) -> None:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
-    a model folder without config, weights or tokenizer, an unknown reward, a plug-in
+    a model folder without config, weights or tokenizer (or not an MoE, for routing
+    replay), an unknown reward, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
     Raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
+    if config.rollout.use_rollout_routing_replay:
+        routing_replay.check_model_folder(config.model.model_path)
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
     if data.custom_rollout:

@@ -20,6 +20,8 @@ and GLM-4.5's (sigmoid, renormalised, scaled by ``routed_scaling_factor``).
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -44,6 +46,17 @@ _GATES: dict[str, Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.
     "Qwen3MoeTopKRouter": _softmax_gates,
     "Glm4MoeTopkRouter": _sigmoid_gates,
 }
+
+
+MODEL_TYPES = ("qwen3_moe", "glm4_moe")  # the Hugging Face model_type of each family above
+
+
+def check_model_folder(path: str | Path) -> None:
+    """ValueError, before a run, when the model in ``path`` is not an MoE family R3 supports."""
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({', '.join(MODEL_TYPES)}); "
+                         f"{path} holds a {model_type}: pass --no-use-rollout-routing-replay")
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
