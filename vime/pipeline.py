@@ -94,8 +94,6 @@ def preflight(config: RunConfig) -> None:
         import_function(data.custom_rollout, "--custom-rollout")
     rows = load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)
     held_out = eval_rows(config)
-    if config.eval.eval_every and not held_out:
-        raise ValueError("--eval-every needs --eval-data FILE (held-out prompts)")
     check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
                     rows + held_out)
 

@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:
         return _refuse(err)
+    if config.eval.eval_every and not config.eval.eval_data:
+        print("no --eval-data: held-out evaluation is off", flush=True)
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display,
