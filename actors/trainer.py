@@ -41,7 +41,7 @@ import torch
 import trio
 
 from vime import checkpoint
-from vime.backends.base import collate
+from vime.backends.base import TrainEngine, collate
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
@@ -68,15 +68,16 @@ class Trainer(Actor):
         run = self.run
         if run.job.train_threads:
             torch.set_num_threads(run.job.train_threads)
-        self.engine = TorchTrainEngine(run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss,
-                                       grpo_config=run.grpo, ppo_config=run.ppo, temperature=run.sampling.temperature,
-                                       dtype=run.model.dtype, total_steps=run.job.steps, seed=settings.seed)
-        self.pad_token_id = self.engine.policy.config.pad_token_id or 0
+        self.engine = train_engine(run.job.train_backend)(
+            run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss, grpo_config=run.grpo,
+            ppo_config=run.ppo, temperature=run.sampling.temperature, dtype=run.model.dtype,
+            total_steps=run.job.steps, seed=settings.seed)
         self.workers: set[str] = set()
         self.published: list[WeightsChunk] = []  # a copy of the latest version, for workers that join later
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.run_dir = Path(settings.run_dir or ".")
         self.tokenizer = load_tokenizer(run.model.model_path)
+        self.pad_token_id = self.tokenizer.pad_token_id or 0  # what padding holds is masked out anyway
         self.metrics = MetricsWriter(self.run_dir)
         self.rows_in, self.rows = trio.open_memory_channel[dict[str, Any]](math.inf)
         self.eval_versions = set(run.eval.versions(run.job.steps))
@@ -245,6 +246,15 @@ class Trainer(Actor):
         for worker in sorted(self.workers):
             await self._send_weights(worker, chunks)
         await self.tell("buffer", WeightsPublished(version=self.engine.weight_version))
+
+
+def train_engine(backend: str) -> type[TrainEngine]:
+    """The trainer engine class of ``--train-backend``; megatron-core is imported only when asked for."""
+    if backend == "megatron":
+        from vime.backends.megatron import MegatronTrainEngine
+
+        return MegatronTrainEngine
+    return TorchTrainEngine
 
 
 def _plain(value: Any) -> Any:

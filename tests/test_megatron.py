@@ -308,6 +308,26 @@ def test_replayed_rollout_experts_give_the_reference_trainers_logprobs(hf_models
         engine._response_logprobs(engine.policy, dataclasses.replace(batch, routed_experts=missing), rows)
 
 
+@pytest.mark.parametrize("case", ["qwen3", *MOE_CASES])
+def test_megatron_weights_load_into_the_rollout_engine(hf_models, case):
+    """Weight sync from the Megatron trainer: checkpoint names (experts one by one, GLM's expert bias
+    buffer) into the torch rollout engine, which holds experts fused; the rollout then computes the
+    trainer's log-probs."""
+    _, _, folder = hf_models[case]
+    engine = _engine(megatron.MegatronTrainEngine, folder)
+    engine.train_step(_batch(seed=0))
+    rollout = TorchRolloutEngine(str(folder))
+    rollout.load_weights(engine.named_weights(), version=1)
+    batch = _batch(seed=2)
+    rows = torch.arange(batch.input_ids.shape[0])
+    reference = _engine(TorchTrainEngine, folder)
+    reference.policy = rollout.model  # score the batch with the rollout engine's model
+    expected = engine._response_logprobs(engine.policy, batch, rows)[0]
+    assert (reference._response_logprobs(rollout.model, batch, rows)[0] - expected).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="do not fit the model: missing"):
+        rollout.load_weights({k: v for k, v in engine.named_weights().items() if "embed" not in k}, version=2)
+
+
 def test_save_and_load_continue_training_exactly(hf_models, tmp_path):
     _, _, folder = hf_models["qwen3"]
     engine = _engine(megatron.MegatronTrainEngine, folder)
@@ -353,3 +373,26 @@ def test_bf16_autocast_step_on_cuda_keeps_fp32_masters(hf_models):
     assert all(param.dtype == torch.float32 for param in bf16.policy.parameters())
     assert got["train_rollout_logprob_abs_diff"] == pytest.approx(expected["train_rollout_logprob_abs_diff"], rel=0.05)
     assert all(not torch.equal(before[name], tensor) for name, tensor in bf16.named_weights().items())
+
+
+# -- in the pipeline -----------------------------------------------------------------------------------------------
+
+
+async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path):
+    """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
+    weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree."""
+    from vime.metrics import MetricsFollower
+    from vime.pipeline import train
+    from vime.scenarios import arithmetic
+
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=30, seed=3, train_backend="megatron"))
+    summary = await train(config, run_dir, timeout_s=300)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == list(range(1, 31))
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    start = sum(row["raw_reward"] for row in rows[:3]) / 3
+    end = sum(row["raw_reward"] for row in rows[-3:]) / 3
+    assert start < 0.1 and end > start + 0.2, (start, end)
+    assert summary["groups"]["lost"] == 0
+    assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"

@@ -383,6 +383,32 @@ async def test_spawned_actors_exit_when_their_driver_is_killed(tmp_path):
     assert "the driver that started this actor is gone" in (tmp_path / "logs" / "echo0.log").read_text()
 
 
+PARENT_SCRIPT = """
+import os, subprocess, sys, time
+actor = subprocess.Popen([sys.executable, "-m", "vime.actor", "echo", "--name", "echo0", "--join", sys.argv[1],
+                          "--listen", sys.argv[2], "--exit-with-parent", str(os.getpid())],
+                         stderr=open(sys.argv[3], "w"))
+print(actor.pid, flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+@pytest.mark.parametrize("lives_s", [0.0, 3.0])
+async def test_an_actor_whose_driver_dies_before_it_is_registered_exits_at_once(tmp_path, lives_s):
+    """The driver never answers Register (nothing listens there) and dies before the actor has
+    started (0 s) or while it waits for the answer (3 s): either way the actor must not sit out the
+    30 s registration timeout."""
+    log = tmp_path / "echo0.log"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT, f"ipc://{tmp_path}/nobody",
+                               f"ipc://{tmp_path}/echo0", str(log), str(lives_s)], stdout=subprocess.PIPE, text=True)
+    actor_pid = int(await trio.to_thread.run_sync(parent.stdout.readline))
+    await trio.to_thread.run_sync(parent.wait)
+    with trio.fail_after(15):
+        while os.path.exists(f"/proc/{actor_pid}") and "zombie" not in _proc_state(actor_pid):
+            await trio.sleep(0.1)
+    assert "the driver that started this actor is gone" in log.read_text()
+
+
 def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/status") as status:

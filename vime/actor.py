@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default="{}",
                         help="runtime settings as a JSON object, e.g. {\"inbox_capacity\": 64} (see ActorSettings)")
     parser.add_argument("--record", action="store_true", help="write this actor's message log")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="shut down when the parent process (the driver that spawned us) dies")
+    parser.add_argument("--exit-with-parent", nargs="?", type=int, const=0, default=None, metavar="PID",
+                        help="shut down when the driver that spawned us (process PID; default: our parent at start) "
+                             "is gone; a driver that dies before we start is noticed too when PID is given")
     parser.add_argument("--tls-cert-key", default=None, help="PEM with our certificate and key (tls+tcp)")
     parser.add_argument("--tls-ca", default=None, help="PEM of the CA that signs the job's certificates")
     parser.add_argument("--log-level", default="info")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         tls_cert_key=args.tls_cert_key,
         tls_ca=args.tls_ca,
-        parent_pid=os.getppid() if args.exit_with_parent else None,
+        parent_pid=None if args.exit_with_parent is None else args.exit_with_parent or os.getppid(),
     )
     actor = cls(settings, json.loads(args.config))
     try:

@@ -189,7 +189,7 @@ class Cluster:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "vime.actor", entry.role, "--name", name, "--join", self.address,
-                   "--exit-with-parent",
+                   "--exit-with-parent", str(os.getpid()),
                    "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config),
                    "--settings", json.dumps(entry.settings), "--seed", str(entry.seed)]
         if self.transport == "ipc":

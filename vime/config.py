@@ -137,6 +137,8 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
     algo: str = setting("grpo", "grpo or ppo")
+    train_backend: str = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: megatron-core "
+                                          "(GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
     seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
     weight_chunk_mb: int = setting(64, "weights travel to rollout workers in chunks of about this size")
@@ -147,6 +149,10 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
             raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
+        if self.train_backend not in ("torch", "megatron"):
+            raise ValueError(f"--train-backend must be torch or megatron, not {self.train_backend!r}")
+        if self.train_backend == "megatron" and self.algo != "grpo":
+            raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
         _at_least(self, steps=1, weight_chunk_mb=1, save_every=0, save_hf_every=0, train_threads=0)
 
 

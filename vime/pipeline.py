@@ -88,6 +88,15 @@ def preflight(config: RunConfig) -> None:
     check_model_folder(config.model.model_path)
     if config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
+    if config.job.train_backend == "megatron":
+        try:
+            from vime.backends import megatron
+        except ImportError as err:
+            raise ValueError(f"--train-backend megatron needs megatron-core ({err}); install it with "
+                             "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
+        from transformers import AutoConfig
+
+        megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path))  # refuses what it cannot build
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
     if data.custom_rollout:

@@ -186,6 +186,7 @@ class Actor:
         self._fast_paths = 0
         self._nursery: trio.Nursery | None = None
         self._stopping = trio.Event()
+        self._serving = False  # on_start has finished
         self._inbox: Inbox | None = None
         self._segments = SegmentPool()
         self._lenders: dict[str, Callable[[memoryview], str]] = {}
@@ -374,10 +375,13 @@ class Actor:
                 self._trio_token = trio.lowlevel.current_trio_token()
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._release_loop)
+                if settings.parent_pid is not None:
+                    nursery.start_soon(self._watch_parent)
                 if settings.driver is not None:
                     await self._register()
                     nursery.start_soon(self._heartbeat_loop)
                 await self.on_start()
+                self._serving = True
                 nursery.start_soon(self._handle_loop)
                 task_status.started()
                 await self._stopping.wait()
@@ -428,15 +432,21 @@ class Actor:
     async def _heartbeat_loop(self) -> None:
         while True:
             await trio.sleep(self.settings.heartbeat_s)
-            if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
-                self.log.error("the driver that started this actor is gone; shutting down",
-                               driver_pid=self.settings.parent_pid)
-                outbox = self._outboxes.pop(self.settings.driver or "", None)
-                if outbox is not None:  # what is queued for a dead driver never leaves: do not wait for it
-                    outbox.close()
-                self._stopping.set()
-                return
             await self.tell("driver", Heartbeat(name=self.name, status=dataclasses.asdict(self.status())))
+
+    async def _watch_parent(self) -> None:
+        """Stop once the driver that spawned this actor is gone (``--exit-with-parent``): gracefully when
+        serving, at once while still starting -- a driver killed mid-registration never answers it."""
+        while os.getppid() == self.settings.parent_pid:
+            await trio.sleep(self.settings.heartbeat_s)
+        self.log.error("the driver that started this actor is gone; shutting down", driver_pid=self.settings.parent_pid)
+        outbox = self._outboxes.pop(self.settings.driver or "", None)
+        if outbox is not None:  # what is queued for a dead driver never leaves: do not wait for it
+            outbox.close()
+        if self._serving:
+            self._stopping.set()
+        else:
+            self._nursery.cancel_scope.cancel()
 
     def _set_directory(self, addresses: dict[str, str]) -> list[str]:
         """Adopt the driver's directory; returns the names that left it."""

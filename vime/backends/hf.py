@@ -8,6 +8,7 @@ the same model class, so that in fp32 they agree to float rounding
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,26 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(check_model_folder(path))
+
+
+def in_memory_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named weights as transformers holds them in memory: since transformers 5, MoE experts
+    live fused (``experts.gate_up_proj [experts, 2 x ffn, hidden]``, ``experts.down_proj``) while a
+    checkpoint -- and a trainer that writes one, like the Megatron backend -- names them one by one."""
+    experts = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    named = {}
+    for name, tensor in tensors.items():
+        match = experts.match(name)
+        if match is None:
+            named[name] = tensor
+        else:
+            fused.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
+    for prefix, by_expert in fused.items():
+        order = [by_expert[index] for index in sorted(by_expert)]
+        named[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in order])
+        named[f"{prefix}.down_proj"] = torch.stack([e["down"] for e in order])
+    return named
 
 
 def scaled_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

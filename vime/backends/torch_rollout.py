@@ -25,7 +25,7 @@ import torch
 
 from vime.backends import routing_replay
 from vime.backends.base import RolloutEngine, Sequence
-from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.hf import in_memory_names, load_causal_lm, position_ids, scaled_logprobs
 
 
 class TorchRolloutEngine(RolloutEngine):
@@ -57,14 +57,18 @@ class TorchRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Every parameter, by the model's own names or a checkpoint's (experts one by one); buffers
+        such as GLM-4.5's expert score bias may come too."""
+        tensors = in_memory_names(tensors)
         params = dict(self.model.named_parameters())
+        targets = {**dict(self.model.named_buffers()), **params}
         missing = set(params) - set(tensors)
-        unknown = set(tensors) - set(params)
+        unknown = set(tensors) - set(targets)
         if missing or unknown:
             raise ValueError(f"weights for version {version} do not fit the model: "
                              f"missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
         for name, tensor in tensors.items():
-            params[name].copy_(tensor)
+            targets[name].copy_(tensor)
         self.weight_version = version
 
     @torch.no_grad()
