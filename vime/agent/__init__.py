@@ -1,0 +1,1 @@
+"""Agentic rollouts: tools the model calls, and the sandbox every call runs in."""
