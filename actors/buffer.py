@@ -79,6 +79,7 @@ class Buffer(Actor):
             sampling["stop_token_ids"] = stop_token_ids(self.run.model.model_path, self.tokenizer)
         self._sampling = {**sampling, "stop_token_ids": list(sampling["stop_token_ids"])}
         self.eval_rows = eval_rows(self.run)
+        self.eval_prompt_ids = [self._prompt_ids(row) for row in self.eval_rows]  # every round asks the same
         self.eval_versions = set(self.run.eval.versions(self.run.job.steps))
         self._eval_sampling = {**dataclasses.asdict(self.run.eval.sampling(self.run.sampling)),
                                "stop_token_ids": self._sampling["stop_token_ids"]}
@@ -257,21 +258,23 @@ class Buffer(Actor):
                 "pass --epochs 0 (as many as needed) or more data"))
 
     async def _issue_group(self, row: dict[str, Any], min_weight_version: int) -> None:
-        request = self._request(row, row.get("group_size", self.run.data.group_size),
+        request = self._request(row, self._prompt_ids(row), row.get("group_size", self.run.data.group_size),
                                 {**self._sampling, **row.get("sampling", {})}, min_weight_version)
         self.in_flight[request.group_id] = request
         self.counters["issued"] += 1
         await self.tell("router", request)
 
-    def _request(self, row: dict[str, Any], group_size: int, sampling: dict[str, Any],
+    def _prompt_ids(self, row: dict[str, Any]) -> list[int]:
+        data = self.run.data
+        return prompt_ids(self.tokenizer, row["prompt"], template=data.prompt_template, chat=data.chat_template,
+                          thinking=data.enable_thinking)
+
+    def _request(self, row: dict[str, Any], ids: list[int], group_size: int, sampling: dict[str, Any],
                  min_weight_version: int) -> GenerateGroup:
-        """The generation request for a prompt row, under the next group id."""
+        """The generation request for a prompt row (prompted with ``ids``), under the next group id."""
         group_id = self.next_group_id
         self.next_group_id += 1
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
-        data = self.run.data
-        ids = prompt_ids(self.tokenizer, row["prompt"], template=data.prompt_template, chat=data.chat_template,
-                         thinking=data.enable_thinking)
         return GenerateGroup(group_id=group_id, prompt_ids=ids, label=str(row["label"]), metadata=metadata,
                              group_size=group_size, min_weight_version=min_weight_version, sampling=sampling)
 
@@ -279,8 +282,8 @@ class Buffer(Actor):
 
     async def _issue_eval(self, version: int) -> None:
         """Every eval prompt, once, for weight version ``version``."""
-        requests = [self._request(row, self.run.eval.eval_samples, self._eval_sampling, version)
-                    for row in self.eval_rows]
+        requests = [self._request(row, ids, self.run.eval.eval_samples, self._eval_sampling, version)
+                    for row, ids in zip(self.eval_rows, self.eval_prompt_ids)]
         self.eval_rounds[version] = {}
         for request in requests:
             self.eval_version_of[request.group_id] = version

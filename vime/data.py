@@ -120,8 +120,7 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: 
         raise ValueError("a prompt given as a conversation (a list of messages) needs --chat-template")
     else:
         messages = [dict(message) for message in prompt]
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user") if any(
-        m["role"] == "user" for m in messages) else len(messages) - 1
+    last_user = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"), -1)
     messages[last_user]["content"] = template.replace("{prompt}", messages[last_user]["content"])
     if not chat:
         return list(tokenizer(messages[0]["content"])["input_ids"])

@@ -47,6 +47,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._cache = None
         self._mask: torch.Tensor | None = None
         self._last_tokens: torch.Tensor | None = None
+        self._routed: list[list[torch.Tensor]] = []  # with record_experts: each running row's experts, per forward
 
     @property
     def busy(self) -> bool:
@@ -83,15 +84,15 @@ class TorchRolloutEngine(RolloutEngine):
         return self._sample(logits)
 
     def _keep_experts(self, experts: torch.Tensor) -> None:
-        """Add this forward's experts (``[rows x width, layers, top_k]``) to each unfinished sequence."""
-        rows = len(self._running)
-        experts = experts.view(rows, -1, *experts.shape[1:]).cpu()
+        """Keep this forward's experts (``[rows x width, layers, top_k]``) for each unfinished sequence;
+        they are joined once, when the sequence finishes."""
+        experts = experts.view(len(self._running), -1, *experts.shape[1:]).cpu()
+        if not self._routed:  # the prefill: each prompt's own positions (rows are left-padded)
+            self._routed = [[experts[row, -len(s.prompt_ids):]] for row, s in enumerate(self._running)]
+            return
         for row, sequence in enumerate(self._running):
-            if sequence.finish_reason is not None:
-                continue
-            new = experts[row, -len(sequence.prompt_ids):] if sequence.routed_experts is None else experts[row]
-            sequence.routed_experts = new if sequence.routed_experts is None else torch.cat(
-                [sequence.routed_experts, new])
+            if sequence.finish_reason is None:
+                self._routed[row].append(experts[row])
 
     def _prefill(self) -> torch.Tensor:
         count = min(len(self._waiting), self.max_batch_size)
@@ -129,7 +130,7 @@ class TorchRolloutEngine(RolloutEngine):
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         self._last_tokens = tokens
         finished = []
-        for sequence, token, logprob in zip(self._running, tokens.tolist(), chosen.tolist()):
+        for row, (sequence, token, logprob) in enumerate(zip(self._running, tokens.tolist(), chosen.tolist())):
             if sequence.finish_reason is not None:
                 continue
             sequence.response_ids.append(token)
@@ -140,9 +141,11 @@ class TorchRolloutEngine(RolloutEngine):
             elif len(sequence.response_ids) >= sequence.params.max_new_tokens:
                 sequence.finish_reason = "length"
             if sequence.finish_reason is not None:
+                if self._routed:
+                    sequence.routed_experts = torch.cat(self._routed[row])
                 finished.append(sequence)
         if all(s.finish_reason is not None for s in self._running):
-            self._running, self._cache, self._mask, self._last_tokens = [], None, None, None
+            self._running, self._cache, self._mask, self._last_tokens, self._routed = [], None, None, None, []
         return finished
 
 
