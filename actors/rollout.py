@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import trio
 
-from vime.backends.base import SamplingParams, Sequence
+from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
@@ -71,13 +71,21 @@ class RolloutWorker(Actor):
         if self.run.rollout.rollout_threads:  # several workers and a trainer share the CPU: do not oversubscribe
             torch.set_num_threads(self.run.rollout.rollout_threads)
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
-        self.engine = await trio.to_thread.run_sync(lambda: TorchRolloutEngine(
-            self.run.model.model_path, dtype=self.run.model.dtype,
-            max_batch_size=self.run.rollout.rollout_max_batch_size, seed=self.settings.seed,
-            record_experts=self.run.rollout.use_rollout_routing_replay))
+        self.engine = await trio.to_thread.run_sync(self._build_engine)
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.start_soon(self._generate_loop)
         self.start_soon(self._join)
+
+    def _build_engine(self) -> RolloutEngine:
+        model, rollout = self.run.model, self.run.rollout
+        shared = dict(dtype=model.dtype, max_batch_size=rollout.rollout_max_batch_size, seed=self.settings.seed,
+                      record_experts=rollout.use_rollout_routing_replay)
+        if rollout.rollout_backend == "vllm":
+            from vime.backends.vllm_rollout import VllmRolloutEngine
+
+            return VllmRolloutEngine(model.model_path, gpus=rollout.rollout_num_gpus_per_engine,
+                                     engine_args=rollout.vllm_args, **shared)
+        return TorchRolloutEngine(model.model_path, **shared)
 
     async def _join(self) -> None:
         """Get the trainer's current weights, then ask the router for work."""
@@ -92,6 +100,7 @@ class RolloutWorker(Actor):
 
     async def on_stop(self) -> None:
         self.leaving = True
+        self.wake.set()
         unfinished = sorted([*self.groups, *(g.group_id for g, _ in self.waiting)])
         if unfinished:
             self.log.info("handing unfinished groups back", groups=len(unfinished))
@@ -123,6 +132,10 @@ class RolloutWorker(Actor):
 
     async def _generate_loop(self) -> None:
         while True:
+            if self.leaving:  # its groups were handed back: stop spending the engine on them
+                self.engine.abort(list(self.by_request))
+                self.by_request.clear()
+                return
             self._apply_weights()
             self._admit()
             if not self.engine.busy:

@@ -27,7 +27,7 @@ from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine
-from vime.config import OptimConfig, RunConfig, add_flags, from_flags
+from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
 
@@ -340,6 +340,24 @@ def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
 # -- config -----------------------------------------------------------------------------------------------------
 
 
+def test_abort_drops_queued_sequences_and_stops_running_ones(model):
+    folder, _, prompts = model
+    engine = TorchRolloutEngine(folder, max_batch_size=2)
+    sequences = [Sequence(i, p, SamplingParams(max_new_tokens=3)) for i, p in enumerate(prompts[:3])]
+    engine.add(sequences)
+    engine.step()  # rows 0 and 1 run; 2 waits for the next batch
+    engine.abort([0, 2, 99])
+    finished = []
+    while engine.busy:
+        finished += engine.step()
+    assert finished == [sequences[1]] and sequences[1].finish_reason == "length"
+    assert sequences[0].finish_reason == "abort" and len(sequences[0].response_ids) == 1
+    assert sequences[2].response_ids == []
+    engine.add([sequences[2]])
+    engine.abort([2])
+    assert not engine.busy
+
+
 def test_flags_round_trip():
     defaults = RunConfig().replace(dynamic_sampling=True, group_size=4)
     parser = argparse.ArgumentParser()
@@ -352,6 +370,18 @@ def test_flags_round_trip():
     assert config.data.group_size == 4  # a flag not given leaves the scenario's default
     assert config == defaults.replace(lr=3e-4, dynamic_sampling=False, stop_token_ids=(1, 2))
     assert from_flags(parser.parse_args([]), defaults) == defaults
+
+
+def test_engine_flags_are_picked_out_of_the_command_line():
+    found, rest = engine_flags(["--vllm-gpu-memory-utilization", "0.5", "--lr", "3", "--vllm-enforce-eager",
+                                "--vllm-attention-backend=FLASH_ATTN", "--vllm-compilation-config", '{"level": 0}'])
+    assert rest == ["--lr", "3"]
+    assert found == {"vllm_args": {"gpu_memory_utilization": 0.5, "enforce_eager": True,
+                                   "attention_backend": "FLASH_ATTN", "compilation_config": {"level": 0}}}
+    config = RunConfig().replace(rollout_backend="vllm", **found)
+    assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="apply to --rollout-backend vllm only"):
+        RunConfig().replace(**found)
 
 
 def test_config_dict_round_trip_and_unknown_names():

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from vime.backends import routing_replay
 from vime.backends.base import SamplingParams, Sequence, collate
+from vime.backends.hf import checkpoint_names, in_memory_names
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
@@ -135,3 +137,18 @@ def test_replay_refuses_experts_of_the_wrong_shape_and_dense_models(folders, tmp
     with pytest.raises(ValueError, match="holds a qwen3: pass --no-use-rollout-routing-replay"):
         routing_replay.check_model_folder(dense)
     routing_replay.check_model_folder(folders["glm4_moe"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_names_split_fused_experts_and_back(folders, arch):
+    """vLLM loads experts one by one, as checkpoints name them; the rollout engine takes them fused."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[arch])
+    live = dict(model.named_parameters())
+    named = checkpoint_names(live)
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in named)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in named
+    saved = load_file(next(folders[arch].glob("*.safetensors")))
+    assert {name: tuple(t.shape) for name, t in named.items()} == \
+        {name: tuple(t.shape) for name, t in saved.items() if name in named}
+    round_trip = in_memory_names(named)
+    assert set(round_trip) == set(live) and all(torch.equal(round_trip[n], live[n]) for n in live)

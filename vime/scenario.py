@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from vime.config import RunConfig, add_flags, from_flags
+from vime.config import RunConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 
 SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                             help="continue a run that died from its latest checkpoint, with its settings "
                                  "(flags given here override them, e.g. --steps)")
         add_flags(parser, scenario.defaults())
+    engine, argv = engine_flags(argv) if training else ({}, argv)  # before argparse, which cannot know their names
     args = parser.parse_args(argv)
+    vars(args).update(engine)
     if args.list:
         for scenario_name, module in SCENARIOS.items():
             print(f"{scenario_name:<20} {importlib.import_module(module).DESCRIPTION}")

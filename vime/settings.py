@@ -12,7 +12,10 @@ from typing import Any
 
 
 def setting(default: Any, help: str) -> Any:
-    """A dataclass field with ``default`` whose ``--help`` text is ``help``."""
+    """A dataclass field with ``default`` whose ``--help`` text is ``help`` (a dict default is copied
+    for each instance)."""
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
 
 

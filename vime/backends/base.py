@@ -82,6 +82,10 @@ class RolloutEngine(abc.ABC):
         """Whether any sequence is queued or running."""
 
     @abc.abstractmethod
+    def abort(self, request_ids: list[int]) -> None:
+        """Stop these sequences (unknown or finished ids are ignored); they are never returned by ``step``."""
+
+    @abc.abstractmethod
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Replace the named weights (a full set) and stamp later tokens with ``version``."""
 

