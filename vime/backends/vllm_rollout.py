@@ -5,9 +5,11 @@ driven like the reference engine: ``add`` queues requests, which join the runnin
 next ``step`` (continuous batching), and ``step`` is one vLLM engine step. Because the worker
 applies weights only between two steps, an update never races a forward pass: there is nothing
 to pause. Sequences running across an update continue under the new weights with the KV cache
-they have (a partial rollout), and each token carries the version of the step that produced it.
-vLLM's asynchronous scheduling is switched off for that reason: with it, a step hands back the
-tokens of the step before, which may have been sampled under the previous weights.
+they have (a partial rollout), and each token carries the version of the weights that sampled it.
+With vLLM's asynchronous scheduling (its default on GPUs, which overlaps its CPU work with the
+GPU's), a step hands back tokens of a batch launched in an earlier step; so before an update the
+engine pauses vLLM's scheduler, collects every batch already launched (old version), loads, and
+resumes.
 
 Log-probs are vLLM's ``processed_logprobs``: those of the temperature-scaled distribution the
 trainer computes. With top-k or top-p on, vLLM reports the truncated, renormalised distribution
@@ -44,7 +46,7 @@ OWNED = {
     "model": "--model-path", "dtype": "--dtype", "seed": "--seed", "tensor_parallel_size":
     "--rollout-num-gpus-per-engine", "enable_return_routed_experts": "--use-rollout-routing-replay",
     "max_num_seqs": "--rollout-max-batch-size", "skip_tokenizer_init": None, "logprobs_mode": None,
-    "worker_extension_cls": None, "async_scheduling": None,
+    "worker_extension_cls": None,
 }
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -109,17 +111,18 @@ class VllmRolloutEngine(RolloutEngine):
         args = EngineArgs(
             model=model_path, dtype=_DTYPES[dtype], seed=seed, tensor_parallel_size=gpus, max_num_seqs=max_batch_size,
             enable_return_routed_experts=record_experts, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WorkerExtension", async_scheduling=False,
+            worker_extension_cls=f"{__name__}.WorkerExtension",
             **engine_arguments(engine_args or {}))
         self.engine = LLMEngine.from_engine_args(args)
         self._delta = RequestOutputKind.DELTA
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.weight_version = 0
         self._running: dict[str, Sequence] = {}
+        self._finished: list[Sequence] = []  # finished while the update waited for launched batches
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return bool(self._running or self._finished)
 
     def add(self, sequences: list[Sequence]) -> None:
         from vllm import SamplingParams
@@ -136,7 +139,7 @@ class VllmRolloutEngine(RolloutEngine):
             self._running[request] = sequence
 
     def step(self) -> list[Sequence]:
-        finished = []
+        finished, self._finished = self._finished, []
         for output in self.engine.step():
             sequence = self._running.get(output.request_id)
             if sequence is None:  # aborted since
@@ -162,5 +165,21 @@ class VllmRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._collect_launched()
         self.engine.collective_rpc("vime_load_weights", args=(list(checkpoint_names(tensors).items()),))
         self.weight_version = version
+
+    def _collect_launched(self) -> None:
+        """Take the tokens of every batch vLLM launched ahead (asynchronous scheduling) before the weights
+        change, so that they are stamped with the version that sampled them. The scheduler is paused
+        meanwhile (it launches nothing new); without a batch queue there is nothing ahead."""
+        core = getattr(self.engine.engine_core, "engine_core", None)  # the in-process EngineCore
+        queue = getattr(core, "batch_queue", None)
+        if not queue:
+            return
+        core.pause_scheduler(mode="keep", clear_cache=False)
+        try:
+            while any(batch[1].total_num_scheduled_tokens for batch in queue):
+                self._finished += self.step()
+        finally:
+            core.resume_scheduler()
