@@ -1,14 +1,20 @@
-"""vime's vLLM rollout engine against bare vLLM, on one GPU, in one run.
+"""vime's vLLM rollout engine against bare vLLM, and its weight paths against bare transfers, in one run.
 
-Three measurements, each model shape in its own subprocess (a vLLM engine does not give all of
-its memory back):
+Each model shape runs in subprocesses of its own (a vLLM engine does not give all of its memory back):
 
 * generation: the same prompts, lengths and sampling through bare vLLM (``LLM.generate``, vLLM's
-  defaults, asynchronous scheduling included) and through ``VllmRolloutEngine`` stepped the way
-  the rollout worker steps it (per-token log-probs and versions kept, asynchronous scheduling off
-  so that every token's version is exact) -- output tokens/s and the ratio;
-* weight update: a full set of the model's weights (bf16, on the GPU) loaded into the engine by
-  ``load_weights`` (in-process: tensors by reference) against a bare ``copy_`` of the same bytes;
+  defaults) and through ``VllmRolloutEngine`` stepped the way the rollout worker steps it
+  (per-token log-probs and versions kept) -- output tokens/s and the ratio. Both run vLLM's
+  asynchronous scheduling;
+* weight updates of a full set (bf16, on the GPU), each against the bare floor for the same bytes
+  in the same run (medians of ``--rounds``):
+
+  - by reference, in-process (``load_weights``) against a ``copy_`` into vLLM's parameters;
+  - CUDA IPC from another process on the same GPU (``load_shared``) against opening the same
+    handles and copying into preallocated tensors;
+  - NCCL broadcast in buckets from a process on a second GPU (``receive_broadcast``) against one
+    broadcast of the same bytes over the same group (needs two GPUs: device kind nvidia-h200-x2);
+
 * ``train_rollout_logprob_abs_diff``: vLLM (bf16) against a transformers forward (bf16, SDPA) over
   the same sequences with the same random weights (saved once, loaded by both).
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,27 +102,124 @@ def vime(shape: str, args: argparse.Namespace) -> dict:
 
     generate(16)  # warm-up
     seconds, tokens = generate(args.prompts)
+    result = {"vime_gen_s": seconds, "vime_tokens_per_s": tokens / seconds}
     model = engine.engine.collective_rpc(lambda worker: worker.model_runner.model)[0]  # in-process
-    weights = {name: torch.randn_like(p) * 0.02 for name, p in _hf_named_shapes(shape)}
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    loads, copies = [], []
-    for version in range(1, 4):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.load_weights(weights, version)
-        torch.cuda.synchronize()
-        loads.append(time.perf_counter() - start)
-    targets = [p for p in model.parameters()]
+    weights = _random_weights(shape)
+    result["weights_gb"] = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
+    versions = iter(range(1, 1000))
+    result["vime_load_s"] = _median_time(lambda: engine.load_weights(weights, next(versions)), args.rounds)
+    targets = list(model.parameters())
     sources = [torch.empty_like(p) for p in targets]
-    for _ in range(3):
+    result["bare_copy_s"] = _median_time(lambda: [t.data.copy_(s) for t, s in zip(targets, sources)], args.rounds)
+    del weights, sources
+    if shape in args.update_models.split(","):
+        result |= _ipc_update(engine, shape, args, versions)
+        if torch.cuda.device_count() > 1:
+            result |= _nccl_update(engine, shape, args, versions)
+    return result
+
+
+def _median_time(work, rounds: int) -> float:
+    """Median wall time of ``work`` over ``rounds``, GPU work included, after one round not counted."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(rounds + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for target, source in zip(targets, sources):
-            target.data.copy_(source)
+        work()
         torch.cuda.synchronize()
-        copies.append(time.perf_counter() - start)
-    return {"vime_gen_s": seconds, "vime_tokens_per_s": tokens / seconds, "weights_gb": nbytes / 1e9,
-            "vime_load_s": min(loads), "bare_copy_s": min(copies)}
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _producer(shape: str, mode: str, args: argparse.Namespace) -> dict:
+    """The trainer's side of a weight update, in a process of its own: share the weights over CUDA
+    IPC (same GPU; descriptors to ``--address``, a file) and wait for stdin to close, or broadcast
+    them (last GPU; group at ``--address``) for the vime rounds, then the bare rounds."""
+    import msgpack
+    import torch
+
+    from vime.transports.gpu import BroadcastGroup, share
+
+    if mode == "ipc":
+        weights = _random_weights(shape)
+        Path(args.address).write_bytes(msgpack.packb(share(weights)))
+        sys.stdin.read()
+        return {}
+    torch.cuda.set_device(torch.cuda.device_count() - 1)
+    weights = _random_weights(shape)
+    group = BroadcastGroup(args.address, 0, 2)
+    for _ in range(args.rounds + 1):
+        group.send(weights, args.bucket_mb << 20)
+    flat = torch.empty(sum(t.numel() for t in weights.values()), dtype=torch.bfloat16, device="cuda")
+    for _ in range(args.rounds + 1):
+        group.broadcast(flat)
+    torch.cuda.synchronize()
+    return {}
+
+
+def _start_producer(shape: str, mode: str, address: str, args: argparse.Namespace) -> subprocess.Popen:
+    command = [sys.executable, __file__, "--one", f"producer-{mode}", shape, "--address", address,
+               "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb)]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT, text=True)
+
+
+def _ipc_update(engine, shape: str, args: argparse.Namespace, versions) -> dict:
+    """Weights from another process on this GPU: vime's ``load_shared`` against open + copy."""
+    import msgpack
+    import torch
+
+    from vime.transports.gpu import open_shared
+
+    path = Path(tempfile.mkdtemp(prefix="vime-ipc-"), "descriptors")
+    producer = _start_producer(shape, "ipc", str(path), args)
+    while not path.exists() or not path.stat().st_size:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the file is written in one go; let it finish
+    descriptors = msgpack.unpackb(path.read_bytes())
+    result = {"ipc_update_s": _median_time(lambda: engine.load_shared(descriptors, next(versions)), args.rounds)}
+    targets = [torch.empty(d["shape"], dtype=torch.bfloat16, device="cuda") for d in descriptors]
+
+    def bare() -> None:
+        for target, (_, source) in zip(targets, open_shared(descriptors)):
+            target.copy_(source)
+
+    result["bare_ipc_s"] = _median_time(bare, args.rounds)
+    producer.stdin.close()
+    producer.wait()
+    return result
+
+
+def _nccl_update(engine, shape: str, args: argparse.Namespace, versions) -> dict:
+    """Weights broadcast from a process on another GPU: vime's bucketed ``receive_broadcast`` against
+    one broadcast of the same bytes over the same group."""
+    import socket
+
+    import torch
+
+    from vime.transports.gpu import specs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    producer = _start_producer(shape, "nccl", address, args)
+    spec_list = specs(dict(_hf_named_shapes(shape)))
+    engine.join_broadcast(address, 1, 2)
+    bucket = args.bucket_mb << 20
+    result = {"nccl_update_s": _median_time(lambda: engine.receive_broadcast(spec_list, bucket, next(versions)),
+                                            args.rounds), "bucket_mb": args.bucket_mb}
+    group = engine.engine.collective_rpc(lambda worker: worker.vime_group)[0]  # in-process
+    flat = torch.empty(sum(math.prod(shape) for _, shape, _ in spec_list), dtype=torch.bfloat16, device="cuda")
+    result["bare_broadcast_s"] = _median_time(lambda: group.broadcast(flat), args.rounds)
+    producer.wait()
+    return result
+
+
+def _random_weights(shape: str) -> dict:
+    return {name: t.normal_(0, 0.02) for name, t in _hf_named_shapes(shape)}
 
 
 def _hf_named_shapes(shape: str):
@@ -159,11 +263,13 @@ def logprob_gap(shape: str, args: argparse.Namespace) -> dict:
             reference = torch.log_softmax(logits, -1).gather(-1, ids[0, len(s.prompt_ids):, None]).squeeze(1)
             gaps.append((torch.tensor(s.logprobs, device="cuda") - reference).abs())
     every = torch.cat(gaps)
-    return {"logprob_abs_diff_mean": float(every.mean()), "logprob_abs_diff_max": float(every.max()),
+    return {"logprob_abs_diff": float(every.mean()), "logprob_abs_diff_max": float(every.max()),
             "logprob_tokens": every.numel()}
 
 
-PARTS = {"bare": bare, "vime": vime, "gap": logprob_gap}
+PARTS = {"bare": bare, "vime": vime, "gap": logprob_gap,
+         "producer-ipc": lambda shape, args: _producer(shape, "ipc", args),
+         "producer-nccl": lambda shape, args: _producer(shape, "nccl", args)}
 
 
 def main() -> int:
@@ -175,7 +281,11 @@ def main() -> int:
     parser.add_argument("--gap-prompts", type=int, default=64)
     parser.add_argument("--gap-new", type=int, default=256)
     parser.add_argument("--gap-models", default="0.6b", help="shapes for the log-prob gap (weights are saved to disk)")
+    parser.add_argument("--update-models", default="4b", help="shapes whose CUDA IPC and NCCL updates are measured")
+    parser.add_argument("--rounds", type=int, default=5, help="timed weight updates per path (median quoted)")
+    parser.add_argument("--bucket-mb", type=int, default=1024, help="NCCL broadcast bucket size")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("PART", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -185,21 +295,22 @@ def main() -> int:
         return 0
     rows = []
     for shape in args.models.split(","):
-        row = {"model": shape, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new}
+        row = {"shape": shape, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new}
         for part in ("bare", "vime", *(("gap",) if shape in args.gap_models.split(",") else ())):
             command = [sys.executable, __file__, "--one", part, shape, *sys.argv[1:]]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
             found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if found:
-                row.update(json.loads(found[0]))
+                row.update(json.loads(found[-1]))
             else:
                 row[f"{part}_error"] = (done.stdout + done.stderr)[-3000:]
         if "vime_tokens_per_s" in row and "bare_tokens_per_s" in row:
-            row["vime_over_bare"] = row["vime_tokens_per_s"] / row["bare_tokens_per_s"]
+            row["ratio"] = row["vime_tokens_per_s"] / row["bare_tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    keys = ["model", "bare_tokens_per_s", "vime_tokens_per_s", "vime_over_bare", "weights_gb", "vime_load_s",
-            "bare_copy_s", "logprob_abs_diff_mean", "logprob_abs_diff_max"]
+    keys = ["shape", "bare_tokens_per_s", "vime_tokens_per_s", "ratio", "weights_gb", "vime_load_s", "bare_copy_s",
+            "ipc_update_s", "bare_ipc_s", "nccl_update_s", "bare_broadcast_s", "logprob_abs_diff",
+            "logprob_abs_diff_max"]
     print("| " + " | ".join(keys) + " |\n|" + " --- |" * len(keys))
     for row in rows:
         print("| " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys)

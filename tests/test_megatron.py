@@ -238,8 +238,8 @@ def test_unsupported_models_are_refused_with_the_reason():
 # -- the train engine -------------------------------------------------------------------------------------------
 
 
-def _engine(cls, folder: Path, **loss):
-    return cls(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=2, micro_batch_size=2),
+def _engine(cls, folder: Path, updates: int = 2, **loss):
+    return cls(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2),
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                temperature=TEMPERATURE, total_steps=4)
 
@@ -348,16 +348,22 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path):
 
 @pytest.mark.gpu
 def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models):
-    """fp32 on the GPU: the batch is moved to the device and the step agrees with the CPU reference trainer."""
+    """fp32 on the GPU: the batch is moved to the device and the step agrees with the CPU reference trainer.
+
+    One update: Adam's first update is about lr * sign(g), so where a gradient is within rounding of
+    zero the two devices may move a weight by lr in opposite directions, and a second update would
+    carry that into its loss."""
     _, _, folder = hf_models["qwen3"]
-    reference, engine = _engine(TorchTrainEngine, folder), _engine(megatron.MegatronTrainEngine, folder)
+    reference, engine = _engine(TorchTrainEngine, folder, 1), _engine(megatron.MegatronTrainEngine, folder, 1)
     assert next(engine.policy.parameters()).is_cuda
     batch = _batch(seed=0)
     expected, got = reference.train_step(batch), engine.train_step(batch)
     for key in expected:
-        assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-4), key
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     ours, theirs = engine.named_weights(), reference.policy.state_dict()
-    assert all(torch.allclose(ours[name].cpu(), theirs[name], atol=1e-4) for name in ours)
+    for name in ours:
+        gap = (ours[name].cpu() - theirs[name]).abs()
+        assert gap.max() <= 2.1e-3 and (gap > 1e-5).float().mean() < 1e-3, name
 
 
 @pytest.mark.gpu

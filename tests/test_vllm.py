@@ -8,6 +8,7 @@ models are built in temp folders: nothing is downloaded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import itertools
 import multiprocessing
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 from vime.backends import routing_replay  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence  # noqa: E402
-from vime.backends.hf import load_causal_lm, load_tokenizer  # noqa: E402
+from vime.backends.hf import checkpoint_names, load_causal_lm, load_tokenizer  # noqa: E402
 from vime.backends.vllm_rollout import VllmRolloutEngine, engine_arguments  # noqa: E402
 from vime.scenarios import arithmetic  # noqa: E402
 from vime.tools.make_tiny_model import tiny_config  # noqa: E402
@@ -166,6 +167,78 @@ def test_engine_flags_name_the_closest_valid_ones():
         engine_arguments({"seed": 3})
 
 
+def _broadcast(address: str, folder: str, bucket_bytes: int) -> None:
+    """A sender in a process (and, on GPUs, a GPU) of its own, as a trainer would be."""
+    from vime.transports.gpu import BroadcastGroup
+
+    if GPU:
+        torch.cuda.set_device(torch.cuda.device_count() - 1)
+    weights = {name: p.detach().to("cuda" if GPU else "cpu") for name, p in load_causal_lm(folder, DTYPE).named_parameters()}
+    BroadcastGroup(address, 0, 2, timeout_s=120).send(checkpoint_names(weights), bucket_bytes)
+
+
+@pytest.mark.skipif(GPU and torch.cuda.device_count() < 2, reason="on GPUs, a broadcast between two engines needs two "
+                                                                  "GPUs (device kind nvidia-h200-x2)")
+def test_weights_arrive_by_broadcast_in_buckets(dense, tmp_path, free_tcp_address):
+    """gloo on CPU, NCCL across two GPUs: many small buckets, each loaded as it arrives."""
+    from vime.transports.gpu import specs
+
+    engine, folder, eos, prompts = dense
+    other = tmp_path / "other"
+    arithmetic.build_model(other, seed=2)
+    spec_list = specs(checkpoint_names(dict(load_causal_lm(other, DTYPE).named_parameters())))
+    address = free_tcp_address
+    start = engine.weight_version
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        sent = child.submit(_broadcast, address, str(other), 64 << 10)
+        engine.join_broadcast(address, 1, 2)
+        engine.receive_broadcast(spec_list, 64 << 10, start + 1)
+        sent.result(timeout=120)
+    after = Sequence(next(IDS), prompts[1], SamplingParams(temperature=1.0, max_new_tokens=10))
+    run(engine, [after])
+    assert after.versions == [start + 1] * 10
+    assert largest_gap(other, [after]) < TOLERANCE
+    engine.load_weights(dict(load_causal_lm(folder).named_parameters()), start + 2)
+
+
+def _sleep_share_wake(folder: str, descriptors: list, prompt: list[int]) -> dict:
+    """A colocated rollout engine: generate, sleep while 'training' happens, wake, take the weights
+    over CUDA IPC, generate again."""
+    engine = VllmRolloutEngine(folder, dtype=DTYPE, seed=0, engine_args=dict(ENGINE_ARGS, enable_sleep_mode=True))
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    run(engine, [Sequence(0, prompt, params)])
+    awake = torch.cuda.mem_get_info()[0]
+    engine.sleep(level=2)
+    asleep = torch.cuda.mem_get_info()[0]
+    engine.wake_up(["weights"])
+    engine.load_shared(descriptors, 1)
+    engine.wake_up(["kv_cache"])
+    woken = torch.cuda.mem_get_info()[0]
+    after = Sequence(1, prompt, params)
+    run(engine, [after])
+    return {"freed": asleep - awake, "taken_back": asleep - woken, "response": after.response_ids,
+            "logprobs": after.logprobs, "versions": after.versions}
+
+
+@pytest.mark.gpu
+def test_colocated_engine_sleeps_and_takes_weights_over_cuda_ipc(dense, tmp_path):
+    """Only descriptors cross to the engine's process; its memory is given back while asleep."""
+    from vime.transports.gpu import share
+
+    engine, folder, eos, prompts = dense
+    other = tmp_path / "other"
+    arithmetic.build_model(other, seed=3)
+    weights = {name: p.detach().cuda() for name, p in load_causal_lm(other, DTYPE).named_parameters()}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        got = child.submit(_sleep_share_wake, str(folder), share(checkpoint_names(weights)), prompts[1]).result(600)
+    budget = ENGINE_ARGS["gpu_memory_utilization"] * torch.cuda.mem_get_info()[1]
+    assert got["freed"] > 0.5 * budget and got["taken_back"] > 0.5 * budget, got
+    assert got["versions"] == [1] * 10
+    after = Sequence(0, prompts[1], SamplingParams(temperature=1.0, max_new_tokens=10))
+    after.response_ids, after.logprobs = got["response"], got["logprobs"]
+    assert largest_gap(other, [after]) < TOLERANCE
+
+
 def _routed_experts(folder: str, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
     """Generate with routing replay on, in a process of its own: vLLM keeps its parallel groups
     per process, and those of the dense engine above have no expert-parallel group."""
@@ -179,8 +252,6 @@ def _routed_experts(folder: str, prompts: list[list[int]]) -> list[tuple[list[in
                                      "Triton on a GPU; this test runs on the H200 (vllm 0.24)")
 @torch.no_grad()
 def test_routed_experts_are_those_the_hf_router_picks(tmp_path, cpu_environment):
-    import concurrent.futures
-
     import transformers
 
     folder = tmp_path / "moe"

@@ -33,12 +33,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
 from vime.backends.base import RolloutEngine, Sequence
+from vime.transports.gpu import BroadcastGroup, Spec, open_shared
 from vime.backends.hf import checkpoint_names
 
 # Engine arguments vime sets itself, and the flag that controls each instead.
@@ -56,7 +58,27 @@ class WorkerExtension:
     they never shadow the worker's own (vLLM 0.24's Worker already has ``update_weights``)."""
 
     def vime_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Load a full set; a ValueError names the parameters it left untouched.
+        """Load a full set passed by reference (in-process engine)."""
+        return self._vime_load([weights])
+
+    def vime_load_shared(self, descriptors: list[dict[str, Any]]) -> int:
+        """Load a full set from CUDA IPC descriptors of another process's tensors on this GPU. The
+        views are dropped, and the copies finished, before returning: the sender may then reuse
+        its memory."""
+        count = self._vime_load([open_shared(descriptors)])
+        torch.cuda.synchronize()
+        return count
+
+    def vime_join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
+        """Join the sender's broadcast group; each of the engine's workers is a receiver of its own."""
+        self.vime_group = BroadcastGroup(address, first_rank + self.rank, world_size)
+
+    def vime_receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int) -> int:
+        """Load a full set as it arrives, bucket by bucket (each worker keeps its own shard)."""
+        return self._vime_load(self.vime_group.receive(spec_list, bucket_bytes))
+
+    def _vime_load(self, batches: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Load every batch; a ValueError names the parameters left untouched.
 
         vLLM's CPU build repacks linear weights into its GEMM kernels' layout once loaded, leaving
         parameters without loaders: there, loading goes through vLLM's layer-wise reload, which
@@ -65,19 +87,23 @@ class WorkerExtension:
 
         model = self.model_runner.model
         expected = {name for name, _ in model.named_parameters()}
-        if current_platform.is_cpu():
+        loaded: set[str] = set()
+        count = 0
+        layerwise = current_platform.is_cpu()
+        if layerwise:
             from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                            initialize_layerwise_reload)
 
             initialize_layerwise_reload(model)
-            loaded = model.load_weights(weights)
+        for batch in batches:
+            loaded |= set(model.load_weights(weights=batch))
+            count += len(batch)
+        if layerwise:
             finalize_layerwise_reload(model, self.model_runner.model_config)
-        else:
-            loaded = model.load_weights(weights=weights)
-        missing = sorted(expected - set(loaded))
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the weights sent leave {len(missing)} of vLLM's parameters untouched: {missing[:5]}")
-        return len(weights)
+        return count
 
 
 def engine_arguments(flags: dict[str, Any]) -> dict[str, Any]:
@@ -163,10 +189,39 @@ class VllmRolloutEngine(RolloutEngine):
         for name in names:
             del self._running[name]
 
-    @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """A full set by reference (nng-delivered, or the trainer's own tensors in-process)."""
+        self._update(version, "vime_load_weights", list(checkpoint_names(tensors).items()))
+
+    def load_shared(self, descriptors: list[dict[str, Any]], version: int) -> None:
+        """A full set from :func:`vime.transports.gpu.share` descriptors of checkpoint-named tensors on this GPU."""
+        self._update(version, "vime_load_shared", descriptors)
+
+    def join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
+        """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup`; this engine's workers take the ranks
+        from ``first_rank`` on (one per GPU of the engine)."""
+        self.engine.collective_rpc("vime_join_broadcast", args=(address, first_rank, world_size))
+
+    def receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int, version: int) -> None:
+        """A full set broadcast by the group's sender (checkpoint names, :func:`vime.transports.gpu.specs` order)."""
+        self._update(version, "vime_receive_broadcast", spec_list, bucket_bytes)
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the GPU memory back while another engine (a colocated trainer) uses the GPU: level 1
+        keeps the weights in host memory, level 2 drops them (a full update must follow the wake-up).
+        Needs ``--vllm-enable-sleep-mode``; sequences must not be running."""
+        if self.busy:
+            raise RuntimeError(f"{len(self._running)} sequences are running: finish or abort them before sleeping")
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: ``["weights"]`` first, to load new weights before the KV cache returns."""
+        self.engine.wake_up(tags)
+
+    @torch.no_grad()
+    def _update(self, version: int, method: str, *args: Any) -> None:
         self._collect_launched()
-        self.engine.collective_rpc("vime_load_weights", args=(list(checkpoint_names(tensors).items()),))
+        self.engine.collective_rpc(method, args=args)
         self.weight_version = version
 
     def _collect_launched(self) -> None:

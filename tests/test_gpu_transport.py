@@ -1,0 +1,113 @@
+"""Tensors by the GPU's paths (transports/gpu.py): bucketed broadcast between real processes (gloo on
+CPU, NCCL on GPUs) and CUDA IPC descriptors (GPU only)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+
+import msgpack
+import pytest
+import torch
+
+from vime.transports.gpu import BroadcastGroup, buckets, dtype_named, open_shared, share, specs
+
+
+def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    tensors = {
+        "a": torch.randn(5, 7, generator=generator),
+        "b": torch.randn(200, generator=generator).to(torch.bfloat16),
+        "c": torch.randn(2, 3, 4, generator=generator).to(torch.bfloat16).transpose(0, 2),  # non-contiguous
+        "big": torch.randn(1000, generator=generator),  # larger than a bucket: a bucket of its own
+        "ids": torch.arange(11),
+        "scalar": torch.tensor(2.5),
+    }
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def _receive(address: str, spec_list: list, bucket_bytes: int, device: str) -> dict:
+    """A receiver process: every tensor it got, as lists, and how many buckets carried them."""
+    if device == "cuda":
+        torch.cuda.set_device(torch.cuda.device_count() - 1)
+    group = BroadcastGroup(address, 1, 2, device=device, timeout_s=60)
+    got, count = {}, 0
+    for bucket in group.receive(spec_list, bucket_bytes):
+        count += 1
+        got |= {name: (t.float().cpu().tolist(), str(t.dtype)) for name, t in bucket}
+    return {"tensors": got, "buckets": count}
+
+
+def test_buckets_split_at_dtype_changes_and_size() -> None:
+    spec_list = specs(_tensors())
+    grouped = buckets(spec_list, bucket_bytes=512)
+    assert [[name for name, _, _ in bucket] for bucket in grouped] == [["a"], ["b", "c"], ["big"], ["ids"], ["scalar"]]
+    assert [spec for bucket in grouped for spec in bucket] == spec_list
+    assert len(buckets(spec_list, 1)) == len(spec_list)
+
+
+def test_dtype_names_are_checked_not_looked_up_freely() -> None:
+    assert dtype_named("bfloat16") is torch.bfloat16
+    for bad in ("Tensor", "load", "no_such_dtype"):
+        with pytest.raises(ValueError, match="not a torch dtype"):
+            dtype_named(bad)
+
+
+def test_a_group_needs_a_tcp_address_and_a_rank_inside_it() -> None:
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        BroadcastGroup("ipc:///tmp/x", 0, 2)
+    with pytest.raises(ValueError, match="outside a group of 2"):
+        BroadcastGroup("tcp://127.0.0.1:9", 2, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_broadcast_in_buckets_reaches_another_process_bit_exact(device: str, free_tcp_address: str) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL broadcast between two processes needs two GPUs (device kind nvidia-h200-x2)")
+    tensors = _tensors(device)
+    address = free_tcp_address
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        received = child.submit(_receive, address, specs(tensors), 512, device)
+        group = BroadcastGroup(address, 0, 2, device=device, timeout_s=60)
+        group.send(tensors, bucket_bytes=512)
+        result = received.result(timeout=120)
+    assert result["buckets"] == 5
+    for name, tensor in tensors.items():
+        values, dtype = result["tensors"][name]
+        assert dtype == str(tensor.dtype)
+        assert torch.equal(torch.tensor(values, dtype=tensor.dtype), tensor.cpu()), name
+
+
+def _open_and_sum(descriptors: bytes) -> dict:
+    """A process on the same GPU: open the shared tensors, report their sums, and write into one."""
+    opened = dict(open_shared(msgpack.unpackb(descriptors)))
+    sums = {name: float(t.double().sum()) for name, t in opened.items()}
+    opened["a"].fill_(7.0)
+    torch.cuda.synchronize()
+    return sums
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_descriptors_open_in_another_process_without_a_copy() -> None:
+    tensors = _tensors("cuda")
+    descriptors = share(tensors)
+    wire = msgpack.packb(descriptors)  # plain data: it crosses a socket as it is
+    expected = {name: float(tensor.double().sum()) for name, tensor in tensors.items()}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        sums = child.submit(_open_and_sum, wire).result(timeout=120)
+    for name, tensor in tensors.items():
+        assert sums[name] == pytest.approx(expected[name], rel=1e-6), name
+    assert bool((tensors["a"] == 7.0).all()), "the receiver's views are the sender's memory"
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_refuses_a_descriptor_from_another_gpu() -> None:
+    descriptors = share({"a": torch.ones(3, device="cuda")})
+    descriptors[0]["gpu"] = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(ValueError, match="same GPU"):
+        open_shared(descriptors)
+
+
+def test_sharing_a_cpu_tensor_says_what_ipc_shares() -> None:
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        share({"a": torch.ones(2)})
