@@ -146,7 +146,9 @@ def _producer(shape: str, mode: str, args: argparse.Namespace) -> dict:
 
     if mode == "ipc":
         weights = _random_weights(shape)
-        Path(args.address).write_bytes(msgpack.packb(share(weights)))
+        staged = Path(args.address + ".part")
+        staged.write_bytes(msgpack.packb(share(weights)))
+        staged.rename(args.address)  # appears whole
         sys.stdin.read()
         return {}
     torch.cuda.set_device(torch.cuda.device_count() - 1)
@@ -176,9 +178,8 @@ def _ipc_update(engine, shape: str, args: argparse.Namespace, versions) -> dict:
 
     path = Path(tempfile.mkdtemp(prefix="vime-ipc-"), "descriptors")
     producer = _start_producer(shape, "ipc", str(path), args)
-    while not path.exists() or not path.stat().st_size:
+    while not path.exists():
         time.sleep(0.1)
-    time.sleep(0.5)  # the file is written in one go; let it finish
     descriptors = msgpack.unpackb(path.read_bytes())
     result = {"ipc_update_s": _median_time(lambda: engine.load_shared(descriptors, next(versions)), args.rounds)}
     targets = [torch.empty(d["shape"], dtype=torch.bfloat16, device="cuda") for d in descriptors]

@@ -49,7 +49,7 @@ def test_buckets_split_at_dtype_changes_and_size() -> None:
 def test_dtype_names_are_checked_not_looked_up_freely() -> None:
     assert dtype_named("bfloat16") is torch.bfloat16
     for bad in ("Tensor", "load", "no_such_dtype"):
-        with pytest.raises(ValueError, match="not a torch dtype"):
+        with pytest.raises(ValueError, match="not a torch dtype that travels"):
             dtype_named(bad)
 
 

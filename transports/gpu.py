@@ -28,15 +28,16 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from vime.transports.codec import TORCH_DTYPES
+
 Spec = tuple[str, list[int], str]  # name, shape, dtype name
 
 
 def dtype_named(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` ("bfloat16"); anything else is refused, never looked up further."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
+    """The torch dtype called ``name`` ("bfloat16"), from the codec's table of dtypes that may travel."""
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"{name!r} is not a torch dtype that travels; one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -53,13 +54,16 @@ def share(tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     shared = []
+    uuids: dict[int, str] = {}
     for name, tensor in tensors.items():
         if not tensor.is_cuda:
             raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares CUDA tensors only")
         _, (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _, counter,
             counter_offset, event, event_sync) = reduce_tensor(tensor.detach())
+        if device not in uuids:
+            uuids[device] = gpu_uuid(device)
         shared.append({"name": name, "shape": list(size), "stride": list(stride), "offset": offset,
-                       "dtype": _dtype_name(dtype), "gpu": gpu_uuid(device), "handle": handle,
+                       "dtype": _dtype_name(dtype), "gpu": uuids[device], "handle": handle,
                        "storage_bytes": storage_bytes, "storage_offset": storage_offset, "counter": counter,
                        "counter_offset": counter_offset, "event": event, "event_sync": event_sync})
     return shared
@@ -123,7 +127,6 @@ class BroadcastGroup:
         else:
             self.device = torch.device("cpu")
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        self.rank = rank
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """One broadcast from rank 0; returns once ``tensor`` holds the data here (NCCL: on this stream)."""
@@ -144,8 +147,5 @@ class BroadcastGroup:
             flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=dtype_named(bucket[0][2]),
                                device=self.device)
             self.broadcast(flat)
-            views, offset = [], 0
-            for name, shape, _ in bucket:
-                views.append((name, flat[offset:offset + math.prod(shape)].view(shape)))
-                offset += math.prod(shape)
-            yield views
+            sizes = [math.prod(shape) for _, shape, _ in bucket]
+            yield [(name, part.view(shape)) for (name, shape, _), part in zip(bucket, flat.split(sizes))]
