@@ -4,8 +4,12 @@ Generation runs in a loop beside the message handlers: between two engine
 steps the worker applies the newest complete set of weights, admits the
 groups whose ``min_weight_version`` it now holds, and sends each finished
 group to the reward actor (and tells the router it is done). Weights arrive
-from the trainer in chunks; a version is applied only once all of its
+from the trainer over nng in chunks; a version is applied only once all of its
 chunks are in, and a newer complete version supersedes an older one.
+By the GPU paths (CUDA IPC on the trainer's GPU, a broadcast group across
+GPUs; the trainer picks from the GPUs the worker names in WorkerReady), the
+trainer asks, and the worker answers once the engine has loaded the weights
+between two steps.
 
 A weight update that lands while sequences are running does not restart
 them: they continue under the new weights (a partial rollout), and every
@@ -25,9 +29,10 @@ answering messages (status, weights, new groups) while it generates.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import trio
@@ -36,7 +41,19 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
-from vime.protocol import GenerateGroup, GroupDone, RolloutGroup, Sample, WeightsChunk, WorkerLeaving, WorkerReady
+from vime.protocol import (
+    BroadcastJoin,
+    GenerateGroup,
+    GroupDone,
+    RolloutGroup,
+    Sample,
+    WeightsBroadcast,
+    WeightsChunk,
+    WeightsLoaded,
+    WeightsShared,
+    WorkerLeaving,
+    WorkerReady,
+)
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
@@ -51,6 +68,15 @@ class _Group:
         self.unfinished = len(sequences)
 
 
+class _EngineCall:
+    """An engine call that a message handler waits on while the generation loop runs it."""
+
+    def __init__(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.done = trio.Event()
+        self.error: Exception | None = None
+
+
 class RolloutWorker(Actor):
     role = "rollout"
 
@@ -62,6 +88,7 @@ class RolloutWorker(Actor):
         self.next_request = 0
         self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
         self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
+        self.engine_calls: collections.deque[_EngineCall] = collections.deque()  # to run between two steps
         self.wake = trio.Event()
         self.applied = trio.lowlevel.ParkingLot()  # woken whenever a weight version is applied
         self.leaving = False
@@ -89,7 +116,9 @@ class RolloutWorker(Actor):
 
     async def _join(self) -> None:
         """Get the trainer's current weights, then ask the router for work."""
-        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version)
+        gpus = await trio.to_thread.run_sync(self.engine.gpus)
+        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version,
+                            gpus=gpus)
         await self.wait_for_peer("trainer", timeout=600.0)
         current = await self.ask("trainer", ready, timeout=600.0)
         while self.engine.weight_version < current.version:
@@ -130,12 +159,51 @@ class RolloutWorker(Actor):
                 self.complete = (msg.version, merged)
             self.wake.set()
 
+    @handles(WeightsShared)
+    async def _on_shared(self, msg: WeightsShared, envelope: Envelope) -> WeightsLoaded:
+        await self._between_steps(self.engine.load_shared, msg.tensors, msg.version)
+        return WeightsLoaded(version=msg.version)
+
+    @handles(BroadcastJoin)
+    async def _on_broadcast_join(self, msg: BroadcastJoin, envelope: Envelope) -> WeightsLoaded:
+        await self._between_steps(self.engine.join_broadcast, msg.address, 1, msg.world_size)
+        return WeightsLoaded(version=self.engine.weight_version)
+
+    @handles(WeightsBroadcast)
+    async def _on_broadcast(self, msg: WeightsBroadcast, envelope: Envelope) -> WeightsLoaded:
+        await self._between_steps(self.engine.receive_broadcast, msg.specs, msg.bucket_bytes, msg.version)
+        return WeightsLoaded(version=msg.version)
+
+    async def _between_steps(self, fn: Callable[..., None], *args: Any) -> None:
+        """Have the generation loop run ``fn(*args)`` between two engine steps, where nothing else uses the
+        engine; returns (or raises) once it has run."""
+        call = _EngineCall(fn, args)
+        self.engine_calls.append(call)
+        self.wake.set()
+        await call.done.wait()
+        if call.error is not None:
+            raise call.error
+
+    async def _run_engine_calls(self) -> None:
+        while self.engine_calls:
+            call = self.engine_calls.popleft()
+            version = self.engine.weight_version
+            try:
+                await trio.to_thread.run_sync(call.fn, *call.args)
+            except Exception as err:  # the handler that asked for the call answers with it
+                call.error = err
+            call.done.set()
+            if self.engine.weight_version != version:
+                self.applied.unpark_all()
+                self.counters["weight_updates"] += 1
+
     async def _generate_loop(self) -> None:
         while True:
             if self.leaving:  # its groups were handed back: stop spending the engine on them
                 self.engine.abort(list(self.by_request))
                 self.by_request.clear()
                 return
+            await self._run_engine_calls()
             self._apply_weights()
             self._admit()
             if not self.engine.busy:

@@ -3,9 +3,17 @@
 Its loop, once per step: ask the buffer for the step's batch (WantBatch) and
 wait; train on it in a worker thread (the engine recomputes log-probs, takes
 the algorithm's optimizer steps); send the new weights, version v+1, to
-every rollout worker in chunks; tell the buffer the version is out; append
+every rollout worker; tell the buffer the version is out; append
 the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
 later gets the latest published weights as soon as it says WorkerReady.
+
+Weights travel by the path the worker's placement allows (``--weight-sync
+auto``), chosen when it says WorkerReady from the GPUs it names: CUDA IPC
+when its engine is on the trainer's own GPU (only descriptors cross the
+socket), a broadcast group of their own (NCCL, in buckets) when it is on
+other GPUs, and nng chunks otherwise (CPU, or an engine that spans the
+trainer's GPU and others). Names are the checkpoint's and the dtype the
+rollout's (``--dtype``).
 After the last step the policy is saved to RUN_DIR/checkpoint, and every
 ``save_hf_every`` steps to RUN_DIR/hf/step_N: Hugging Face folders, usable
 as ``--model-path``.
@@ -36,27 +44,32 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import torch
 import trio
 
 from vime import checkpoint
 from vime.backends.base import TrainEngine, collate
-from vime.backends.hf import load_tokenizer
+from vime.backends.hf import checkpoint_names, load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
 from vime.protocol import (
+    BroadcastJoin,
     EvalResult,
     SnapshotQuery,
     TrainBatch,
     WantBatch,
+    WeightsBroadcast,
     WeightsChunk,
     WeightsPublished,
+    WeightsShared,
     WorkerReady,
 )
-from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
+from vime.transports.gpu import BroadcastGroup, gpu_uuid, share, specs
 
 
 class Trainer(Actor):
@@ -72,8 +85,11 @@ class Trainer(Actor):
             run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss, grpo_config=run.grpo,
             ppo_config=run.ppo, temperature=run.sampling.temperature, dtype=run.model.dtype,
             total_steps=run.job.steps, seed=settings.seed)
-        self.workers: set[str] = set()
-        self.published: list[WeightsChunk] = []  # a copy of the latest version, for workers that join later
+        self.workers: set[str] = set()  # those sent every new version
+        self.paths: dict[str, str] = {}  # worker -> nng, ipc or broadcast
+        self.groups: dict[str, BroadcastGroup] = {}  # broadcast path: worker -> its group
+        self.weights_lock = trio.Lock()  # held while the weights change or travel
+        self.chunks: list[WeightsChunk] = []  # nng path: a CPU copy of the newest version, made when first needed
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.run_dir = Path(settings.run_dir or ".")
         self.tokenizer = load_tokenizer(run.model.model_path)
@@ -89,9 +105,11 @@ class Trainer(Actor):
         if resume:
             self.engine.load(Path(resume))
             self.first_step = checkpoint.step_of(Path(resume))
-            self.published = self._weight_chunks()
             self.rows_written = self.first_step
             self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
+        self.version_out = self.engine.weight_version  # the newest version sent to the workers
+        device = torch.device(self.engine.device)
+        self.gpu = gpu_uuid(device.index) if device.type == "cuda" else None
 
     async def on_start(self) -> None:
         self.start_soon(self._train_loop)
@@ -101,17 +119,45 @@ class Trainer(Actor):
         self.metrics.close()
 
     async def on_peer_gone(self, name: str) -> None:
-        self.workers.discard(name)
+        self._forget(name)
+
+    def _forget(self, worker: str) -> None:
+        self.workers.discard(worker)
+        self.paths.pop(worker, None)
+        self.groups.pop(worker, None)
 
     @handles(WorkerReady)
     async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
-        """A worker (new, restarted or joined) gets the latest weights; the answer says which version."""
-        self.workers.add(envelope.sender)
-        if not self.published:
-            return WeightsPublished(version=msg.weight_version)
-        if msg.weight_version < self.published[0].version:
-            await self._send_weights(envelope.sender, self.published)
-        return WeightsPublished(version=self.published[0].version)
+        """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
+        A path its placement does not allow is refused here, and the worker stops with the reason."""
+        path = weight_path(self.run.job.weight_sync, self.gpu, msg.gpus)
+        self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
+        self.start_soon(self._bring_in, envelope.sender, path, len(msg.gpus), msg.weight_version)
+        return WeightsPublished(version=self.version_out)
+
+    async def _bring_in(self, worker: str, path: str, gpus: int, version: int) -> None:
+        """Set up the worker's path (a broadcast group meets here), send it the newest weights if it lacks
+        them, and from then on every new version."""
+        async with self.weights_lock:
+            self._forget(worker)
+            self.paths[worker] = path
+            try:
+                if path == "broadcast":
+                    await self._form_group(worker, 1 + max(gpus, 1))
+                if version < self.version_out:
+                    await self._send_weights(worker, self._outgoing())
+            except (PeerGone, LookupError):
+                self._forget(worker)
+                return
+            self.workers.add(worker)
+
+    async def _form_group(self, worker: str, world_size: int) -> None:
+        """A broadcast group between us (rank 0) and the worker's engine, meeting on our host."""
+        host = urlsplit(self.settings.listen).hostname if self.settings.listen.startswith(("tcp", "tls")) else None
+        group = BroadcastGroup(f"tcp://{host or '127.0.0.1'}:0", 0, world_size,
+                               device=torch.device(self.engine.device).type, timeout_s=600.0)
+        await self.ask(worker, BroadcastJoin(address=group.address, world_size=world_size), timeout=600.0)
+        self.groups[worker] = group
 
     @handles(EvalResult)
     async def _on_eval(self, msg: EvalResult, envelope: Envelope) -> None:
@@ -157,9 +203,10 @@ class Trainer(Actor):
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
                               [s.routed_experts for s in samples])
             train_started = time.perf_counter()
-            metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
-            trained = time.perf_counter()
-            await self._publish()
+            async with self.weights_lock:
+                metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
+                trained = time.perf_counter()
+                await self._publish()
             synced = time.perf_counter()
             every = self.run.job.save_every
             if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:
@@ -214,37 +261,94 @@ class Trainer(Actor):
         self.engine.save_hf(folder)
         self.tokenizer.save_pretrained(folder)
 
-    def _weight_chunks(self) -> list[WeightsChunk]:
-        """A copy of the current weights cut into chunks of about ``weight_chunk_mb`` each.
+    def _outgoing(self) -> dict[str, torch.Tensor]:
+        """The weights as rollout engines load them: checkpoint names, the rollout's dtype, on our device.
+        Views of the live parameters where no conversion copies them: send before training goes on."""
+        dtype = torch.bfloat16 if self.run.model.dtype == "bf16" else torch.float32
+        return {name: tensor.to(dtype) for name, tensor in checkpoint_names(self.engine.named_weights()).items()}
 
-        A copy, because a worker that joins mid-step is sent these while the
-        optimizer is writing the live parameters in another thread.
-        """
+    def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
+        """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
+        version: the outbox may still be sending them while the optimizer writes the next version."""
+        version = self.engine.weight_version
+        if self.chunks and self.chunks[0].version == version:
+            return self.chunks
         limit = self.run.job.weight_chunk_mb << 20
         parts: list[dict[str, torch.Tensor]] = [{}]
         size = 0
-        for name, tensor in self.engine.named_weights().items():
+        for name, tensor in tensors.items():
             if parts[-1] and size + tensor.nbytes > limit:
                 parts.append({})
                 size = 0
-            parts[-1][name] = tensor.clone()
+            parts[-1][name] = tensor.to("cpu", copy=True)
             size += tensor.nbytes
-        version = self.engine.weight_version
-        return [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
+        self.chunks = [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
+        return self.chunks
 
-    async def _send_weights(self, worker: str, chunks: list[WeightsChunk]) -> None:
+    async def _send_weights(self, worker: str, tensors: dict[str, torch.Tensor],
+                            shared: list[dict[str, Any]] | None = None) -> None:
+        """The current version to one worker by its path; returns once it holds them (IPC, broadcast) or they
+        are queued (nng). ``shared``: IPC descriptors of ``tensors`` already made for another worker."""
+        version = self.engine.weight_version
+        path = self.paths[worker]
+        if path == "nng":
+            for chunk in self._nng_chunks(tensors):
+                await self.tell(worker, chunk, weight_version=version)
+        elif path == "ipc":
+            await self.ask(worker, WeightsShared(version=version, tensors=shared or share(tensors)), timeout=600.0)
+        else:
+            bucket_bytes = self.run.job.weight_bucket_mb << 20
+            message = WeightsBroadcast(version=version, specs=[list(s) for s in specs(tensors)],
+                                       bucket_bytes=bucket_bytes)
+            failure: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_buckets, self.groups[worker], tensors, bucket_bytes)
+                try:
+                    await self.ask(worker, message, timeout=600.0)
+                except (PeerGone, LookupError, RemoteError, TimeoutError) as err:
+                    failure = err
+                    nursery.cancel_scope.cancel()  # the sending thread is left to the group's timeout
+            if failure is not None:
+                raise failure
+
+    async def _send_buckets(self, group: BroadcastGroup, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+        """The sender's half of a broadcast. If the group breaks, the receiver's half fails too, and its
+        answer (or its absence) is what the caller acts on."""
         try:
-            for chunk in chunks:
-                await self.tell(worker, chunk, weight_version=chunk.version)
-        except (PeerGone, LookupError):
-            self.workers.discard(worker)
+            await trio.to_thread.run_sync(group.send, tensors, bucket_bytes, abandon_on_cancel=True)
+        except Exception as err:
+            self.log.warning("weight broadcast failed", error=f"{type(err).__name__}: {err}")
 
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        self.published = chunks = self._weight_chunks()
+        tensors = self._outgoing()
+        shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
         for worker in sorted(self.workers):
-            await self._send_weights(worker, chunks)
-        await self.tell("buffer", WeightsPublished(version=self.engine.weight_version))
+            try:
+                await self._send_weights(worker, tensors, shared)
+            except (PeerGone, LookupError):
+                self._forget(worker)
+        self.version_out = self.engine.weight_version
+        await self.tell("buffer", WeightsPublished(version=self.version_out))
+
+
+def weight_path(mode: str, trainer_gpu: str | None, worker_gpus: list[str]) -> str:
+    """The path weights take to a worker whose engine is on ``worker_gpus`` (UUIDs; empty: CPU), from a
+    trainer on ``trainer_gpu`` (None: CPU), under ``--weight-sync mode``; a ValueError says what to pass
+    when the placement does not allow the mode asked for."""
+    on_trainer_gpu = trainer_gpu is not None and trainer_gpu in worker_gpus
+    if mode == "auto":
+        if trainer_gpu is None or not worker_gpus or (on_trainer_gpu and len(worker_gpus) > 1):
+            return "nng"
+        return "ipc" if on_trainer_gpu else "broadcast"
+    if mode == "ipc" and worker_gpus != [trainer_gpu]:
+        raise ValueError(f"--weight-sync ipc needs the rollout engine on the trainer's GPU and on no other "
+                         f"(trainer: {trainer_gpu or 'CPU'}, engine: {worker_gpus or 'CPU'}); use --weight-sync auto")
+    if mode == "broadcast" and (on_trainer_gpu or (trainer_gpu is None) != (not worker_gpus)):
+        raise ValueError(f"--weight-sync broadcast needs the rollout engine on GPUs other than the trainer's (NCCL) "
+                         f"or both on CPU (gloo) (trainer: {trainer_gpu or 'CPU'}, engine: {worker_gpus or 'CPU'}); "
+                         "use --weight-sync auto")
+    return mode
 
 
 def train_engine(backend: str) -> type[TrainEngine]:

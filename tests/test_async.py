@@ -62,11 +62,12 @@ def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int,
                                                         "dropped_stale", "dropped_filtered"))
 
 
-async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path):
+@pytest.mark.parametrize("weight_sync", ["auto", "broadcast"])  # auto: nng on CPU; broadcast: a gloo group each
+async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path, weight_sync):
     run_dir = tmp_path / "run"
     steps, batch = 12, 16
     config = config_for(run_dir, steps=steps, rollout_workers=3, rollout_batch_size=batch, rollout_capacity=4,
-                        max_staleness=1, max_new_tokens=12, off_policy_correction="tis")
+                        max_staleness=1, max_new_tokens=12, off_policy_correction="tis", weight_sync=weight_sync)
     done: list[str] = []
     held: list[int] = []
 
@@ -98,6 +99,9 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
     assert "handing unfinished groups back" in (run_dir / "logs" / "rollout-2.log").read_text()
     starts = (run_dir / "logs" / "rollout-2.log").read_text().count('"event": "joined"')
     assert starts == 1  # SIGTERM is a leave: the worker was not started again
+    paths = (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{config.job.weight_sync}"')
+    if weight_sync == "broadcast":  # three workers, rollout-0 again, and perhaps again before the end
+        assert paths in (4, 5)
 
 
 @pytest.mark.parametrize("victim", ["trainer", "buffer"])

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from vime import rewards
+from vime.actors.trainer import weight_path
 from vime.config import RunConfig
 from vime.metrics import MetricsFollower
 from vime.pipeline import RunFailed, train
@@ -91,6 +92,41 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
     result = await trio.to_thread.run_sync(replay, run_dir / "messages" / "buffer.vlog")
     assert result.divergence is None, str(result.divergence)
     assert result.compared > 30 * 16
+
+
+async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):
+    """--weight-sync broadcast on CPU: each worker forms a gloo group with the trainer and receives every
+    version in buckets; the trainer recomputes exactly the log-probs the workers sampled with."""
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=6, rollout_workers=2, rollout_batch_size=16, weight_sync="broadcast",
+                        weight_bucket_mb=1)
+    await train(config, run_dir, timeout_s=180)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == list(range(1, 7))
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"path": "broadcast"') == 2, trainer_log[-2000:]
+    for worker in ("rollout-0", "rollout-1"):
+        assert '"event": "joined"' in (run_dir / "logs" / f"{worker}.log").read_text()
+
+
+@pytest.mark.parametrize("mode, trainer, engine, path", [
+    ("auto", None, [], "nng"), ("auto", "GPU-a", [], "nng"), ("auto", None, ["GPU-a"], "nng"),
+    ("auto", "GPU-a", ["GPU-a"], "ipc"), ("auto", "GPU-a", ["GPU-b"], "broadcast"),
+    ("auto", "GPU-a", ["GPU-b", "GPU-c"], "broadcast"), ("auto", "GPU-a", ["GPU-a", "GPU-b"], "nng"),
+    ("nng", "GPU-a", ["GPU-a"], "nng"), ("broadcast", None, [], "broadcast"), ("ipc", "GPU-a", ["GPU-a"], "ipc"),
+])
+def test_the_weight_path_follows_placement(mode, trainer, engine, path):
+    assert weight_path(mode, trainer, engine) == path
+
+
+@pytest.mark.parametrize("mode, trainer, engine", [
+    ("ipc", None, []), ("ipc", "GPU-a", ["GPU-b"]), ("ipc", "GPU-a", ["GPU-a", "GPU-b"]),
+    ("broadcast", "GPU-a", ["GPU-a"]), ("broadcast", None, ["GPU-a"]), ("broadcast", "GPU-a", []),
+])
+def test_a_weight_path_the_placement_cannot_take_is_refused_with_what_to_pass(mode, trainer, engine):
+    with pytest.raises(ValueError, match=f"--weight-sync {mode} needs .* use --weight-sync auto"):
+        weight_path(mode, trainer, engine)
 
 
 def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monkeypatch):

@@ -286,3 +286,28 @@ async def test_pipeline_trains_on_vllm_rollouts(tmp_path, cpu_environment):
     assert [row["weight_version"] for row in rows] == [1, 2, 3]
     assert max(row["train_rollout_logprob_abs_diff"] for row in rows) < (0.02 if GPU else 1e-5)
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained"] == 3 * 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, path", [("colocated", "ipc"), ("separate", "broadcast")])
+async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environment, layout, path):
+    """Megatron trains on the first GPU; vLLM generates on the same GPU (colocated: weights by CUDA IPC)
+    or on the next (separate: NCCL broadcast in buckets), placed by flags alone."""
+    pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
+    if layout == "separate" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
+    from vime.metrics import MetricsFollower
+    from vime.pipeline import train
+
+    flags = {"colocated": dict(actor_num_gpus_per_node=1, colocate=True),
+             "separate": dict(actor_num_gpus_per_node=1, rollout_num_gpus=1)}[layout]
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=4, rollout_batch_size=16, train_backend="megatron", rollout_backend="vllm", dtype="bf16",
+        vllm_args=ENGINE_ARGS, rollout_threads=0, weight_bucket_mb=1, **flags))
+    await train(config, run_dir, timeout_s=600)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) < 0.02
+    assert (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{path}"') == 1
+    print(layout, "weight sync s per step:", [round(row["time_weight_sync_s"], 4) for row in rows])

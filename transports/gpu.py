@@ -109,24 +109,37 @@ def buckets(spec_list: list[Spec], bucket_bytes: int) -> list[list[Spec]]:
 class BroadcastGroup:
     """A process group of its own between one sender (rank 0) and receivers (ranks 1..n-1).
 
-    ``address`` is ``tcp://HOST:PORT``: the sender listens there (torch's TCPStore) and the
-    receivers connect; every member must construct the group before the first broadcast."""
+    ``address`` is ``tcp://HOST:PORT``: the sender listens there (torch's TCPStore; port 0 picks a
+    free one, then :attr:`address` names it) and the receivers connect. Constructing returns at
+    once; the group itself forms at the first broadcast, which every member must enter."""
 
     def __init__(self, address: str, rank: int, world_size: int, *, device: str | None = None,
                  timeout_s: float = 600.0) -> None:
         url = urlsplit(address)
-        if url.scheme != "tcp" or not url.hostname or not url.port:
-            raise ValueError(f"a broadcast group meets at tcp://HOST:PORT, not {address!r}")
+        if url.scheme != "tcp" or not url.hostname or url.port is None or (url.port == 0 and rank != 0):
+            raise ValueError(f"a broadcast group meets at tcp://HOST:PORT (port 0 for the sender), not {address!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.address = f"tcp://{url.hostname}:{self.store.port}"
+        self.rank, self.world_size = rank, world_size
         if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
             self.device = torch.device("cpu")
-            self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """NCCL on a GPU, gloo on CPU; made at first use, because gloo's blocks until every member is there."""
+        if self._group is None:
+            if self.device.type == "cuda":
+                self._group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size)
+            else:
+                self._group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
+        return self._group
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """One broadcast from rank 0; returns once ``tensor`` holds the data here (NCCL: on this stream)."""
@@ -142,7 +155,7 @@ class BroadcastGroup:
             self.broadcast(flat)
 
     def receive(self, spec_list: list[Spec], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The broadcast tensors, a bucket at a time; a bucket's views are valid until the next is asked for."""
+        """The broadcast tensors, a bucket at a time (each bucket a tensor of its own, views into it)."""
         for bucket in buckets(spec_list, bucket_bytes):
             flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=dtype_named(bucket[0][2]),
                                device=self.device)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(actor.serve)
     except BaseExceptionGroup as group:
-        refused, _ = group.split(RemoteError)
+        refused, _ = group.split(lambda error: isinstance(error, RemoteError) and error.peer == "driver")
         silent, _ = group.split(TimeoutError)
         if refused is not None:
             error = refused.exceptions[0]

@@ -70,6 +70,7 @@ class _Spawned:
     seed: int
     restart: bool
     record: bool
+    env: dict[str, str]
     process: trio.Process | None = None
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
 
@@ -166,12 +167,14 @@ class Cluster:
 
     async def spawn(self, role: str, name: str | None = None, config: dict[str, Any] | None = None, *,
                     settings: dict[str, Any] | None = None, seed: int = 0, restart: bool = False,
-                    record: bool | None = None, timeout: float = 60.0) -> ActorInfo:
+                    record: bool | None = None, env: dict[str, str] | None = None,
+                    timeout: float = 60.0) -> ActorInfo:
         """Start ``role`` (a built-in role or ``module:Class``) as its own process.
 
         ``config`` holds the role's own settings; ``settings`` tunes the
         runtime (ActorSettings fields such as ``inbox_capacity``); ``record``
-        overrides the job's ``record`` for this actor.
+        overrides the job's ``record`` for this actor; ``env`` adds to the
+        process's environment (its GPUs: ``CUDA_VISIBLE_DEVICES``).
 
         Returns once it has registered. Raises RuntimeError, with the tail of
         its log, if the process exits first or does not register in time.
@@ -180,7 +183,7 @@ class Cluster:
         if name in self._spawned or name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this job")
         entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart,
-                                                   self.record if record is None else record)
+                                                   self.record if record is None else record, dict(env or {}))
         await self._start_process(name, entry, timeout)
         return self.actors[name]
 
@@ -201,7 +204,7 @@ class Cluster:
         for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
             if key in self.tls:
                 command += [flag, self.tls[key]]
-        env = dict(os.environ, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **entry.env, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
         with open(log_path, "ab") as log_file:
             entry.process = await trio.lowlevel.open_process(command, stdout=log_file, stderr=log_file, env=env)
         assert self._nursery is not None

@@ -146,13 +146,34 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    actor_num_nodes: int = setting(1, "hosts the trainer spans (1 so far; rollout workers on other hosts join "
+                                      "with RUN_DIR/join)")
+    actor_num_gpus_per_node: int = setting(0, "GPUs of the trainer (0: on CPU); with --rollout-num-gpus, each actor "
+                                              "process sees only the GPUs it is given")
+    rollout_num_gpus: int = setting(0, "GPUs for rollout engines, --rollout-num-gpus-per-engine each (0: on CPU, or "
+                                       "with --colocate the trainer's)")
+    colocate: bool = setting(False, "rollout engines share the trainer's GPUs (weights by CUDA IPC)")
+
+    def __post_init__(self) -> None:
+        _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0)
+
+
+WEIGHT_PATHS = ("auto", "nng", "ipc", "broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
     algo: str = setting("grpo", "grpo or ppo")
     train_backend: str = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: megatron-core "
                                           "(GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
     seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
-    weight_chunk_mb: int = setting(64, "weights travel to rollout workers in chunks of about this size")
+    weight_sync: str = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the engine is on "
+                                       "the trainer's GPU, a broadcast group when on other GPUs, nng otherwise), "
+                                       "nng, ipc, or broadcast (NCCL; gloo when both sides are on CPU)")
+    weight_chunk_mb: int = setting(64, "over nng, weights travel to rollout workers in chunks of about this size")
+    weight_bucket_mb: int = setting(1024, "a weight broadcast sends buckets of about this size, one collective each")
     save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none")
     save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
@@ -162,9 +183,11 @@ class JobConfig:
             raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
         if self.train_backend not in ("torch", "megatron"):
             raise ValueError(f"--train-backend must be torch or megatron, not {self.train_backend!r}")
+        if self.weight_sync not in WEIGHT_PATHS:
+            raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
         if self.train_backend == "megatron" and self.algo != "grpo":
             raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
-        _at_least(self, steps=1, weight_chunk_mb=1, save_every=0, save_hf_every=0, train_threads=0)
+        _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0)
 
 
 def _at_least(settings: Any, **minimums: int) -> None:
@@ -186,6 +209,7 @@ class RunConfig:
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     eval: EvalConfig = EvalConfig()
+    placement: PlacementConfig = PlacementConfig()
     job: JobConfig = JobConfig()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

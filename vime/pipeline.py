@@ -34,6 +34,7 @@ from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
+from vime.placement import place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
 
@@ -81,11 +82,12 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 def preflight(config: RunConfig) -> None:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
-    replay), an unknown reward, a plug-in
+    replay), a placement this host's GPUs cannot take, an unknown reward, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
     Raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
+    place(config, visible_gpus())
     if config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
     if config.job.train_backend == "megatron":
@@ -169,14 +171,16 @@ async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
             _write_private(run_dir / "join",
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
-        await job.spawn("router", "router", document, seed=seed)
-        await job.spawn("reward", "reward", document, seed=seed)
-        await job.spawn("trainer", "trainer", resumed, seed=seed)
-        await job.spawn("buffer", "buffer", resumed, seed=seed)  # its first prompts wait at the router
+        placed = place(config, visible_gpus())
+        await job.spawn("router", "router", document, seed=seed, env=placed.env(placed.others))
+        await job.spawn("reward", "reward", document, seed=seed, env=placed.env(placed.others))
+        await job.spawn("trainer", "trainer", resumed, seed=seed, env=placed.env(placed.trainer))
+        await job.spawn("buffer", "buffer", resumed, seed=seed, env=placed.env(placed.others))  # first prompts wait
         async with trio.open_nursery() as nursery:
-            for index in range(config.rollout.rollout_workers):
-                nursery.start_soon(lambda i=index: job.spawn("rollout", f"rollout-{i}", document, seed=seed + 1000 + i,
-                                                             restart=config.rollout.restart_rollouts))
+            for index, devices in enumerate(placed.engines):
+                nursery.start_soon(lambda i=index, d=devices: job.spawn(
+                    "rollout", f"rollout-{i}", document, seed=seed + 1000 + i, restart=config.rollout.restart_rollouts,
+                    env=placed.env(d)))
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}

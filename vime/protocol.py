@@ -4,6 +4,7 @@ The flow (see DESIGN.md)::
 
     buffer --GenerateGroup--> router --GenerateGroup--> rollout --RolloutGroup--> reward --ScoredGroup--> buffer
     trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsChunk--> rollout
+    (or, by placement: trainer --WeightsShared / BroadcastJoin, WeightsBroadcast--> rollout --WeightsLoaded--> trainer)
     trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
     buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
@@ -14,6 +15,7 @@ fp32 log-probs arrive bit-exact.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -68,6 +70,7 @@ class WorkerReady:
 
     capacity: int  # groups it takes at once
     weight_version: int
+    gpus: list[str] = dataclasses.field(default_factory=list)  # UUIDs of its engine's GPUs; empty on CPU
 
 
 @message
@@ -137,6 +140,42 @@ class WeightsChunk:
     index: int
     count: int
     tensors: dict[str, torch.Tensor]
+
+
+@message
+class WeightsShared:
+    """trainer -> a rollout worker on the trainer's own GPU (ask, answered with WeightsLoaded): CUDA IPC
+    descriptors (``vime.transports.gpu.share``) of the full weights of ``version``; the trainer may reuse
+    that memory once answered."""
+
+    version: int
+    tensors: list[dict[str, Any]]
+
+
+@message
+class BroadcastJoin:
+    """trainer -> a rollout worker on other GPUs or hosts (ask, answered with WeightsLoaded of the version it
+    holds): join the trainer's broadcast group at ``address`` (the trainer is rank 0, the engine's GPUs the next)."""
+
+    address: str
+    world_size: int
+
+
+@message
+class WeightsBroadcast:
+    """trainer -> a worker in its broadcast group (ask, answered with WeightsLoaded): the full weights of
+    ``version`` are being broadcast now, in the buckets ``vime.transports.gpu.buckets`` makes of ``specs``."""
+
+    version: int
+    specs: list[list[Any]]  # [name, shape, dtype name] per tensor
+    bucket_bytes: int
+
+
+@message
+class WeightsLoaded:
+    """rollout worker -> trainer: the engine holds weights of ``version``."""
+
+    version: int
 
 
 @message

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from vime.settings import setting
+from vime.transports.gpu import BroadcastGroup, Spec, open_shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,29 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Replace the named weights (a full set) and stamp later tokens with ``version``."""
 
+    # The GPU weight paths (vime.transports.gpu). These defaults serve a single-process engine;
+    # an engine whose model lives in other processes (vLLM's workers) overrides them.
+
+    def gpus(self) -> list[str]:
+        """UUIDs of the GPUs holding the engine's model, one per rank; empty on CPU. The trainer picks
+        the weight path from them (CUDA IPC on its own GPU, a broadcast group across GPUs)."""
+        return []
+
+    def load_shared(self, descriptors: list[dict[str, Any]], version: int) -> None:
+        """A full set from :func:`vime.transports.gpu.share` descriptors of tensors on this engine's GPU."""
+        self.load_weights(dict(open_shared(descriptors)), version)
+
+    def join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
+        """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup`, taking the ranks from ``first_rank`` on."""
+        self.broadcast_group = BroadcastGroup(address, first_rank, world_size)
+
+    def receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int, version: int) -> None:
+        """A full set broadcast by the group's sender, in :func:`vime.transports.gpu.specs` order."""
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.broadcast_group.receive(spec_list, bucket_bytes):
+            tensors.update(bucket)
+        self.load_weights(tensors, version)
+
 
 @dataclasses.dataclass
 class TensorBatch:
@@ -150,6 +174,7 @@ class TrainEngine(abc.ABC):
     """Holds the policy (and a value model or reference when the algorithm needs one) and steps it."""
 
     weight_version: int
+    device: str  # where the policy lives ("cpu", "cuda"): it decides which weight paths reach the rollout
 
     @abc.abstractmethod
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 from vime.backends import routing_replay
 from vime.backends.base import RolloutEngine, Sequence
 from vime.backends.hf import in_memory_names, load_causal_lm, position_ids, scaled_logprobs
+from vime.transports.gpu import gpu_uuid
 
 
 class TorchRolloutEngine(RolloutEngine):
@@ -69,6 +70,11 @@ class TorchRolloutEngine(RolloutEngine):
     def _end_batch_if_done(self) -> None:
         if all(s.finish_reason is not None for s in self._running):
             self._running, self._cache, self._mask, self._last_tokens, self._routed = [], None, None, None, []
+
+    @torch.no_grad()
+    def gpus(self) -> list[str]:
+        device = torch.device(self.device)
+        return [gpu_uuid(device.index)] if device.type == "cuda" else []
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:

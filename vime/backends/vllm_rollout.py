@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from vime.backends.base import RolloutEngine, Sequence
-from vime.transports.gpu import BroadcastGroup, Spec, open_shared
+from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared
 from vime.backends.hf import checkpoint_names
 
 # Engine arguments vime sets itself, and the flag that controls each instead.
@@ -56,6 +56,10 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 class WorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``). Method names start with ``vime_`` so that
     they never shadow the worker's own (vLLM 0.24's Worker already has ``update_weights``)."""
+
+    def vime_gpu(self) -> str:
+        """The UUID of this worker's GPU; empty on vLLM's CPU build."""
+        return gpu_uuid() if torch.cuda.is_available() else ""
 
     def vime_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load a full set passed by reference (in-process engine)."""
@@ -188,6 +192,9 @@ class VllmRolloutEngine(RolloutEngine):
         self.engine.abort_request(names)
         for name in names:
             del self._running[name]
+
+    def gpus(self) -> list[str]:
+        return [uuid for uuid in self.engine.collective_rpc("vime_gpu") if uuid]
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """A full set by reference (nng-delivered, or the trainer's own tensors in-process)."""

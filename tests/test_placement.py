@@ -1,0 +1,82 @@
+"""Placement: which GPUs each actor process sees, from slime's flags and the host's GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import open_job
+from vime.config import RunConfig
+from vime.placement import Placement, place, visible_gpus
+
+GPU_RUN = RunConfig().replace(train_backend="megatron", rollout_backend="vllm")
+
+
+def test_without_gpu_flags_every_process_inherits_the_drivers_view():
+    assert place(RunConfig().replace(rollout_workers=3), ["0", "1"]) == Placement(None, [None] * 3, None)
+
+
+@pytest.mark.parametrize("flags, gpus, trainer, engines", [
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 1}, ["0", "1"], "0", ["1"]),  # two GPUs: NCCL
+    ({"actor_num_gpus_per_node": 1, "colocate": True}, ["0"], "0", ["0"]),  # one GPU: CUDA IPC
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 1, "colocate": True}, ["3"], "3", ["3"]),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2},
+     ["0", "1", "2", "3", "4", "5"], "0", ["1,2", "3,4"]),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 3}, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"], "GPU-a",
+     ["GPU-b", "GPU-c", "GPU-d"]),
+    ({"rollout_num_gpus": 2, "rollout_workers": 2}, ["0", "1"], "", ["0", "1"]),  # a CPU trainer
+    ({"actor_num_gpus_per_node": 1, "rollout_workers": 2}, ["0"], "0", ["", ""]),  # CPU engines
+])
+def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
+    assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
+
+
+@pytest.mark.parametrize("flags, gpus, said", [
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2}, ["0", "1"], r"needs 3 GPUs \(trainer 1, rollout 2\) "
+                                                                         r"but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
+    ({"actor_num_gpus_per_node": 1}, [], "needs 1 GPUs .* shows 0$"),
+    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"], "one host so far; add rollout workers"),
+    ({"actor_num_gpus_per_node": 2}, ["0", "1"], "one GPU so far .* pass 1"),
+    ({"colocate": True}, ["0"], "pass --actor-num-gpus-per-node too"),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "colocate": True}, ["0", "1"],
+     "must be 1 or left out, not 2"),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2}, ["0"] * 4,
+     "not a multiple of --rollout-num-gpus-per-engine 2"),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "rollout_workers": 3}, ["0"] * 3,
+     "--rollout-workers 3 does not match the 2 engines"),
+])
+def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
+    with pytest.raises(ValueError, match=said):
+        place(GPU_RUN.replace(**flags), gpus)
+
+
+def test_reference_engines_stay_on_cpu():
+    with pytest.raises(ValueError, match="pass --train-backend megatron"):
+        place(RunConfig().replace(actor_num_gpus_per_node=1, rollout_backend="vllm"), ["0"])
+    with pytest.raises(ValueError, match="pass --rollout-backend vllm"):
+        place(RunConfig().replace(rollout_num_gpus=1), ["0"])
+
+
+def test_the_hosts_gpus_are_those_cuda_visible_devices_names(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-x,GPU-y")
+    assert visible_gpus() == ["GPU-x", "GPU-y"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+
+
+def _environment(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(pair.decode().split("=", 1) for pair in pairs if b"=" in pair)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads a process's environment from /proc")
+async def test_a_placed_process_keeps_its_gpus_across_a_restart(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0", restart=True, env={"CUDA_VISIBLE_DEVICES": "1"})
+        assert _environment(info.pid)["CUDA_VISIBLE_DEVICES"] == "1"
+        os.kill(info.pid, signal.SIGKILL)
+        await job.wait_event("restarted", "echo0", timeout=30)
+        assert _environment(job.actors["echo0"].pid)["CUDA_VISIBLE_DEVICES"] == "1"

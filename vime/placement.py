@@ -1,0 +1,91 @@
+"""Which GPUs each actor process sees: the trainer's, each rollout engine's, none for the rest.
+
+Driven by slime's flags (``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
+``--rollout-num-gpus-per-engine``, ``--colocate``) and the GPUs this host shows
+(``CUDA_VISIBLE_DEVICES``, else all). Separate placements give the trainer the first GPUs and the
+engines the next ones; colocated engines take the trainer's GPUs. A process is placed by setting
+its ``CUDA_VISIBLE_DEVICES``, so inside it the first GPU is always its own.
+
+The weight path follows from where the processes land, without a setting: the trainer compares
+the GPUs a worker's engine reports with its own (CUDA IPC on the same GPU, a broadcast group
+across GPUs; see ``vime.actors.trainer.weight_path``). Workers joined from other hosts keep the
+GPUs their own environment gives them.
+
+With none of the GPU flags given, nothing is placed: every process inherits the driver's view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from vime.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """``CUDA_VISIBLE_DEVICES`` per process; ``None`` leaves the driver's own in place."""
+
+    trainer: str | None
+    engines: list[str | None]  # one per rollout worker
+    others: str | None  # router, reward, buffer: no GPU when anything is placed
+
+    def env(self, devices: str | None) -> dict[str, str]:
+        """The environment a process placed on ``devices`` (one of this placement's fields) adds."""
+        return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out: ``CUDA_VISIBLE_DEVICES`` as given (indices or UUIDs), else all."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu for gpu in listed.split(",") if gpu.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def place(config: RunConfig, gpus: list[str]) -> Placement:
+    """Where each process goes on a host with ``gpus``; a ValueError says which flags to change."""
+    layout, rollout = config.placement, config.rollout
+    per_engine = rollout.rollout_num_gpus_per_engine
+    if layout.actor_num_nodes != 1:
+        raise ValueError("--actor-num-nodes: the trainer runs on one host so far; add rollout workers on other "
+                         "hosts with the command in RUN_DIR/join")
+    trainer_gpus = layout.actor_num_gpus_per_node
+    if not (trainer_gpus or layout.rollout_num_gpus or layout.colocate):
+        return Placement(None, [None] * rollout.rollout_workers, None)
+    if trainer_gpus > 1:
+        raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer uses one GPU so far (Megatron's "
+                         "parallelism under torchrun is not wired in yet); pass 1")
+    if trainer_gpus and config.job.train_backend != "megatron":
+        raise ValueError("--actor-num-gpus-per-node: the reference trainer runs on CPU; pass --train-backend megatron")
+    rollout_gpus = layout.rollout_num_gpus
+    if layout.colocate:
+        if not trainer_gpus:
+            raise ValueError("--colocate puts the rollout engines on the trainer's GPUs: pass "
+                             "--actor-num-gpus-per-node too")
+        if rollout_gpus not in (0, trainer_gpus):
+            raise ValueError(f"--colocate shares the trainer's {trainer_gpus} GPU(s): --rollout-num-gpus must be "
+                             f"{trainer_gpus} or left out, not {rollout_gpus}")
+        rollout_gpus = trainer_gpus
+    if rollout_gpus and rollout.rollout_backend != "vllm":
+        raise ValueError("--rollout-num-gpus: the reference rollout engine runs on CPU; pass --rollout-backend vllm")
+    if rollout_gpus % per_engine:
+        raise ValueError(f"--rollout-num-gpus {rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+                         f"{per_engine}")
+    engines = rollout_gpus // per_engine if rollout_gpus else rollout.rollout_workers
+    if rollout.rollout_workers not in (1, engines):
+        raise ValueError(f"--rollout-workers {rollout.rollout_workers} does not match the {engines} engines of "
+                         f"--rollout-num-gpus {rollout_gpus} / --rollout-num-gpus-per-engine {per_engine}; "
+                         "leave --rollout-workers out")
+    needed = trainer_gpus + (0 if layout.colocate else rollout_gpus)
+    if needed > len(gpus):
+        raise ValueError(f"this placement needs {needed} GPUs (trainer {trainer_gpus}, rollout "
+                         f"{0 if layout.colocate else rollout_gpus}) but this host shows {len(gpus)}"
+                         f"{' (CUDA_VISIBLE_DEVICES=' + ','.join(gpus) + ')' if gpus else ''}")
+    trainer = gpus[:trainer_gpus]
+    pool = trainer if layout.colocate else gpus[trainer_gpus:needed]
+    engine_gpus: list[str | None] = [",".join(pool[i * per_engine:(i + 1) * per_engine]) for i in range(engines)] \
+        if rollout_gpus else [""] * engines
+    return Placement(",".join(trainer), engine_gpus, "")
