@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vime import checkpoint
+from vime.agent.tools import Toolbox
 from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer, stop_token_ids
@@ -71,6 +72,7 @@ class Buffer(Actor):
         self.run = RunConfig.from_dict(self.config)
         data = self.run.data
         self.tokenizer = load_tokenizer(self.run.model.model_path)
+        self.tool_schemas = Toolbox(self.run.agent.tool).schemas if self.run.agent.tool else None
         self.source = PromptSource(load_rows(data.data, data.custom_data_source, input_key=data.input_key,
                                              label_key=data.label_key), seed=settings.seed,
                                    epochs=data.epochs)
@@ -267,7 +269,7 @@ class Buffer(Actor):
     def _prompt_ids(self, row: dict[str, Any]) -> list[int]:
         data = self.run.data
         return prompt_ids(self.tokenizer, row["prompt"], template=data.prompt_template, chat=data.chat_template,
-                          thinking=data.enable_thinking)
+                          thinking=data.enable_thinking, tools=self.tool_schemas)
 
     def _request(self, row: dict[str, Any], ids: list[int], group_size: int, sampling: dict[str, Any],
                  min_weight_version: int) -> GenerateGroup:
@@ -328,7 +330,7 @@ class Buffer(Actor):
             "staleness_max": float(max(staleness)),
             "time_generate_s": max(g.generate_s for g in groups),
             "time_reward_s": sum(g.reward_s for g in groups),
-            "partial_rollouts": float(sum(1 for s in samples if s.versions and min(s.versions) != max(s.versions))),
+            "partial_rollouts": float(sum(1 for s in samples if len(set(s.generated_versions)) > 1)),
             "dropped_stale": float(self.counters["dropped_stale"]),
             "dropped_filtered": float(self.counters["dropped_filtered"]),
             "epoch": float(self.source.epoch),

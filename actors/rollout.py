@@ -15,6 +15,12 @@ A weight update that lands while sequences are running does not restart
 them: they continue under the new weights (a partial rollout), and every
 token carries the version that produced it.
 
+With tools (``--tool``), a response is an episode of turns: a turn that
+stops with tool calls has them run in the sandbox (in threads, so
+generation goes on), their results inserted as tool messages (loss mask 0),
+and the response's next turn queued; the group is scored once every
+response has ended (``vime.agent``).
+
 Joining: the worker tells the trainer it is ready (an ask); the trainer
 sends the current weights and answers with their version; only once those
 are applied does the worker tell the router to send it work. A worker
@@ -31,12 +37,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import os
 import time
 from typing import Any, Callable
 
 import torch
 import trio
 
+from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_turn_ids
+from vime.agent.sandbox import Limits
+from vime.agent.tools import Toolbox
 from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
@@ -59,11 +70,12 @@ from vime.transports.codec import Envelope
 
 
 class _Group:
-    """A group being generated: its request, its sequences, when it started."""
+    """A group being generated: its request, the latest turn and the episode of each response, when it started."""
 
     def __init__(self, request: GenerateGroup, sequences: list[Sequence], started: float) -> None:
         self.request = request
         self.sequences = sequences
+        self.episodes = [Episode(list(request.prompt_ids)) for _ in sequences]
         self.started = started
         self.unfinished = len(sequences)
 
@@ -84,7 +96,8 @@ class RolloutWorker(Actor):
         super().__init__(settings, config)
         self.waiting: list[tuple[GenerateGroup, SamplingParams]] = []  # for newer weights, or for the engine
         self.groups: dict[int, _Group] = {}
-        self.by_request: dict[int, _Group] = {}  # engine request id -> its group
+        self.by_request: dict[int, tuple[_Group, int]] = {}  # engine request id -> its group, its index there
+        self.continuing: list[Sequence] = []  # responses' next turns, after their tool calls
         self.next_request = 0
         self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
         self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
@@ -100,6 +113,10 @@ class RolloutWorker(Actor):
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
         self.engine = await trio.to_thread.run_sync(self._build_engine)
         self.tokenizer = load_tokenizer(self.run.model.model_path)
+        agent = self.run.agent
+        self.toolbox = Toolbox(agent.tool, Limits(seconds=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb)) \
+            if agent.tool else None
+        self.tool_calls = trio.CapacityLimiter(os.cpu_count() or 1)  # each call is a process of its own
         self.start_soon(self._generate_loop)
         self.start_soon(self._join)
 
@@ -226,6 +243,9 @@ class RolloutWorker(Actor):
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
+        if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
+            self.engine.add(self.continuing)
+            self.continuing = []
         version = self.engine.weight_version
         ready = [(g, params) for g, params in self.waiting if g.min_weight_version <= version]
         if not ready:
@@ -238,23 +258,67 @@ class RolloutWorker(Actor):
                 sequences.append(Sequence(self.next_request, list(request.prompt_ids), params))
                 self.next_request += 1
             group = self.groups[request.group_id] = _Group(request, sequences, now)
-            for sequence in sequences:
-                self.by_request[sequence.request_id] = group
+            for index, sequence in enumerate(sequences):
+                self.by_request[sequence.request_id] = (group, index)
             self.engine.add(sequences)
 
     async def _finish(self, sequence: Sequence) -> None:
-        group = self.by_request.pop(sequence.request_id)
+        """A turn ended: the response calls tools (and goes on after them), or it is complete."""
+        group, index = self.by_request.pop(sequence.request_id)
+        group.sequences[index] = sequence
+        episode = group.episodes[index]
+        episode.add_generated(sequence.response_ids, sequence.logprobs, sequence.versions)
+        calls = self._tool_calls(episode, sequence)
+        if calls:
+            self.start_soon(self._use_tools, group, index, calls)
+            return
+        await self._response_done(group)
+
+    def _tool_calls(self, episode: Episode, turn: Sequence) -> list[ToolCall]:
+        """The calls a turn makes, if the response may go on: it stopped (was not cut), within the limits.
+        Its text is decoded only to be read; the tokens stay the engine's."""
+        agent = self.run.agent
+        if (self.toolbox is None or self.leaving or turn.finish_reason != "stop" or len(episode.turns) >= agent.max_turns
+                or len(episode.response_ids) >= agent.max_response_tokens):
+            return []
+        return parse_tool_calls(self.tokenizer.decode(turn.response_ids))
+
+    async def _use_tools(self, group: _Group, index: int, calls: list[ToolCall]) -> None:
+        """Run the calls (each in the sandbox), insert their results as the chat template writes tool
+        messages, and queue the response's next turn -- or end it at the token limit."""
+        assert self.toolbox is not None
+        results = [await trio.to_thread.run_sync(self.toolbox.call, call, limiter=self.tool_calls) for call in calls]
+        if self.leaving:  # its group was handed back meanwhile
+            return
+        turn, episode = group.sequences[index], group.episodes[index]
+        episode.add_inserted(tool_turn_ids(self.tokenizer, results, thinking=self.run.data.enable_thinking,
+                                           ended_with_eos=turn.response_ids[-1] == self.tokenizer.eos_token_id))
+        episode.turns.append({"calls": [dataclasses.asdict(call) for call in calls], "results": results})
+        self.counters["tool_calls"] += len(calls)
+        room = self.run.agent.max_response_tokens - len(episode.response_ids)
+        if room <= 0:
+            await self._response_done(group)
+            return
+        params = dataclasses.replace(turn.params, max_new_tokens=min(turn.params.max_new_tokens, room))
+        follow = Sequence(self.next_request, episode.prompt_ids + episode.response_ids, params)
+        self.next_request += 1
+        self.by_request[follow.request_id] = (group, index)
+        self.continuing.append(follow)
+        self.wake.set()
+
+    async def _response_done(self, group: _Group) -> None:
+        """One response of the group is complete; the last one sends the group to be scored."""
         group.unfinished -= 1
         if group.unfinished or self.leaving:  # a leaving worker's groups were handed back
             return
         request = group.request
         del self.groups[request.group_id]
         samples = [Sample(group_id=request.group_id, index=index, prompt_ids=request.prompt_ids,
-                          response_ids=s.response_ids, logprobs=s.logprobs, versions=s.versions,
+                          response_ids=e.response_ids, logprobs=e.logprobs, versions=e.versions,
                           finish_reason=s.finish_reason or "length", label=request.label, metadata=request.metadata,
-                          response_text=self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                          routed_experts=s.routed_experts)
-                   for index, s in enumerate(group.sequences)]
+                          response_text=self.tokenizer.decode(e.response_ids, skip_special_tokens=True),
+                          routed_experts=s.routed_experts, loss_mask=e.loss_mask if e.turns else None)
+                   for index, (s, e) in enumerate(zip(group.sequences, group.episodes))]
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,

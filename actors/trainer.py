@@ -201,7 +201,7 @@ class Trainer(Actor):
             tensors = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                               [s.logprobs for s in samples], [s.versions for s in samples],
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
-                              [s.routed_experts for s in samples])
+                              [s.routed_experts for s in samples], [s.loss_mask for s in samples])
             train_started = time.perf_counter()
             async with self.weights_lock:
                 metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)

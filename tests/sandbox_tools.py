@@ -8,6 +8,12 @@ import time
 
 
 def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
     print("chatter on stdout does not disturb the answer")
     return a + b
 

@@ -7,13 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
+from vime.actors.rollout import RolloutWorker
 from vime.agent import sandbox
 from vime.agent.episode import Episode, parse_tool_calls, tool_turn_ids
-from vime.backends.base import collate
+from vime.agent.tools import Toolbox
+from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
+from vime.data import prompt_ids
+from vime.protocol import GenerateGroup, RolloutGroup
+from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
+from vime.tools.make_tiny_model import make_tiny_model
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
 
@@ -100,3 +107,124 @@ def test_inserted_tokens_take_no_part_in_the_loss_or_the_metrics(tmp_path):
     other_metrics, other_weights = step(-30.0)
     assert metrics == other_metrics
     assert all(torch.equal(weights[name], other_weights[name]) for name in weights)
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers every request with its turn of a script, whole, in one step. The turn is the number of
+    tool responses already in the prompt, so a response's next turn follows its tool messages."""
+
+    def __init__(self, script: list[list[int]], tool_response_id: int) -> None:
+        self.script, self.tool_response_id = script, tool_response_id
+        self.weight_version, self.vocab_size = 7, 151_936
+        self.queue: list[Sequence] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def add(self, sequences: list[Sequence]) -> None:
+        self.queue += sequences
+
+    def step(self) -> list[Sequence]:
+        finished, self.queue = self.queue, []
+        for sequence in finished:
+            turn = self.script[sequence.prompt_ids.count(self.tool_response_id)]
+            sequence.response_ids = list(turn)
+            sequence.logprobs = [-(index + 1) / 64 for index in range(len(turn))]
+            sequence.versions = [self.weight_version] * len(turn)
+            sequence.finish_reason = "stop"
+        return finished
+
+    def abort(self, request_ids: list[int]) -> None:
+        self.queue = [s for s in self.queue if s.request_id not in request_ids]
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.weight_version = version
+
+
+async def rollout_group(tokenizer, folder: Path, script: list[list[int]], **settings) -> tuple[RolloutGroup, dict]:
+    """One group of two responses through a real rollout worker (in-process, its sends captured) whose
+    engine plays ``script``; its tool calls run in the sandbox."""
+    config = RunConfig().replace(model_path=str(folder), chat_template=True, **settings)
+    engine = ScriptedEngine(script, tokenizer.convert_tokens_to_ids("<tool_response>"))
+
+    class Worker(RolloutWorker):
+        def _build_engine(self) -> RolloutEngine:
+            return engine
+
+    worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent"), config.to_dict())
+    sent: list = []
+    worker._send_hook = sent.append
+    tools = Toolbox(config.agent.tool).schemas if config.agent.tool else None
+    prompt = prompt_ids(tokenizer, "What is 16 - 3 - 4?", chat=True, tools=tools)
+    sampling = dataclasses.asdict(SamplingParams(max_new_tokens=200, stop_token_ids=(tokenizer.eos_token_id,)))
+    async with trio.open_nursery() as nursery:
+        worker._nursery = nursery
+        await worker.on_start()
+        await worker._on_group(GenerateGroup(group_id=0, prompt_ids=prompt, label="9", metadata={}, group_size=2,
+                                             min_weight_version=0, sampling=sampling), None)
+        with trio.fail_after(60):
+            while not any(isinstance(e.payload, RolloutGroup) for e in sent):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    return next(e.payload for e in sent if isinstance(e.payload, RolloutGroup)), dict(worker.counters)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tokenizer, tmp_path_factory) -> Path:
+    return make_tiny_model("qwen3", TOKENIZER, tmp_path_factory.mktemp("tools") / "model", seed=0)
+
+
+async def test_the_rollout_worker_calls_tools_and_trains_only_the_engines_tokens(tokenizer, tool_model):
+    eos = tokenizer.eos_token_id
+    first = _engine_output(tokenizer, "<think>\nSixteen", ["Ġeg", "gs"], ".\n</think>\n\n", '<tool_call>\n{"name": '
+                           '"calculator", "arguments": {"expression": "16 - 3 - 4"}}\n</tool_call>') + [eos]
+    second = _engine_output(tokenizer, "<think>\n</think>\n\n<tool_call>\n", ["{\"", "name"],
+                            '": "search", "arguments": {}}\n</tool_call>') + [eos]
+    third = _engine_output(tokenizer, "The answer is 9", ["Ġeg", "gs"], ".") + [eos]
+    group, counters = await rollout_group(tokenizer, tool_model, [first, second, third],
+                                          tool=("vime.agent.calculator:calculator",))
+    result = tool_turn_ids(tokenizer, ["9"], ended_with_eos=True)
+    unknown = tool_turn_ids(tokenizer, ["there is no tool named 'search'; the tools are calculator"],
+                            ended_with_eos=True)
+    assert counters["tool_calls"] == 4  # two responses, two calls each
+    for sample in group.samples:
+        assert sample.response_ids == first + result + second + unknown + third
+        assert sample.loss_mask == ([1] * len(first) + [0] * len(result) + [1] * len(second) + [0] * len(unknown)
+                                    + [1] * len(third))
+        generated = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+        assert generated == first + second + third
+        assert [v for v, m in zip(sample.versions, sample.loss_mask) if not m] == [-1] * (len(result) + len(unknown))
+        assert sample.weight_version == 7 and sample.finish_reason == "stop"
+    samples = group.samples
+    batch = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.logprobs for s in samples],
+                    [s.versions for s in samples], [1.0, 0.0], [0, 0], 0, loss_masks=[s.loss_mask for s in samples])
+    trained = batch.response_ids[0][batch.response_mask[0].bool()].tolist()
+    assert trained == first + second + third  # what the engine produced, token for token
+    assert batch.rollout_logprobs[0][batch.response_mask[0].bool()].tolist() == pytest.approx(
+        [-(i + 1) / 64 for turn in (first, second, third) for i in range(len(turn))])
+
+
+async def test_a_response_ends_at_the_turn_limit_without_running_the_call(tokenizer, tool_model):
+    eos = tokenizer.eos_token_id
+    call = _engine_output(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1/0"}}'
+                                     '\n</tool_call>') + [eos]
+    group, counters = await rollout_group(tokenizer, tool_model, [call, call, call],
+                                          tool=("vime.agent.calculator:calculator",), max_turns=1)
+    inserted = group.samples[0].response_ids[len(call):-len(call)]
+    assert tokenizer.decode(inserted).count("division by zero") == 1  # the error reached the model as text
+    assert counters["tool_calls"] == 2 and all(len(s.response_ids) == 2 * len(call) + len(inserted)
+                                               for s in group.samples)
+
+
+def test_a_tools_schema_is_its_attribute_or_comes_from_its_signature(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    box = Toolbox(["vime.agent.calculator:calculator", "sandbox_tools:add"])
+    assert [s["function"]["name"] for s in box.schemas] == ["calculator", "add"]
+    assert box.schemas[1]["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first"}
+    with pytest.raises(ValueError, match="no schema .* give the function a `schema` attribute"):
+        Toolbox(["sandbox_tools:spin"])
+    with pytest.raises(ValueError, match="already given"):
+        Toolbox(["sandbox_tools:add", "sandbox_tools:add"])
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        Toolbox(["no_such_module:f"])

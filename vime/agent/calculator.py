@@ -47,6 +47,9 @@ def calculator(expression: str) -> str:
     return str(_value(tree.body))
 
 
+calculator.schema = SCHEMA  # what --tool shows the model
+
+
 def _value(node: ast.AST) -> Any:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return node.value

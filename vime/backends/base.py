@@ -137,7 +137,7 @@ def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list
     """Pad samples into a TensorBatch (right padding; positions come from the mask). Routed experts,
     when any sample has them, are padded with -1 (free routing) where a sample has none. ``loss_masks``
     (1: a token the model generated; 0: one inserted, like a tool result) keep inserted tokens out of
-    the loss and the metrics; without them every response token is trained on."""
+    the loss and the metrics; without them (or where a sample's is None) every response token is trained on."""
     count = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     longest = max(len(r) for r in responses)
@@ -156,8 +156,8 @@ def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list
         length = len(prompt) + len(response)
         batch.input_ids[row, :length] = torch.tensor(prompt + response)
         batch.attention_mask[row, :length] = 1
-        batch.response_mask[row, :len(response)] = torch.tensor(loss_masks[row], dtype=torch.float32) if loss_masks \
-            else 1
+        mask = loss_masks[row] if loss_masks else None
+        batch.response_mask[row, :len(response)] = 1 if mask is None else torch.tensor(mask, dtype=torch.float32)
         batch.response_ids[row, :len(response)] = torch.tensor(response)
         batch.rollout_logprobs[row, :len(response)] = torch.tensor(logprobs[row], dtype=torch.float32)
         batch.versions[row, :len(response)] = torch.tensor(versions[row])
