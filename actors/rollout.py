@@ -142,7 +142,8 @@ class RolloutWorker(Actor):
             await self.applied.park()
         self.log.info("joined", weight_version=self.engine.weight_version)
         await self.wait_for_peer("router", timeout=600.0)
-        await self.tell("router", WorkerReady(capacity=ready.capacity, weight_version=self.engine.weight_version))
+        await self.tell("router", WorkerReady(capacity=ready.capacity, weight_version=self.engine.weight_version,
+                                              gpus=gpus))
 
     async def on_stop(self) -> None:
         self.leaving = True
@@ -278,8 +279,8 @@ class RolloutWorker(Actor):
         """The calls a turn makes, if the response may go on: it stopped (was not cut), within the limits.
         Its text is decoded only to be read; the tokens stay the engine's."""
         agent = self.run.agent
-        if (self.toolbox is None or self.leaving or turn.finish_reason != "stop" or len(episode.turns) >= agent.max_turns
-                or len(episode.response_ids) >= agent.max_response_tokens):
+        if (self.toolbox is None or self.leaving or turn.finish_reason != "stop"
+                or len(episode.turns) >= agent.max_turns or len(episode.response_ids) >= agent.max_response_tokens):
             return []
         return parse_tool_calls(self.tokenizer.decode(turn.response_ids))
 

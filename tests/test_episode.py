@@ -221,7 +221,8 @@ def test_a_tools_schema_is_its_attribute_or_comes_from_its_signature(monkeypatch
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     box = Toolbox(["vime.agent.calculator:calculator", "sandbox_tools:add"])
     assert [s["function"]["name"] for s in box.schemas] == ["calculator", "add"]
-    assert box.schemas[1]["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first"}
+    parameters = box.schemas[1]["function"]["parameters"]
+    assert parameters["properties"]["a"] == {"type": "integer", "description": "the first"}
     with pytest.raises(ValueError, match="no schema .* give the function a `schema` attribute"):
         Toolbox(["sandbox_tools:spin"])
     with pytest.raises(ValueError, match="already given"):

@@ -60,7 +60,7 @@ def sample() -> Sample:
 EXAMPLES = [
     GenerateGroup(group_id=3, prompt_ids=[1, 5, 6], label="4", metadata={}, group_size=2, min_weight_version=0,
                   sampling={"max_new_tokens": 2}),
-    WorkerReady(capacity=4, weight_version=0), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
+    WorkerReady(capacity=4, weight_version=0, gpus=[]), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
     RolloutGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1),
     ScoredGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1, reward_s=0.01),
     WantBatch(step=0), TrainBatch(step=0, samples=[sample()], stats={"x": 1.0}),

@@ -35,8 +35,8 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
 
 
 @pytest.mark.parametrize("flags, gpus, said", [
-    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2}, ["0", "1"], r"needs 3 GPUs \(trainer 1, rollout 2\) "
-                                                                         r"but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2}, ["0", "1"],
+     r"needs 3 GPUs \(trainer 1, rollout 2\) but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
     ({"actor_num_gpus_per_node": 1}, [], "needs 1 GPUs .* shows 0$"),
     ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"], "one host so far; add rollout workers"),
     ({"actor_num_gpus_per_node": 2}, ["0", "1"], "one GPU so far .* pass 1"),

@@ -15,7 +15,6 @@ fp32 log-probs arrive bit-exact.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -76,7 +75,7 @@ class WorkerReady:
 
     capacity: int  # groups it takes at once
     weight_version: int
-    gpus: list[str] = dataclasses.field(default_factory=list)  # UUIDs of its engine's GPUs; empty on CPU
+    gpus: list[str]  # UUIDs of its engine's GPUs; empty on CPU
 
 
 @message
