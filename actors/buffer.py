@@ -43,7 +43,7 @@ from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer, stop_token_ids
 from vime.config import RunConfig
-from vime.data import PromptSource, check_row, load_rows, prompt_ids
+from vime.data import PromptSource, check_row, load_rows, prompt_ids, prompt_messages
 from vime.evaluation import eval_metrics, eval_rows
 from vime.plugins import import_function
 from vime.protocol import (
@@ -277,8 +277,11 @@ class Buffer(Actor):
         group_id = self.next_group_id
         self.next_group_id += 1
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
-        return GenerateGroup(group_id=group_id, prompt_ids=ids, label=str(row["label"]), metadata=metadata,
-                             group_size=group_size, min_weight_version=min_weight_version, sampling=sampling)
+        data = self.run.data
+        messages = prompt_messages(row["prompt"], template=data.prompt_template, chat=data.chat_template)
+        return GenerateGroup(group_id=group_id, prompt_ids=ids, messages=messages, label=str(row["label"]),
+                             metadata=metadata, group_size=group_size, min_weight_version=min_weight_version,
+                             sampling=sampling)
 
     # ----------------------------------------------------------------- eval
 

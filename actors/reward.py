@@ -38,7 +38,8 @@ class Reward(Actor):
         started = time.perf_counter()
 
         async def score_one(sample: Any) -> None:
-            sample.reward = await rewards.score(self.fn, sample.response_text, sample.label, sample.metadata)
+            if sample.reward is None:  # an external agent may have scored its episode itself
+                sample.reward = await rewards.score(self.fn, sample.response_text, sample.label, sample.metadata)
 
         try:
             if inspect.iscoroutinefunction(self.fn):

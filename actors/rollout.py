@@ -38,14 +38,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import trio
 
-from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_turn_ids
+from vime.agent.endpoint import AgentEndpoint
+from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_messages, turn_ids
 from vime.agent.sandbox import Limits
 from vime.agent.tools import Toolbox
 from vime.backends.base import RolloutEngine, SamplingParams, Sequence
@@ -66,6 +69,7 @@ from vime.protocol import (
     WorkerReady,
 )
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.transports import http
 from vime.transports.codec import Envelope
 
 
@@ -76,6 +80,7 @@ class _Group:
         self.request = request
         self.sequences = sequences
         self.episodes = [Episode(list(request.prompt_ids)) for _ in sequences]
+        self.rewards: list[float | None] = [None] * len(sequences)  # an external agent's own scores
         self.started = started
         self.unfinished = len(sequences)
 
@@ -98,6 +103,9 @@ class RolloutWorker(Actor):
         self.groups: dict[int, _Group] = {}
         self.by_request: dict[int, tuple[_Group, int]] = {}  # engine request id -> its group, its index there
         self.continuing: list[Sequence] = []  # responses' next turns, after their tool calls
+        self.external_turns: dict[int, trio.Event] = {}  # with --openai-endpoint: request id -> set when it ends
+        self.stepped = trio.lowlevel.ParkingLot()  # woken after every engine step (streaming replies watch it)
+        self.endpoint: AgentEndpoint | None = None
         self.next_request = 0
         self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
         self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
@@ -117,8 +125,44 @@ class RolloutWorker(Actor):
         self.toolbox = Toolbox(agent.tool, Limits(seconds=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb)) \
             if agent.tool else None
         self.tool_calls = trio.CapacityLimiter(os.cpu_count() or 1)  # each call is a process of its own
+        if agent.openai_endpoint:
+            await self._serve_agents(agent.openai_endpoint)
         self.start_soon(self._generate_loop)
         self.start_soon(self._join)
+
+    async def _serve_agents(self, address: str) -> None:
+        """Serve the OpenAI-compatible endpoint (``vime.agent.endpoint``); its URL goes to RUN_DIR/endpoints/NAME."""
+        host, _, port = address.rpartition(":")
+        assert self._nursery is not None
+        bound = await self._nursery.start(functools.partial(http.serve, self._handle_agent, host, int(port)))
+        url = f"http://{host}:{bound}"
+        self.endpoint = AgentEndpoint(self, url, thinking=self.run.data.enable_thinking,
+                                      max_response_tokens=self.run.agent.max_response_tokens)
+        folder = Path(self.settings.run_dir or ".") / "endpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / self.name).write_text(url + "\n")
+        self.log.info("serving agents", url=url)
+
+    async def _handle_agent(self, request: http.Request) -> http.Response:
+        assert self.endpoint is not None
+        return await self.endpoint.handle(request)
+
+    def start_turn(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, trio.Event]:
+        """An external agent's next reply: generated like any turn; the event is set when it ends."""
+        sequence = Sequence(self.next_request, prompt_ids, params)
+        self.next_request += 1
+        done = self.external_turns[sequence.request_id] = trio.Event()
+        self.continuing.append(sequence)
+        self.wake.set()
+        return sequence, done
+
+    async def end_response(self, group: _Group, index: int, episode: Episode, finish_reason: str,
+                           reward: float | None) -> None:
+        """An external agent ended one response of ``group``."""
+        group.episodes[index] = episode
+        group.sequences[index].finish_reason = finish_reason
+        group.rewards[index] = reward
+        await self._response_done(group)
 
     def _build_engine(self) -> RolloutEngine:
         model, rollout = self.run.model, self.run.rollout
@@ -148,6 +192,8 @@ class RolloutWorker(Actor):
     async def on_stop(self) -> None:
         self.leaving = True
         self.wake.set()
+        if self.endpoint is not None:
+            self.endpoint.withdraw()
         unfinished = sorted([*self.groups, *(g.group_id for g, _ in self.waiting)])
         if unfinished:
             self.log.info("handing unfinished groups back", groups=len(unfinished))
@@ -218,7 +264,7 @@ class RolloutWorker(Actor):
     async def _generate_loop(self) -> None:
         while True:
             if self.leaving:  # its groups were handed back: stop spending the engine on them
-                self.engine.abort(list(self.by_request))
+                self.engine.abort([*self.by_request, *self.external_turns])
                 self.by_request.clear()
                 return
             await self._run_engine_calls()
@@ -229,6 +275,7 @@ class RolloutWorker(Actor):
                 self.wake = trio.Event()
                 continue
             finished = await trio.to_thread.run_sync(self.engine.step)
+            self.stepped.unpark_all()
             for sequence in finished:
                 await self._finish(sequence)
 
@@ -259,12 +306,20 @@ class RolloutWorker(Actor):
                 sequences.append(Sequence(self.next_request, list(request.prompt_ids), params))
                 self.next_request += 1
             group = self.groups[request.group_id] = _Group(request, sequences, now)
+            if self.endpoint is not None:  # external agents drive the responses
+                for index in range(len(sequences)):
+                    self.endpoint.offer(group, index, request.messages, request.label, request.metadata, params)
+                continue
             for index, sequence in enumerate(sequences):
                 self.by_request[sequence.request_id] = (group, index)
             self.engine.add(sequences)
 
     async def _finish(self, sequence: Sequence) -> None:
         """A turn ended: the response calls tools (and goes on after them), or it is complete."""
+        external = self.external_turns.pop(sequence.request_id, None)
+        if external is not None:  # an agent's reply: the endpoint records it
+            external.set()
+            return
         group, index = self.by_request.pop(sequence.request_id)
         group.sequences[index] = sequence
         episode = group.episodes[index]
@@ -292,8 +347,8 @@ class RolloutWorker(Actor):
         if self.leaving:  # its group was handed back meanwhile
             return
         turn, episode = group.sequences[index], group.episodes[index]
-        episode.add_inserted(tool_turn_ids(self.tokenizer, results, thinking=self.run.data.enable_thinking,
-                                           ended_with_eos=turn.response_ids[-1] == self.tokenizer.eos_token_id))
+        episode.add_inserted(turn_ids(self.tokenizer, tool_messages(results), thinking=self.run.data.enable_thinking,
+                                      ended_with_eos=turn.response_ids[-1] == self.tokenizer.eos_token_id))
         episode.turns.append({"calls": [dataclasses.asdict(call) for call in calls], "results": results})
         self.counters["tool_calls"] += len(calls)
         room = self.run.agent.max_response_tokens - len(episode.response_ids)
@@ -314,12 +369,13 @@ class RolloutWorker(Actor):
             return
         request = group.request
         del self.groups[request.group_id]
-        samples = [Sample(group_id=request.group_id, index=index, prompt_ids=request.prompt_ids,
+        samples = [Sample(group_id=request.group_id, index=index, prompt_ids=e.prompt_ids,
                           response_ids=e.response_ids, logprobs=e.logprobs, versions=e.versions,
                           finish_reason=s.finish_reason or "length", label=request.label, metadata=request.metadata,
                           response_text=self.tokenizer.decode(e.response_ids, skip_special_tokens=True),
-                          routed_experts=s.routed_experts, loss_mask=e.loss_mask if e.turns else None)
-                   for index, (s, e) in enumerate(zip(group.sequences, group.episodes))]
+                          routed_experts=s.routed_experts, loss_mask=e.loss_mask if 0 in e.loss_mask else None,
+                          reward=reward)
+                   for index, (s, e, reward) in enumerate(zip(group.sequences, group.episodes, group.rewards))]
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,

@@ -11,7 +11,7 @@ import trio
 
 from vime.actors.rollout import RolloutWorker
 from vime.agent import sandbox
-from vime.agent.episode import Episode, parse_tool_calls, tool_turn_ids
+from vime.agent.episode import Episode, parse_tool_calls, tool_messages, turn_ids
 from vime.agent.tools import Toolbox
 from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
@@ -55,7 +55,7 @@ def test_an_episode_keeps_the_engines_tokens_and_masks_what_it_inserted(tokenize
     assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "16 - 3 - 4"})]
     outcome = sandbox.run("vime.agent.calculator:calculator", calls[0].arguments)
     assert outcome.ok and outcome.output == "9"
-    inserted = tool_turn_ids(tokenizer, [outcome.output], ended_with_eos=True)
+    inserted = turn_ids(tokenizer, tool_messages([outcome.output]), ended_with_eos=True)
     episode.add_inserted(inserted)
     episode.turns.append({"call": dataclasses.asdict(calls[0]), "result": outcome.output})
     second = _engine_output(tokenizer, "<think>\n</think>\n\nThe answer is 9", ["Ġeg", "gs"], ".") + [eos]
@@ -80,7 +80,7 @@ def test_tool_calls_are_read_or_reported(tokenizer):
     assert parse_tool_calls("no calls here") == []
     # without the model's own end token, the turn's closing is inserted whole; with thinking off, the next
     # prompt carries the empty thinking block Qwen3's template writes
-    closing = tool_turn_ids(tokenizer, ["a", "b"], ended_with_eos=False, thinking=False)
+    closing = turn_ids(tokenizer, tool_messages(["a", "b"]), ended_with_eos=False, thinking=False)
     assert tokenizer.decode(closing) == (
         "<|im_end|>\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -162,6 +162,7 @@ async def rollout_group(tokenizer, folder: Path, script: list[list[int]], **sett
         worker._nursery = nursery
         await worker.on_start()
         await worker._on_group(GenerateGroup(group_id=0, prompt_ids=prompt, label="9", metadata={}, group_size=2,
+                                             messages=[{"role": "user", "content": "What is 16 - 3 - 4?"}],
                                              min_weight_version=0, sampling=sampling), None)
         with trio.fail_after(60):
             while not any(isinstance(e.payload, RolloutGroup) for e in sent):
@@ -184,9 +185,9 @@ async def test_the_rollout_worker_calls_tools_and_trains_only_the_engines_tokens
     third = _engine_output(tokenizer, "The answer is 9", ["Ġeg", "gs"], ".") + [eos]
     group, counters = await rollout_group(tokenizer, tool_model, [first, second, third],
                                           tool=("vime.agent.calculator:calculator",))
-    result = tool_turn_ids(tokenizer, ["9"], ended_with_eos=True)
-    unknown = tool_turn_ids(tokenizer, ["there is no tool named 'search'; the tools are calculator"],
-                            ended_with_eos=True)
+    result = turn_ids(tokenizer, tool_messages(["9"]), ended_with_eos=True)
+    unknown = turn_ids(tokenizer, tool_messages(["there is no tool named 'search'; the tools are calculator"]),
+                       ended_with_eos=True)
     assert counters["tool_calls"] == 4  # two responses, two calls each
     for sample in group.samples:
         assert sample.response_ids == first + result + second + unknown + third

@@ -58,7 +58,8 @@ def sample() -> Sample:
 
 
 EXAMPLES = [
-    GenerateGroup(group_id=3, prompt_ids=[1, 5, 6], label="4", metadata={}, group_size=2, min_weight_version=0,
+    GenerateGroup(group_id=3, prompt_ids=[1, 5, 6], messages=[{"role": "user", "content": "1+5="}], label="4",
+                  metadata={}, group_size=2, min_weight_version=0,
                   sampling={"max_new_tokens": 2}),
     WorkerReady(capacity=4, weight_version=0, gpus=[]), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
     RolloutGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1),

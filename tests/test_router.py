@@ -9,7 +9,8 @@ from vime.transports.codec import Envelope
 
 
 def request(group_id: int, prompt_tokens: int = 2, max_new_tokens: int = 4) -> GenerateGroup:
-    return GenerateGroup(group_id=group_id, prompt_ids=[1] * prompt_tokens, label="3", metadata={}, group_size=2,
+    return GenerateGroup(group_id=group_id, prompt_ids=[1] * prompt_tokens, messages=[{"role": "user", "content": "1"}],
+                         label="3", metadata={}, group_size=2,
                          min_weight_version=0, sampling={"max_new_tokens": max_new_tokens})
 
 

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -151,14 +152,23 @@ class AgentConfig:
                                         "vime.agent.calculator:calculator); needs --chat-template; each call runs "
                                         "in a sandbox and its result joins the response as a tool message")
     max_turns: int = setting(4, "with --tool: tool-call rounds in one response before it ends")
-    max_response_tokens: int = setting(2048, "with --tool: a response with its tool messages ends at this many tokens")
+    max_response_tokens: int = setting(2048, "with --tool or --openai-endpoint: a response with its tool and user "
+                                             "messages ends at this many tokens")
     tool_timeout_s: float = setting(10.0, "with --tool: wall-clock limit of one tool call")
     tool_memory_mb: int = setting(512, "with --tool: memory limit of one tool call")
+    openai_endpoint: str = setting("", "HOST:PORT (port 0: any free one): rollout workers serve an OpenAI-compatible "
+                                       "/v1/chat/completions through which external agents drive each response "
+                                       "(RUN_DIR/endpoints/WORKER holds each worker's URL); see vime.agent.endpoint")
 
     def __post_init__(self) -> None:
         _at_least(self, max_turns=1, max_response_tokens=1, tool_memory_mb=16)
         if self.tool_timeout_s <= 0:
             raise ValueError(f"--tool-timeout-s must be > 0, got {self.tool_timeout_s}")
+        if self.openai_endpoint and not re.fullmatch(r"[^:\s]+:\d+", self.openai_endpoint):
+            raise ValueError(f"--openai-endpoint takes HOST:PORT (127.0.0.1:0 for any free port), not "
+                             f"{self.openai_endpoint!r}")
+        if self.openai_endpoint and self.tool:
+            raise ValueError("--openai-endpoint and --tool do not mix: with an external agent, the agent runs the tools")
 
 
 @dataclasses.dataclass(frozen=True)

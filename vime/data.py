@@ -111,10 +111,9 @@ def _lookup(row: dict[str, Any], key: str) -> Any:
     return value
 
 
-def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: str = "{prompt}",
-               chat: bool = False, thinking: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The token ids the model is prompted with (see the module's docstring); ``tools``: schemas the chat
-    template presents."""
+def prompt_messages(prompt: str | list[dict[str, str]], *, template: str = "{prompt}",
+                    chat: bool = False) -> list[dict[str, str]]:
+    """The conversation a prompt row stands for, the template applied to its last user message."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif not chat:
@@ -123,6 +122,14 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: 
         messages = [dict(message) for message in prompt]
     last_user = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"), -1)
     messages[last_user]["content"] = template.replace("{prompt}", messages[last_user]["content"])
+    return messages
+
+
+def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]], *, template: str = "{prompt}",
+               chat: bool = False, thinking: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The token ids the model is prompted with (see the module's docstring); ``tools``: schemas the chat
+    template presents."""
+    messages = prompt_messages(prompt, template=template, chat=chat)
     if not chat:
         return list(tokenizer(messages[0]["content"])["input_ids"])
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)

@@ -61,6 +61,7 @@ class GenerateGroup:
 
     group_id: int
     prompt_ids: list[int]
+    messages: list[dict[str, Any]]  # the conversation prompt_ids render (an external agent starts from it)
     label: str
     metadata: dict[str, Any]
     group_size: int

@@ -82,12 +82,17 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def tool_turn_ids(tokenizer: Any, results: list[str], *, ended_with_eos: bool, thinking: bool = True) -> list[int]:
-    """The tokens to insert after an assistant turn that called tools: its closing, one tool message
-    per result, and the prompt for the next assistant turn -- as the tokenizer's chat template writes them."""
-    tools = [{"role": "tool", "content": result} for result in results]
+def tool_messages(results: list[str]) -> list[dict[str, str]]:
+    """Tool results as the chat messages that carry them."""
+    return [{"role": "tool", "content": result} for result in results]
+
+
+def turn_ids(tokenizer: Any, messages: list[dict[str, Any]], *, ended_with_eos: bool,
+             thinking: bool = True) -> list[int]:
+    """The tokens to insert after an assistant turn: its closing, ``messages`` (tool results, or a user's
+    next message), and the prompt for the next assistant turn -- as the tokenizer's chat template writes them."""
     first, second = (_render(tokenizer, [{"role": "user", "content": "probe"}, {"role": "assistant", "content": answer},
-                                         *tools], thinking) for answer in ("1", "2"))
+                                         *messages], thinking) for answer in ("1", "2"))
     common = next(k for k in range(min(len(first), len(second)) + 1)
                   if k == min(len(first), len(second)) or first[-k - 1] != second[-k - 1])
     tail = first[len(first) - common:]
