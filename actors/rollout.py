@@ -138,6 +138,7 @@ class RolloutWorker(Actor):
         url = f"http://{host}:{bound}"
         self.endpoint = AgentEndpoint(self, url, thinking=self.run.data.enable_thinking,
                                       max_response_tokens=self.run.agent.max_response_tokens)
+        self.start_soon(self.endpoint.expire_idle, self.run.agent.episode_timeout_s)
         folder = Path(self.settings.run_dir or ".") / "endpoints"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / self.name).write_text(url + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -61,24 +62,41 @@ def as_message(message) -> dict:
     return message.model_dump(exclude_none=True)
 
 
-async def test_an_openai_client_drives_episodes_token_in_token_out(tokenizer, model, tmp_path):
-    eos = tokenizer.eos_token_id
-    first = _engine_output(tokenizer, "<think>\nSixteen", ["Ġeg", "gs"], ".\n</think>\n\n", '<tool_call>\n{"name": '
-                           '"calculator", "arguments": {"expression": "16 - 3 - 4"}}\n</tool_call>') + [eos]
-    second = _engine_output(tokenizer, "The answer is 9", ["Ġeg", "gs"], ".") + [eos]
-    engine = ScriptedEngine([first, second], tokenizer.convert_tokens_to_ids("<tool_response>"))
-    config = RunConfig().replace(model_path=str(model), chat_template=True, openai_endpoint="127.0.0.1:0")
+TASK = [{"role": "user", "content": "What is 16 - 3 - 4?"}]
+
+
+@contextlib.asynccontextmanager
+async def serving(tokenizer, model: Path, run_dir: Path, script: list[list[int]], **settings):
+    """A real rollout worker (in-process, its sends captured) serving agents, whose engine plays ``script``;
+    one group of two responses to TASK is offered. Yields the endpoint's URL and the captured sends."""
+    engine = ScriptedEngine(script, tokenizer.convert_tokens_to_ids("<tool_response>"))
+    config = RunConfig().replace(model_path=str(model), chat_template=True, openai_endpoint="127.0.0.1:0", **settings)
 
     class Worker(RolloutWorker):
         def _build_engine(self) -> RolloutEngine:
             return engine
 
-    worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent", run_dir=str(tmp_path)),
+    worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent", run_dir=str(run_dir)),
                     config.to_dict())
     sent: list = []
     worker._send_hook = sent.append
-    task_messages = [{"role": "user", "content": "What is 16 - 3 - 4?"}]
-    sampling = dataclasses.asdict(SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=(eos,)))
+    sampling = dataclasses.asdict(SamplingParams(temperature=1.0, max_new_tokens=200,
+                                                 stop_token_ids=(tokenizer.eos_token_id,)))
+    async with trio.open_nursery() as nursery:
+        worker._nursery = nursery
+        await worker.on_start()
+        await worker._on_group(GenerateGroup(group_id=0, prompt_ids=[1, 2, 3], messages=TASK, label="9", metadata={},
+                                             group_size=2, min_weight_version=0, sampling=sampling), None)
+        yield (run_dir / "endpoints" / "rollout-0").read_text().strip(), sent
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_openai_client_drives_episodes_token_in_token_out(tokenizer, model, tmp_path):
+    eos = tokenizer.eos_token_id
+    first = _engine_output(tokenizer, "<think>\nSixteen", ["Ġeg", "gs"], ".\n</think>\n\n", '<tool_call>\n{"name": '
+                           '"calculator", "arguments": {"expression": "16 - 3 - 4"}}\n</tool_call>') + [eos]
+    second = _engine_output(tokenizer, "The answer is 9", ["Ġeg", "gs"], ".") + [eos]
+    task_messages = TASK
     seen: dict = {}
 
     def agent(endpoint: str) -> None:
@@ -113,17 +131,11 @@ async def test_an_openai_client_drives_episodes_token_in_token_out(tokenizer, mo
                 post(f"{endpoint}/episodes/{task['id']}/end", {})
         assert post(f"{endpoint}/episodes", {}) == {"id": None}
 
-    async with trio.open_nursery() as nursery:
-        worker._nursery = nursery
-        await worker.on_start()
-        endpoint = (tmp_path / "endpoints" / "rollout-0").read_text().strip()
-        await worker._on_group(GenerateGroup(group_id=0, prompt_ids=[1, 2, 3], messages=task_messages, label="9",
-                                             metadata={}, group_size=2, min_weight_version=0, sampling=sampling), None)
+    async with serving(tokenizer, model, tmp_path, [first, second]) as (endpoint, sent):
         with trio.fail_after(120):
             await trio.to_thread.run_sync(agent, endpoint)
             while not any(isinstance(e.payload, RolloutGroup) for e in sent):
                 await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
 
     group = next(e.payload for e in sent if isinstance(e.payload, RolloutGroup))
     prompt = tokenizer.apply_chat_template(task_messages, tools=[SCHEMA], add_generation_prompt=True)
@@ -231,3 +243,30 @@ async def test_the_http_server_answers_what_clients_get_wrong_and_keeps_serving(
         assert answers["bug"].startswith(b"HTTP/1.1 500") and b"RuntimeError: a bug" in answers["bug"]
         assert (await exchange(port, post("/x", b"{}"))).startswith(b"HTTP/1.1 200")  # still serving
         nursery.cancel_scope.cancel()
+
+
+async def test_an_episode_whose_agent_went_silent_is_offered_again_from_scratch(tokenizer, model, tmp_path):
+    answer = _engine_output(tokenizer, "9") + [tokenizer.eos_token_id]
+    async with serving(tokenizer, model, tmp_path, [answer], episode_timeout_s=0.5) as (endpoint, sent):
+
+        def agents() -> None:
+            gone = claim(endpoint)  # an agent that replies once, then dies
+            openai.OpenAI(base_url=gone["base_url"], api_key="unused").chat.completions.create(
+                model="vime", messages=gone["messages"])
+            other = claim(endpoint)
+            post(f"{endpoint}/episodes/{other['id']}/v1/chat/completions", {"messages": other["messages"]})
+            post(f"{endpoint}/episodes/{other['id']}/end", {"reward": 0.0})
+            again = claim(endpoint)  # waits until the silent one is offered again
+            assert again["id"] != gone["id"] and again["messages"] == gone["messages"]
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                post(f"{endpoint}/episodes/{gone['id']}/end", {"reward": 1.0})
+            post(f"{endpoint}/episodes/{again['id']}/v1/chat/completions", {"messages": again["messages"]})
+            post(f"{endpoint}/episodes/{again['id']}/end", {"reward": 1.0})
+
+        with trio.fail_after(60):
+            await trio.to_thread.run_sync(agents)
+            while not any(isinstance(e.payload, RolloutGroup) for e in sent):
+                await trio.sleep(0.01)
+    group = next(e.payload for e in sent if isinstance(e.payload, RolloutGroup))
+    assert sorted(s.reward for s in group.samples) == [0.0, 1.0]
+    assert all(s.response_ids == answer for s in group.samples)  # the silent agent's reply was dropped

@@ -159,16 +159,20 @@ class AgentConfig:
     openai_endpoint: str = setting("", "HOST:PORT (port 0: any free one): rollout workers serve an OpenAI-compatible "
                                        "/v1/chat/completions through which external agents drive each response "
                                        "(RUN_DIR/endpoints/WORKER holds each worker's URL); see vime.agent.endpoint")
+    episode_timeout_s: float = setting(600.0, "with --openai-endpoint: a claimed episode whose agent sends nothing for "
+                                              "this long is offered again from scratch (the agent is presumed gone)")
 
     def __post_init__(self) -> None:
         _at_least(self, max_turns=1, max_response_tokens=1, tool_memory_mb=16)
         if self.tool_timeout_s <= 0:
             raise ValueError(f"--tool-timeout-s must be > 0, got {self.tool_timeout_s}")
+        if self.episode_timeout_s <= 0:
+            raise ValueError(f"--episode-timeout-s must be > 0, got {self.episode_timeout_s}")
         if self.openai_endpoint and not re.fullmatch(r"[^:\s]+:\d+", self.openai_endpoint):
             raise ValueError(f"--openai-endpoint takes HOST:PORT (127.0.0.1:0 for any free port), not "
                              f"{self.openai_endpoint!r}")
         if self.openai_endpoint and self.tool:
-            raise ValueError("--openai-endpoint and --tool do not mix: with an external agent, the agent runs the tools")
+            raise ValueError("--openai-endpoint and --tool do not mix: an external agent runs its own tools")
 
 
 @dataclasses.dataclass(frozen=True)

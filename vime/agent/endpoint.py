@@ -71,6 +71,8 @@ class _Open:
     episode: Episode | None = None
     last: Sequence | None = None  # the latest reply's turn
     busy: bool = False
+    claimed: bool = False
+    active: float = 0.0  # trio.current_time() of the agent's latest request or reply
 
 
 class AgentEndpoint:
@@ -79,6 +81,7 @@ class AgentEndpoint:
         self.thinking, self.max_response_tokens = thinking, max_response_tokens
         self.waiting: deque[_Open] = deque()
         self.episodes: dict[str, _Open] = {}
+        self.expired = 0  # episodes offered again because their agent went silent
 
     def offer(self, group: Any, index: int, messages: list[dict[str, Any]], label: str, metadata: dict[str, Any],
               sampling: SamplingParams) -> None:
@@ -86,6 +89,19 @@ class AgentEndpoint:
         episode = _Open(uuid.uuid4().hex, group, index, messages, label, metadata, sampling)
         self.episodes[episode.id] = episode
         self.waiting.append(episode)
+
+    async def expire_idle(self, timeout_s: float) -> None:
+        """Offer again, from scratch and under a new id, every claimed episode whose agent has been silent
+        for ``timeout_s``: an agent that died must not hold its group forever."""
+        while True:
+            await trio.sleep(min(1.0, timeout_s / 4))
+            now = trio.current_time()
+            silent = [e for e in self.episodes.values() if e.claimed and not e.busy and now - e.active > timeout_s]
+            for episode in silent:
+                del self.episodes[episode.id]
+                self.offer(episode.group, episode.index, episode.messages, episode.label, episode.metadata,
+                           episode.sampling)
+                self.expired += 1
 
     def withdraw(self) -> None:
         """Forget every episode (the worker handed its groups back): agents hear 404 from now on."""
@@ -101,7 +117,8 @@ class AgentEndpoint:
                                  "POST /episodes/ID/v1/chat/completions and POST /episodes/ID/end")
         episode = self.episodes.get(match[1])
         if episode is None:
-            raise HTTPError(404, f"no open episode {match[1]} (ended, or handed back when its worker left)")
+            raise HTTPError(404, f"no open episode {match[1]}: ended, offered again after --episode-timeout-s of "
+                                 "silence, or handed back when its worker left")
         if match[2] == "/end":
             return Response(await self._end(episode, request.body))
         return await self._complete(episode, request.body)
@@ -110,6 +127,7 @@ class AgentEndpoint:
         if not self.waiting:
             return {"id": None}
         episode = self.waiting.popleft()
+        episode.claimed, episode.active = True, trio.current_time()
         return {"id": episode.id, "messages": episode.messages, "label": episode.label, "metadata": episode.metadata,
                 "base_url": f"{self.url}/episodes/{episode.id}/v1"}
 
@@ -140,7 +158,7 @@ class AgentEndpoint:
         params = dataclasses.replace(episode.sampling, max_new_tokens=max(1, min(int(asked), room,
                                                                                  episode.sampling.max_new_tokens)))
         sequence, done = self.host.start_turn(tokens, params)
-        episode.busy = True
+        episode.busy, episode.active = True, trio.current_time()
         episode.history = [*messages]
         recorded = trio.Event()
         reply: dict[str, Any] = {}
@@ -200,7 +218,7 @@ class AgentEndpoint:
         tokenizer = self.host.tokenizer
         episode.episode.add_generated(sequence.response_ids, sequence.logprobs, sequence.versions)
         episode.last = sequence
-        episode.busy = False
+        episode.busy, episode.active = False, trio.current_time()
         text = tokenizer.decode(sequence.response_ids, skip_special_tokens=True)
         calls = [call for call in parse_tool_calls(text) if not call.error]
         message: dict[str, Any] = {"role": "assistant", "content": _visible(text)}
