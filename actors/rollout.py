@@ -48,7 +48,7 @@ import torch
 import trio
 
 from vime.agent.endpoint import AgentEndpoint
-from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_messages, turn_ids
+from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_messages, turn_ids, turn_text
 from vime.agent.sandbox import Limits
 from vime.agent.tools import Toolbox
 from vime.backends.base import RolloutEngine, SamplingParams, Sequence
@@ -231,7 +231,7 @@ class RolloutWorker(Actor):
 
     @handles(BroadcastJoin)
     async def _on_broadcast_join(self, msg: BroadcastJoin, envelope: Envelope) -> WeightsLoaded:
-        await self._between_steps(self.engine.join_broadcast, msg.address, 1, msg.world_size)
+        await self._between_steps(self.engine.join_broadcast, msg.address, 1, msg.world_size, msg.device)
         return WeightsLoaded(version=self.engine.weight_version)
 
     @handles(WeightsBroadcast)
@@ -338,7 +338,7 @@ class RolloutWorker(Actor):
         if (self.toolbox is None or self.leaving or turn.finish_reason != "stop"
                 or len(episode.turns) >= agent.max_turns or len(episode.response_ids) >= agent.max_response_tokens):
             return []
-        return parse_tool_calls(self.tokenizer.decode(turn.response_ids))
+        return parse_tool_calls(turn_text(self.tokenizer, turn.response_ids))
 
     async def _use_tools(self, group: _Group, index: int, calls: list[ToolCall]) -> None:
         """Run the calls (each in the sandbox), insert their results as the chat template writes tool

@@ -51,7 +51,7 @@ import trio
 
 from vime import checkpoint
 from vime.backends.base import TrainEngine, collate
-from vime.backends.hf import checkpoint_names, load_tokenizer
+from vime.backends.hf import DTYPES, checkpoint_names, load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
@@ -136,28 +136,35 @@ class Trainer(Actor):
         return WeightsPublished(version=self.version_out)
 
     async def _bring_in(self, worker: str, path: str, gpus: int, version: int) -> None:
-        """Set up the worker's path (a broadcast group meets here), send it the newest weights if it lacks
-        them, and from then on every new version."""
-        async with self.weights_lock:
-            self._forget(worker)
-            self.paths[worker] = path
-            try:
-                if path == "broadcast":
-                    await self._form_group(worker, 1 + max(gpus, 1))
+        """Set up the worker's path (a broadcast group meets here, outside the weights lock, so that training
+        goes on meanwhile), send it the newest weights if it lacks them, and from then on every new version."""
+        self._forget(worker)
+        try:
+            if path == "broadcast":
+                path = await self._form_group(worker, 1 + max(gpus, 1))
+            async with self.weights_lock:
+                self.paths[worker] = path
                 if version < self.version_out:
-                    await self._send_weights(worker, self._outgoing())
-            except (PeerGone, LookupError):
-                self._forget(worker)
-                return
-            self.workers.add(worker)
+                    await self._deliver(worker, self._outgoing())
+                self.workers.add(worker)
+        except (PeerGone, LookupError):
+            self._forget(worker)
 
-    async def _form_group(self, worker: str, world_size: int) -> None:
-        """A broadcast group between us (rank 0) and the worker's engine, meeting on our host."""
+    async def _form_group(self, worker: str, world_size: int) -> str:
+        """A broadcast group between us (rank 0) and the worker's engine, meeting on our host; "broadcast",
+        or "nng" when the group cannot form (a port the worker cannot reach, say)."""
         host = urlsplit(self.settings.listen).hostname if self.settings.listen.startswith(("tcp", "tls")) else None
-        group = BroadcastGroup(f"tcp://{host or '127.0.0.1'}:0", 0, world_size,
-                               device=torch.device(self.engine.device).type, timeout_s=600.0)
-        await self.ask(worker, BroadcastJoin(address=group.address, world_size=world_size), timeout=600.0)
+        device = torch.device(self.engine.device).type
+        group = BroadcastGroup(f"tcp://{host or '127.0.0.1'}:0", 0, world_size, device=device, timeout_s=600.0)
+        try:
+            await self.ask(worker, BroadcastJoin(address=group.address, world_size=world_size, device=device),
+                           timeout=120.0)
+        except (RemoteError, TimeoutError) as err:
+            self.log.warning("no broadcast group with this worker: its weights go over nng", worker=worker,
+                             address=group.address, error=str(err))
+            return "nng"
         self.groups[worker] = group
+        return "broadcast"
 
     @handles(EvalResult)
     async def _on_eval(self, msg: EvalResult, envelope: Envelope) -> None:
@@ -264,7 +271,7 @@ class Trainer(Actor):
     def _outgoing(self) -> dict[str, torch.Tensor]:
         """The weights as rollout engines load them: checkpoint names, the rollout's dtype, on our device.
         Views of the live parameters where no conversion copies them: send before training goes on."""
-        dtype = torch.bfloat16 if self.run.model.dtype == "bf16" else torch.float32
+        dtype = DTYPES[self.run.model.dtype]
         return {name: tensor.to(dtype) for name, tensor in checkpoint_names(self.engine.named_weights()).items()}
 
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
@@ -301,15 +308,32 @@ class Trainer(Actor):
             message = WeightsBroadcast(version=version, specs=[list(s) for s in specs(tensors)],
                                        bucket_bytes=bucket_bytes)
             failure: Exception | None = None
+            group = self.groups[worker]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_buckets, self.groups[worker], tensors, bucket_bytes)
+                nursery.start_soon(self._send_buckets, group, tensors, bucket_bytes)
                 try:
                     await self.ask(worker, message, timeout=600.0)
                 except (PeerGone, LookupError, RemoteError, TimeoutError) as err:
                     failure = err
-                    nursery.cancel_scope.cancel()  # the sending thread is left to the group's timeout
+                    group.abort()  # a collective stuck on a dead peer must not hold our GPU stream
+                    nursery.cancel_scope.cancel()
             if failure is not None:
                 raise failure
+
+    async def _deliver(self, worker: str, tensors: dict[str, torch.Tensor],
+                       shared: list[dict[str, Any]] | None = None) -> None:
+        """:meth:`_send_weights`; a worker whose GPU path fails (its load raised, or it did not answer)
+        gets them over nng instead, from now on."""
+        try:
+            await self._send_weights(worker, tensors, shared)
+        except (RemoteError, TimeoutError) as err:
+            if self.paths[worker] == "nng":
+                raise
+            self.log.warning("weight path failed: this worker's weights go over nng from now on", worker=worker,
+                             path=self.paths[worker], error=str(err))
+            self.paths[worker] = "nng"
+            self.groups.pop(worker, None)
+            await self._send_weights(worker, tensors)
 
     async def _send_buckets(self, group: BroadcastGroup, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
         """The sender's half of a broadcast. If the group breaks, the receiver's half fails too, and its
@@ -325,7 +349,7 @@ class Trainer(Actor):
         shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
         for worker in sorted(self.workers):
             try:
-                await self._send_weights(worker, tensors, shared)
+                await self._deliver(worker, tensors, shared)
             except (PeerGone, LookupError):
                 self._forget(worker)
         self.version_out = self.engine.weight_version

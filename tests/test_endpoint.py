@@ -121,6 +121,8 @@ async def test_an_openai_client_drives_episodes_token_in_token_out(tokenizer, mo
             else:
                 with pytest.raises(openai.BadRequestError, match="temperature is the run's"):
                     client.chat.completions.create(model="vime", messages=messages, temperature=0.3)
+                with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+                    client.chat.completions.create(model="vime", messages=messages, extra_body={"max_tokens": "x"})
                 with pytest.raises(openai.BadRequestError, match="repeat the conversation so far"):
                     edited = [{"role": "user", "content": "something else"}, *messages[1:]]
                     client.chat.completions.create(model="vime", messages=edited)
@@ -205,6 +207,8 @@ async def test_the_http_server_answers_what_clients_get_wrong_and_keeps_serving(
             raise RuntimeError("a bug")
         if request.path == "/missing":
             raise http.HTTPError(404, "nothing here")
+        if request.path == "/bytes":
+            return http.Response({"blob": b"\x00"})  # JSON cannot carry it
         return http.Response({"path": request.path, "body": request.body})
 
     async def exchange(port: int, raw: bytes) -> bytes:
@@ -233,6 +237,7 @@ async def test_the_http_server_answers_what_clients_get_wrong_and_keeps_serving(
             "too big": await exchange(port, post("/x", b"{" + b" " * 2000 + b"}")),
             "missing": await exchange(port, post("/missing", b"")),
             "bug": await exchange(port, post("/boom", b"")),
+            "unsendable": await exchange(port, post("/bytes", b"")),
         }
         assert answers["garbage"].startswith(b"HTTP/1.1 400") and b"not an HTTP/1.1 request" in answers["garbage"]
         assert answers["ok"].startswith(b"HTTP/1.1 200") and b'"body": {"a": 1}' in answers["ok"]
@@ -241,6 +246,7 @@ async def test_the_http_server_answers_what_clients_get_wrong_and_keeps_serving(
         assert answers["too big"].startswith(b"HTTP/1.1 413")
         assert answers["missing"].startswith(b"HTTP/1.1 404") and b"nothing here" in answers["missing"]
         assert answers["bug"].startswith(b"HTTP/1.1 500") and b"RuntimeError: a bug" in answers["bug"]
+        assert answers["unsendable"].startswith(b"HTTP/1.1 500") and b"could not be sent" in answers["unsendable"]
         assert (await exchange(port, post("/x", b"{}"))).startswith(b"HTTP/1.1 200")  # still serving
         nursery.cancel_scope.cancel()
 

@@ -141,6 +141,12 @@ class BroadcastGroup:
                 self._group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
         return self._group
 
+    def abort(self) -> None:
+        """Tear the group down, so that a collective waiting on a dead member stops waiting (on NCCL, it
+        would otherwise hold the stream every later kernel queues behind)."""
+        if self._group is not None:
+            self._group.abort()
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """One broadcast from rank 0; returns once ``tensor`` holds the data here (NCCL: on this stream)."""
         options = dist.BroadcastOptions()

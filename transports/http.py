@@ -70,7 +70,7 @@ async def _connection(stream: trio.SocketStream, handler: Handler, max_body: int
             if isinstance(request, Response):  # the request itself was wrong
                 await _send(stream, connection, request)
             else:
-                await _send(stream, connection, await _answer(handler, request))
+                await _send_safely(stream, connection, await _answer(handler, request))
             if connection.our_state is not h11.DONE or connection.their_state is not h11.DONE:
                 return  # a body left unread (too large), or either side asked to close
             connection.start_next_cycle()
@@ -78,6 +78,19 @@ async def _connection(stream: trio.SocketStream, handler: Handler, max_body: int
         return  # the client went away mid-exchange
     finally:
         await stream.aclose()
+
+
+async def _send_safely(stream: trio.SocketStream, connection: h11.Connection, response: Response) -> None:
+    """Send ``response``; if it cannot be (a body JSON cannot carry, an event stream that raised), a 500
+    while nothing is sent yet, else the connection is closed: the server itself goes on."""
+    try:
+        await _send(stream, connection, response)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+        raise
+    except Exception as err:
+        if connection.our_state is not h11.SEND_RESPONSE:
+            raise h11.LocalProtocolError(f"a response failed half-way: {type(err).__name__}: {err}") from err
+        await _send(stream, connection, _error(500, f"the answer could not be sent: {type(err).__name__}: {err}"))
 
 
 async def _answer(handler: Handler, request: Request) -> Response:

@@ -35,7 +35,7 @@ from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
-from vime.placement import place, visible_gpus
+from vime.placement import environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
 
@@ -59,6 +59,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     worker from another host.
     """
     preflight(config)
+    # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
+    config = config.replace(rollout_workers=len(place(config, visible_gpus()).engines))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     start = _resume_point(run_dir) if resume else None
@@ -180,15 +182,15 @@ async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
         placed = place(config, visible_gpus())
-        await job.spawn("router", "router", document, seed=seed, env=placed.env(placed.others))
-        await job.spawn("reward", "reward", document, seed=seed, env=placed.env(placed.others))
-        await job.spawn("trainer", "trainer", resumed, seed=seed, env=placed.env(placed.trainer))
-        await job.spawn("buffer", "buffer", resumed, seed=seed, env=placed.env(placed.others))  # first prompts wait
+        await job.spawn("router", "router", document, seed=seed, env=environment(placed.others))
+        await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
+        await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
+        await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
         async with trio.open_nursery() as nursery:
             for index, devices in enumerate(placed.engines):
                 nursery.start_soon(lambda i=index, d=devices: job.spawn(
                     "rollout", f"rollout-{i}", document, seed=seed + 1000 + i, restart=config.rollout.restart_rollouts,
-                    env=placed.env(d)))
+                    env=environment(d)))
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}

@@ -6,8 +6,8 @@ Driven by slime's flags (``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
 engines the next ones; colocated engines take the trainer's GPUs. A process is placed by setting
 its ``CUDA_VISIBLE_DEVICES``, so inside it the first GPU is always its own.
 
-The weight path follows from where the processes land, without a setting: the trainer compares
-the GPUs a worker's engine reports with its own (CUDA IPC on the same GPU, a broadcast group
+The weight path follows from where the processes land (``--weight-sync auto``, the default): the
+trainer compares the GPUs a worker's engine reports with its own (CUDA IPC on the same GPU, a broadcast group
 across GPUs; see ``vime.actors.trainer.weight_path``). Workers joined from other hosts keep the
 GPUs their own environment gives them.
 
@@ -30,9 +30,10 @@ class Placement:
     engines: list[str | None]  # one per rollout worker
     others: str | None  # router, reward, buffer: no GPU when anything is placed
 
-    def env(self, devices: str | None) -> dict[str, str]:
-        """The environment a process placed on ``devices`` (one of this placement's fields) adds."""
-        return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+def environment(devices: str | None) -> dict[str, str]:
+    """What a process placed on ``devices`` (a field of a :class:`Placement`) adds to its environment."""
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
 def visible_gpus() -> list[str]:

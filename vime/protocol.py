@@ -165,6 +165,7 @@ class BroadcastJoin:
 
     address: str
     world_size: int
+    device: str  # "cuda" (NCCL) or "cpu" (gloo): the members must agree
 
 
 @message

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import trio
 
-from vime.agent.episode import Episode, parse_tool_calls, turn_ids
+from vime.agent.episode import Episode, parse_tool_calls, turn_ids, turn_text
 from vime.backends.base import SamplingParams, Sequence
 from vime.transports.http import HTTPError, Request, Response
 
@@ -47,6 +47,7 @@ class TurnHost(Protocol):
 
     tokenizer: Any
     stepped: trio.lowlevel.ParkingLot  # woken after every engine step
+    counters: Any  # collections.Counter of the worker's status
 
     def start_turn(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, trio.Event]: ...
 
@@ -81,7 +82,6 @@ class AgentEndpoint:
         self.thinking, self.max_response_tokens = thinking, max_response_tokens
         self.waiting: deque[_Open] = deque()
         self.episodes: dict[str, _Open] = {}
-        self.expired = 0  # episodes offered again because their agent went silent
 
     def offer(self, group: Any, index: int, messages: list[dict[str, Any]], label: str, metadata: dict[str, Any],
               sampling: SamplingParams) -> None:
@@ -101,7 +101,7 @@ class AgentEndpoint:
                 del self.episodes[episode.id]
                 self.offer(episode.group, episode.index, episode.messages, episode.label, episode.metadata,
                            episode.sampling)
-                self.expired += 1
+                self.host.counters["episodes_offered_again"] += 1
 
     def withdraw(self) -> None:
         """Forget every episode (the worker handed its groups back): agents hear 404 from now on."""
@@ -149,15 +149,21 @@ class AgentEndpoint:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise HTTPError(400, "messages must be a list of {role, content} objects")
         self._check_sampling(episode, body)
-        tokens = self._context(episode, messages, body.get("tools"))
-        room = self.max_response_tokens - len(episode.episode.response_ids)
-        if room <= 0:
-            raise HTTPError(400, f"the episode holds {self.max_response_tokens} response tokens "
-                                 "(--max-response-tokens): end it")
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or episode.sampling.max_new_tokens
-        params = dataclasses.replace(episode.sampling, max_new_tokens=max(1, min(int(asked), room,
-                                                                                 episode.sampling.max_new_tokens)))
-        sequence, done = self.host.start_turn(tokens, params)
+        if not isinstance(asked, int) or asked < 1:
+            raise HTTPError(400, f"max_tokens must be a positive integer, not {asked!r}")
+        prompt, inserted = self._context(episode, messages, body.get("tools"))
+        held = (0 if episode.episode is None else len(episode.episode.response_ids)) + len(inserted)
+        room = self.max_response_tokens - held
+        if room <= 0:
+            raise HTTPError(400, f"the episode would hold {held} of its {self.max_response_tokens} response tokens "
+                                 "(--max-response-tokens) before this reply: end it")
+        # Only a request taken whole changes the episode: a refused one can be corrected and sent again.
+        if episode.episode is None:
+            episode.episode = Episode(prompt)
+        episode.episode.add_inserted(inserted)
+        params = dataclasses.replace(episode.sampling, max_new_tokens=min(asked, room, episode.sampling.max_new_tokens))
+        sequence, done = self.host.start_turn(episode.episode.prompt_ids + episode.episode.response_ids, params)
         episode.busy, episode.active = True, trio.current_time()
         episode.history = [*messages]
         recorded = trio.Event()
@@ -174,7 +180,7 @@ class AgentEndpoint:
         if body.get("stream"):
             return Response(events=self._stream(sequence, recorded, reply, created, model))
         await recorded.wait()
-        return Response({"id": f"chatcmpl-{episode.id}-{len(episode.history)}", "object": "chat.completion",
+        return Response({"id": f"chatcmpl-{sequence.request_id}", "object": "chat.completion",
                          "created": created, "model": model, "usage": reply["usage"],
                          "choices": [{"index": 0, "message": reply["message"], "finish_reason": reply["finish_reason"],
                                       "logprobs": reply["logprobs"], "token_ids": reply["token_ids"]}]})
@@ -188,29 +194,27 @@ class AgentEndpoint:
                 raise HTTPError(400, f"{key} is the run's, {value} (the trainer recomputes log-probs at it); "
                                      f"leave {key} out")
 
-    def _context(self, episode: _Open, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        """The tokens the next reply continues: the first request's rendered prompt, then every reply and
-        inserted turn so far, plus the messages new in this request."""
+    def _context(self, episode: _Open, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], list[int]]:
+        """What this request adds, without changing the episode: the prompt (the first request's messages
+        rendered), or the tokens of the messages new since the last reply."""
         tokenizer = self.host.tokenizer
         if episode.episode is None:
             ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                 enable_thinking=self.thinking)
-            episode.episode = Episode(list(ids if isinstance(ids, list) else ids["input_ids"]))
-        else:
-            known = episode.history
-            if len(messages) <= len(known) or any(_fingerprint(a) != _fingerprint(b)
-                                                  for a, b in zip(messages, known)):
-                raise HTTPError(400, f"messages must repeat the conversation so far ({len(known)} messages, the last "
-                                     "the assistant's reply) and add tool results or a user message after it; an "
-                                     "edited history cannot be trained token for token: start a new episode")
-            new = messages[len(known):]
-            if any(m["role"] not in ("tool", "user") for m in new):
-                raise HTTPError(400, "after the assistant's reply, only tool and user messages may be added")
-            assert episode.last is not None
-            ended = bool(episode.last.response_ids) and episode.last.response_ids[-1] == tokenizer.eos_token_id
-            episode.episode.add_inserted(turn_ids(tokenizer, [{"role": m["role"], "content": _text(m)} for m in new],
-                                                  ended_with_eos=ended, thinking=self.thinking))
-        return episode.episode.prompt_ids + episode.episode.response_ids
+            return list(ids if isinstance(ids, list) else ids["input_ids"]), []
+        known = episode.history
+        if len(messages) <= len(known) or any(_fingerprint(a) != _fingerprint(b)
+                                              for a, b in zip(messages, known)):
+            raise HTTPError(400, f"messages must repeat the conversation so far ({len(known)} messages, the last "
+                                 "the assistant's reply) and add tool results or a user message after it; an "
+                                 "edited history cannot be trained token for token: start a new episode")
+        new = messages[len(known):]
+        if any(m["role"] not in ("tool", "user") for m in new):
+            raise HTTPError(400, "after the assistant's reply, only tool and user messages may be added")
+        assert episode.last is not None
+        ended = bool(episode.last.response_ids) and episode.last.response_ids[-1] == tokenizer.eos_token_id
+        added = [{"role": m["role"], "content": _text(m)} for m in new]
+        return episode.episode.prompt_ids, turn_ids(tokenizer, added, ended_with_eos=ended, thinking=self.thinking)
 
     def _record(self, episode: _Open, sequence: Sequence, logprobs: bool) -> dict[str, Any]:
         """Keep the reply's tokens in the episode; the reply as OpenAI's message."""
@@ -219,7 +223,7 @@ class AgentEndpoint:
         episode.episode.add_generated(sequence.response_ids, sequence.logprobs, sequence.versions)
         episode.last = sequence
         episode.busy, episode.active = False, trio.current_time()
-        text = tokenizer.decode(sequence.response_ids, skip_special_tokens=True)
+        text = turn_text(tokenizer, sequence.response_ids)
         calls = [call for call in parse_tool_calls(text) if not call.error]
         message: dict[str, Any] = {"role": "assistant", "content": _visible(text)}
         if calls:
@@ -247,7 +251,7 @@ class AgentEndpoint:
         sent = ""
         while True:
             finished = recorded.is_set()
-            text = _visible(self.host.tokenizer.decode(sequence.response_ids, skip_special_tokens=True))
+            text = _visible(turn_text(self.host.tokenizer, sequence.response_ids))
             if finished:
                 text = reply["message"]["content"]
             if text.startswith(sent) and len(text) > len(sent):

@@ -63,6 +63,12 @@ class Episode:
         self.versions += [-1] * len(ids)
 
 
+def turn_text(tokenizer: Any, ids: list[int]) -> str:
+    """A turn's text, to be read (for tool calls, for a reply's content), never re-encoded. Special tokens
+    stay: a tokenizer may mark ``<tool_call>`` special; only the end-of-turn token is dropped."""
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The calls in a Qwen3-format turn: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
     calls = []

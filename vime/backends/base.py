@@ -102,9 +102,10 @@ class RolloutEngine(abc.ABC):
         """A full set from :func:`vime.transports.gpu.share` descriptors of tensors on this engine's GPU."""
         self.load_weights(dict(open_shared(descriptors)), version)
 
-    def join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
-        """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup`, taking the ranks from ``first_rank`` on."""
-        self.broadcast_group = BroadcastGroup(address, first_rank, world_size)
+    def join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
+        """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup` on ``device`` ("cuda" or "cpu", as the
+        sender's), taking the ranks from ``first_rank`` on."""
+        self.broadcast_group = BroadcastGroup(address, first_rank, world_size, device=device)
 
     def receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int, version: int) -> None:
         """A full set broadcast by the group's sender, in :func:`vime.transports.gpu.specs` order."""

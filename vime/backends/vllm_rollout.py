@@ -73,9 +73,9 @@ class WorkerExtension:
         torch.cuda.synchronize()
         return count
 
-    def vime_join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
+    def vime_join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join the sender's broadcast group; each of the engine's workers is a receiver of its own."""
-        self.vime_group = BroadcastGroup(address, first_rank + self.rank, world_size)
+        self.vime_group = BroadcastGroup(address, first_rank + self.rank, world_size, device=device)
 
     def vime_receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int) -> int:
         """Load a full set as it arrives, bucket by bucket (each worker keeps its own shard)."""
@@ -204,10 +204,10 @@ class VllmRolloutEngine(RolloutEngine):
         """A full set from :func:`vime.transports.gpu.share` descriptors of checkpoint-named tensors on this GPU."""
         self._update(version, "vime_load_shared", descriptors)
 
-    def join_broadcast(self, address: str, first_rank: int, world_size: int) -> None:
+    def join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup`; this engine's workers take the ranks
         from ``first_rank`` on (one per GPU of the engine)."""
-        self.engine.collective_rpc("vime_join_broadcast", args=(address, first_rank, world_size))
+        self.engine.collective_rpc("vime_join_broadcast", args=(address, first_rank, world_size, device))
 
     def receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int, version: int) -> None:
         """A full set broadcast by the group's sender (checkpoint names, :func:`vime.transports.gpu.specs` order)."""
