@@ -62,7 +62,9 @@ def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int,
                                                         "dropped_stale", "dropped_filtered"))
 
 
-@pytest.mark.parametrize("weight_sync", ["auto", "broadcast"])  # auto: nng on CPU; broadcast: a gloo group each
+# auto: nng on CPU; broadcast: a gloo group each, formed again on every restart (slow tier: the broadcast path
+# itself runs by default in test_pipeline.py)
+@pytest.mark.parametrize("weight_sync", ["auto", pytest.param("broadcast", marks=pytest.mark.slow)])
 async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path, weight_sync):
     run_dir = tmp_path / "run"
     steps, batch = 12, 16
