@@ -92,8 +92,26 @@ def test_token_advantages_broadcasts_over_the_response_mask() -> None:
 
 
 def test_terminal_rewards_land_on_each_samples_last_real_token() -> None:
-    mask = tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
-    close(terminal_rewards(tensor([1.0, -0.5, 3.0]), mask), [[0, 0, 1], [-0.5, 0, 0], [0, 0, 0]])
+    mask = tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 0, 1], [1, 1, 0]])
+    close(terminal_rewards(tensor([1.0, -0.5, 3.0, 2.0, 4.0]), mask),
+          [[0, 0, 1], [-0.5, 0, 0], [0, 0, 0], [0, 0, 2], [0, 4, 0]])
+
+
+def test_gae_steps_over_inserted_tokens_as_if_they_were_not_there() -> None:
+    """A tool message between two turns is no step: GAE over a mask with holes equals GAE over the
+    sequence with the masked positions cut out (their values and rewards, whatever they are, unused)."""
+    generator = torch.Generator().manual_seed(0)
+    mask = tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 1, 1, 1]])
+    values = torch.randn(mask.shape, generator=generator)
+    rewards = terminal_rewards(tensor([1.0, -2.0]), mask)
+    advantages, returns = gae(rewards, values, mask, GAMMA, LAM)
+    for row in range(2):
+        kept = mask[row] > 0
+        alone, alone_returns = gae(rewards[row][kept][None], values[row][kept][None], mask[row][kept][None],
+                                   GAMMA, LAM)
+        close(advantages[row][kept][None], alone.tolist())
+        close(returns[row][kept][None], alone_returns.tolist())
+        assert not advantages[row][~kept].any() and not returns[row][~kept].any()
 
 
 GAMMA, LAM = 0.9, 0.8

@@ -86,14 +86,15 @@ def test_tool_calls_are_read_or_reported(tokenizer):
         "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_inserted_tokens_take_no_part_in_the_loss_or_the_metrics(tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_inserted_tokens_take_no_part_in_the_loss_or_the_metrics(tmp_path, algo):
     """Whatever log-probs the inserted tokens carry, the step (metrics and new weights) is the same."""
     folder = tmp_path / "model"
     arithmetic.build_model(folder, seed=0, hidden_size=32, layers=1)
     run = RunConfig()
 
     def step(inserted_logprob: float) -> tuple[dict, dict]:
-        engine = TorchTrainEngine(str(folder), algo="grpo", optim=run.optim, loss=run.loss, grpo_config=run.grpo,
+        engine = TorchTrainEngine(str(folder), algo=algo, optim=run.optim, loss=run.loss, grpo_config=run.grpo,
                                   ppo_config=run.ppo, temperature=1.0, seed=0)
         responses = [[5, 6, 7, 8, 9], [6, 7, 8, 9, 10]]
         masks = [[1, 1, 0, 0, 1], [1, 0, 0, 1, 1]]

@@ -116,8 +116,6 @@ def preflight(config: RunConfig) -> None:
     if config.agent.tool:
         if not data.chat_template:
             raise ValueError("--tool needs --chat-template: tools reach the model through the chat template")
-        if config.job.algo != "grpo":
-            raise ValueError("--tool runs with --algo grpo only so far (PPO's terminal reward ignores the loss mask)")
         Toolbox(config.agent.tool)
     if data.custom_rollout:
         import_function(data.custom_rollout, "--custom-rollout")

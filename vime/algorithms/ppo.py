@@ -26,10 +26,12 @@ class PPOConfig:
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards ``[samples, tokens]``: each sample's reward on its last real token."""
+    """Per-token rewards ``[samples, tokens]``: each sample's reward on its last real token (the last one
+    the mask keeps: inserted tool messages may sit between real tokens)."""
     per_token = torch.zeros_like(mask, dtype=torch.float32)
-    last = (mask.sum(-1) - 1).clamp(min=0).long()
-    per_token[torch.arange(mask.shape[0]), last] = rewards.to(torch.float32) * (mask.sum(-1) > 0)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(-1).values
+    per_token[torch.arange(mask.shape[0]), last.clamp(min=0)] = rewards.to(torch.float32) * (last >= 0)
     return per_token
 
 
@@ -38,17 +40,19 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     """Generalised advantage estimates and returns, both ``[samples, tokens]``.
 
     The value after the last real token is 0 (the episode ends there);
-    padding contributes nothing.
+    padding contributes nothing. Masked positions between real tokens
+    (inserted tool messages) are not steps: the real token before them
+    continues from the real token after them, as if they were not there.
     """
     advantages = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0])
     next_value = torch.zeros(token_rewards.shape[0])
     for t in reversed(range(token_rewards.shape[1])):
-        live = mask[:, t].to(torch.float32)
+        live = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * live
-        advantages[:, t] = running
-        next_value = values[:, t] * live
+        running = torch.where(live, delta + gamma * lam * running, running)
+        advantages[:, t] = running * live
+        next_value = torch.where(live, values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 
