@@ -79,7 +79,7 @@ class _Group:
     def __init__(self, request: GenerateGroup, sequences: list[Sequence], started: float) -> None:
         self.request = request
         self.sequences = sequences
-        self.episodes = [Episode(list(request.prompt_ids)) for _ in sequences]
+        self.episodes = [Episode(request.prompt_ids) for _ in sequences]  # an episode never changes its prompt
         self.rewards: list[float | None] = [None] * len(sequences)  # an external agent's own scores
         self.started = started
         self.unfinished = len(sequences)
@@ -259,8 +259,7 @@ class RolloutWorker(Actor):
                 call.error = err
             call.done.set()
             if self.engine.weight_version != version:
-                self.applied.unpark_all()
-                self.counters["weight_updates"] += 1
+                self._weights_applied()
 
     async def _generate_loop(self) -> None:
         while True:
@@ -286,9 +285,13 @@ class RolloutWorker(Actor):
         version, tensors = self.complete
         self.complete = None
         self.engine.load_weights(tensors, version)
+        self._weights_applied()
+
+    def _weights_applied(self) -> None:
+        """Wake whoever waits for a version (joining), and count the update."""
         self.applied.unpark_all()
         self.counters["weight_updates"] += 1
-        self.log.debug("weights applied", weight_version=version)
+        self.log.debug("weights applied", weight_version=self.engine.weight_version)
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""

@@ -35,7 +35,7 @@ from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
-from vime.placement import environment, place, visible_gpus
+from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
 
@@ -58,9 +58,9 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     (readable by its owner only) holds the command that adds a rollout
     worker from another host.
     """
-    preflight(config)
+    placed = preflight(config)
     # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
-    config = config.replace(rollout_workers=len(place(config, visible_gpus()).engines))
+    config = config.replace(rollout_workers=len(placed.engines))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     start = _resume_point(run_dir) if resume else None
@@ -68,8 +68,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         _keep_rows_up_to(run_dir / name, checkpoint.step_of(start) if start else -1)
     started = time.monotonic()
     try:
-        rows, counters, ready_s = await _run(config, run_dir, record, transport, show, on_step, timeout_s, started,
-                                             start, host, tls)
+        rows, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, on_step, timeout_s,
+                                             started, start, host, tls)
     except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
         cause = _first_leaf(group)
         if isinstance(cause, (RuntimeError, TimeoutError)):
@@ -82,16 +82,16 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     return summary
 
 
-def preflight(config: RunConfig) -> None:
+def preflight(config: RunConfig) -> Placement:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
-    Raises ValueError saying what to pass."""
+    Returns where each process goes; raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
-    place(config, visible_gpus())
+    placed = place(config, visible_gpus())
     if config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
     if config.job.train_backend == "megatron":
@@ -123,6 +123,7 @@ def preflight(config: RunConfig) -> None:
     held_out = eval_rows(config)
     check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
                     rows + held_out)
+    return placed
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -164,7 +165,7 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
+async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool, transport: str,
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
                started: float, start: Path | None, host: str,
@@ -179,7 +180,6 @@ async def _run(config: RunConfig, run_dir: Path, record: bool, transport: str,
             _write_private(run_dir / "join",
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
-        placed = place(config, visible_gpus())
         await job.spawn("router", "router", document, seed=seed, env=environment(placed.others))
         await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
         await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))

@@ -251,9 +251,8 @@ class AgentEndpoint:
         sent = ""
         while True:
             finished = recorded.is_set()
-            text = _visible(turn_text(self.host.tokenizer, sequence.response_ids))
-            if finished:
-                text = reply["message"]["content"]
+            text = reply["message"]["content"] if finished else _visible(turn_text(self.host.tokenizer,
+                                                                                   sequence.response_ids))
             if text.startswith(sent) and len(text) > len(sent):
                 yield chunk({"content": text[len(sent):]})
                 sent = text
