@@ -10,9 +10,9 @@ of memory or failing to compile costs only its own row.
 Backends:
 
 * ``megatron`` -- ``vime.backends.megatron`` as the trainer runs it: a
-  megatron-core GPTModel with the SDPA core attention, fp32 master weights,
-  bf16 autocast (fp32 throughout on CPU), fused ``torch.optim.AdamW``; no
-  activation recomputation.
+  megatron-core GPTModel with the SDPA core attention, bf16 weights with fp32
+  masters and fp32 gradient accumulation (``vime.backends.master_weights``),
+  fused ``torch.optim.AdamW`` on the masters; no activation recomputation.
 * ``megatron-compile`` -- the same, with ``torch.compile`` on each layer's MLP
   and norms and on the loss (fusing the SwiGLU and RMSNorm element-wise work
   and the fp32 log-softmax).
@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vime.backends.master_weights import MasterWeights
 
 # Qwen3 shapes as their config.json give them (both have tied embeddings)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -126,7 +128,7 @@ def _loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[torch.nn.Module, Any, Any]:
-    """The Megatron backend's model (fp32 masters, random weights) and a step function under bf16 autocast."""
+    """The Megatron backend's model (random weights, bf16 with fp32 masters) and a micro-step function."""
     from vime.backends import megatron
     from vime.backends.hf import scaled_logprobs  # noqa: F401 -- imported before torch.compile traces _loss
 
@@ -147,14 +149,11 @@ def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[to
         loss_fn = torch.compile(_loss)
 
     def micro_step(input_ids: torch.Tensor, scale: float) -> float:
-        # megatron's linear layers re-enter *CUDA* autocast in backward, so a CPU run (--tiny) stays in fp32
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            logits = megatron.forward(model, input_ids).logits
-        loss = loss_fn(logits, input_ids) * scale
+        loss = loss_fn(megatron.forward(model, input_ids).logits, input_ids) * scale
         loss.backward()
         return float(loss)
 
-    return model, micro_step, "fp32 master weights, bf16 autocast, SDPA core attention, no recomputation"
+    return model, micro_step, "bf16 weights, fp32 masters and gradients, SDPA core attention, no recomputation"
 
 
 def hf_trainer(config: Any, device: str) -> tuple[torch.nn.Module, Any, Any]:
@@ -215,7 +214,9 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
         model, micro_step, precision = hf_trainer(config, device)
     else:
         model, micro_step, precision = megatron_trainer(config, device, compile_layers=backend == "megatron-compile")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device == "cuda")
+    masters = None if backend == "hf" else MasterWeights([model])
+    params = masters.groups[0] if masters else list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device == "cuda")
     micro_batch_size, micro_batches = BATCHING[shape]
     generator = torch.Generator(device=device).manual_seed(1)
 
@@ -225,9 +226,11 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
             input_ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len), device=device,
                                       generator=generator)
             total += micro_step(input_ids, 1.0 / micro_batches)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if masters:
+            masters.publish()
         return total
 
     losses, times = [], []

@@ -24,7 +24,7 @@ from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
-from vime.backends.hf import load_tokenizer
+from vime.backends.hf import DTYPES, load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
@@ -132,20 +132,22 @@ def test_trainer_recomputes_the_rollout_logprobs(model):
     assert shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.25, abs=1e-5)
 
 
-def test_a_saved_checkpoint_reloads_with_identical_logits_and_resumes_the_same(model, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_saved_checkpoint_reloads_with_identical_logits_and_resumes_the_same(model, tmp_path, dtype):
+    """In bf16 the Hugging Face folder holds the rounded weights; resuming also needs the fp32 masters."""
     from transformers import AutoModelForCausalLM
 
     folder, _, prompts = model
     batch = hand_batch(prompts[0], [[3, 4], [5], [6, 7]], [1.0, 0.0, 0.5], [0, 0, 0])
-    engine = train_engine(folder, algo="ppo", lr_schedule="cosine")
+    engine = train_engine(folder, algo="ppo", lr_schedule="cosine", dtype=dtype)
     engine.train_step(batch)
     engine.save_hf(tmp_path / "hf")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=DTYPES[dtype]).eval()
     ids = torch.tensor([prompts[0] + [3, 4, 5]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, engine.policy.eval()(ids).logits)
     engine.save(tmp_path / "ckpt")
-    resumed = train_engine(folder, algo="ppo", lr_schedule="cosine")
+    resumed = train_engine(folder, algo="ppo", lr_schedule="cosine", dtype=dtype)
     resumed.load(tmp_path / "ckpt")
     assert resumed.weight_version == 1
     after, again = engine.train_step(batch), resumed.train_step(batch)
@@ -292,15 +294,25 @@ def test_ppo_step_trains_the_value_model(model):
     assert engine.critic.head.bias.abs().item() > 0  # the head starts at zero
 
 
-def test_bf16_step_runs_and_keeps_fp32_masters(model):
+def test_bf16_trains_bf16_weights_from_fp32_masters(model):
+    """Updates smaller than bf16 can hold (Adam moves each weight by about lr) still land: the masters keep
+    them, and the bf16 weights are always the masters rounded."""
     folder, eos, prompts = model
-    engine = train_engine(folder, dtype="bf16")
-    initial = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+    engine = train_engine(folder, dtype="bf16", lr=1e-5)
+    initial = [master.clone() for master in engine.masters.state_dict()]
+    weights = dict(engine.policy.named_parameters())
+    rounded = [param.detach().clone() for param in weights.values()]
+    assert all(param.dtype == torch.bfloat16 for param in rounded)
     metrics = engine.train_step(hand_batch(prompts[2], [[6, eos], [7, eos]], [1.0, 0.0], [0, 0]))
     assert all(math.isfinite(value) for value in metrics.values())
-    weights = engine.named_weights()
-    assert all(tensor.dtype == torch.float32 for tensor in weights.values())
-    assert any(not torch.equal(weights[name], initial[name]) for name in initial)
+    masters = engine.masters.state_dict()
+    assert all(master.dtype == torch.float32 for master in masters)
+    moved = sum(int((master != before).sum()) for master, before in zip(masters, initial))
+    visible = sum(int((param != before).sum()) for param, before in zip(weights.values(), rounded))
+    assert moved > 0.5 * sum(master.numel() for master in masters)
+    assert visible < 0.5 * moved  # most of the update is below a bf16 step, and not lost
+    assert all(torch.equal(param, master.to(torch.bfloat16)) for param, master in zip(weights.values(), masters))
+    assert all(param.grad is None for param in weights.values())  # gradients live on the masters only
 
 
 def test_reported_losses_do_not_count_empty_mini_batches(model):

@@ -238,10 +238,10 @@ def test_unsupported_models_are_refused_with_the_reason():
 # -- the train engine -------------------------------------------------------------------------------------------
 
 
-def _engine(cls, folder: Path, updates: int = 2, **loss):
+def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", **loss):
     return cls(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2),
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-               temperature=TEMPERATURE, total_steps=4)
+               temperature=TEMPERATURE, total_steps=4, dtype=dtype)
 
 
 def _batch(seed: int) -> TensorBatch:
@@ -328,12 +328,13 @@ def test_megatron_weights_load_into_the_rollout_engine(hf_models, case):
         rollout.load_weights({k: v for k, v in engine.named_weights().items() if "embed" not in k}, version=2)
 
 
-def test_save_and_load_continue_training_exactly(hf_models, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_save_and_load_continue_training_exactly(hf_models, tmp_path, dtype):
     _, _, folder = hf_models["qwen3"]
-    engine = _engine(megatron.MegatronTrainEngine, folder)
+    engine = _engine(megatron.MegatronTrainEngine, folder, dtype=dtype)
     engine.train_step(_batch(seed=0))
     engine.save(tmp_path)
-    resumed = _engine(megatron.MegatronTrainEngine, folder)
+    resumed = _engine(megatron.MegatronTrainEngine, folder, dtype=dtype)
     resumed.load(tmp_path)
     assert resumed.weight_version == 1
     expected, got = engine.train_step(_batch(seed=1)), resumed.train_step(_batch(seed=1))
@@ -367,17 +368,17 @@ def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models):
 
 
 @pytest.mark.gpu
-def test_bf16_autocast_step_on_cuda_keeps_fp32_masters(hf_models):
-    """dtype="bf16": forward and backward under autocast (flash SDPA), weights and their updates in fp32."""
+def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models):
+    """dtype="bf16": bf16 weights (flash SDPA) that are the fp32 masters rounded, close to an fp32 step."""
     _, _, folder = hf_models["qwen3"]
     fp32 = _engine(megatron.MegatronTrainEngine, folder)
-    bf16 = megatron.MegatronTrainEngine(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, micro_batch_size=2),
-                                        loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-                                        temperature=TEMPERATURE, dtype="bf16")
+    bf16 = _engine(megatron.MegatronTrainEngine, folder, dtype="bf16")
     before = {name: tensor.clone() for name, tensor in bf16.named_weights().items()}
     expected, got = fp32.train_step(_batch(seed=0)), bf16.train_step(_batch(seed=0))
-    assert all(param.dtype == torch.float32 for param in bf16.policy.parameters())
+    assert all(param.dtype == torch.bfloat16 for param in bf16.policy.parameters())
+    assert all(master.dtype == torch.float32 and master.is_cuda for master in bf16.masters.state_dict())
     assert got["train_rollout_logprob_abs_diff"] == pytest.approx(expected["train_rollout_logprob_abs_diff"], rel=0.05)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=0.05, abs=1e-3)
     assert all(not torch.equal(before[name], tensor) for name, tensor in bf16.named_weights().items())
 
 

@@ -28,7 +28,7 @@ from vime.settings import help_of, setting
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
-    dtype: str = setting("fp32", "fp32, or bf16 (rollout weights in bf16; trainer autocasts over fp32 masters)")
+    dtype: str = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; the optimizer steps fp32 masters)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,6 +130,12 @@ class TensorBatch:
     group_ids: torch.Tensor  # [samples]
     routed_experts: torch.Tensor | None = None  # [samples, prompt + response, moe_layers, top_k]; -1: route freely
 
+    def to(self, device: str | torch.device) -> TensorBatch:
+        """A copy on ``device`` (the trainer's): batches are collated on the CPU, wherever the policy lives."""
+        return dataclasses.replace(self, **{
+            field.name: value.to(device, non_blocking=True) for field in dataclasses.fields(self)
+            if isinstance(value := getattr(self, field.name), torch.Tensor)})
+
 
 def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
             versions: list[list[int]], rewards: list[float], group_ids: list[int], pad_token_id: int,

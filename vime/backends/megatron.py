@@ -12,15 +12,15 @@ experts each token is routed to, and replaying given experts, through
 megatron-core's ``RouterReplay``, with the gate weights still differentiable;
 and ``MegatronTrainEngine``, the reference trainer's step on this model.
 
-On the GPU the model lives on the current CUDA device in fp32 (the master
-weights), batches are moved there, and ``dtype="bf16"`` runs forward and
-backward under bf16 autocast, so SDPA dispatches to its flash kernel. Speed
-figures are measured by ``bench/train.py``.
+On the GPU the model lives on the current CUDA device and batches are moved
+there. ``dtype="bf16"`` makes its parameters bf16 (SDPA then dispatches to
+its flash kernel) with fp32 masters for the optimizer
+(``vime.backends.master_weights``). Speed figures are measured by
+``bench/train.py``.
 
 What is deliberately not here yet: tensor, pipeline and expert parallelism
 (``init_parallel`` sets up a single rank, and the conversions work on whole,
-unsharded tensors), Megatron's own optimizer and mixed-precision wrapper,
-sequence packing, activation recomputation, and PPO's value model.
+unsharded tensors), Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -67,7 +67,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends import cpu_compat
-from vime.backends.base import TensorBatch
 from vime.backends.hf import check_model_folder, scaled_logprobs
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
@@ -489,13 +488,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 # --- the train engine ------------------------------------------------------------------------------------------
 
 
-def batch_to(batch: TensorBatch, device: str | torch.device) -> TensorBatch:
-    """``batch`` with every tensor on ``device`` (optional fields left unset stay ``None``)."""
-    return dataclasses.replace(batch, **{
-        field.name: value.to(device, non_blocking=True) for field in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, field.name), torch.Tensor)})
-
-
 class _AsCausalLM(torch.nn.Module):
     """A GPTModel called the way the reference trainer calls a transformers causal LM.
 
@@ -526,8 +518,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     backends cannot drift apart; this class supplies the model (built from
     the Hugging Face config, weights converted on load) and the conversions
     back to Hugging Face names for weight sync, ``save_hf`` and checkpoints.
-    ``dtype="bf16"`` runs the forward under bf16 autocast over fp32 master
-    weights, as the reference trainer does.
+    ``dtype="bf16"`` trains bf16 weights with fp32 masters, as the reference
+    trainer does.
 
     GRPO only for now: PPO's value model is a Hugging Face backbone there.
     """
@@ -543,10 +535,6 @@ class MegatronTrainEngine(TorchTrainEngine):
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
         del self._checkpoint
-
-    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        """The reference trainer's step, on a copy of ``batch`` moved to the model's device."""
-        return super().train_step(batch_to(batch, self.device))
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -584,10 +572,5 @@ class MegatronTrainEngine(TorchTrainEngine):
     def save_hf(self, folder: Path) -> None:
         write_hf_folder(folder, self.hf_config, self.named_weights())
 
-    def load(self, folder: Path) -> None:
-        state = torch.load(folder / "trainer.pt", weights_only=True)
-        load_hf_weights(self.policy.model, read_hf_folder(folder / "model")[1], self.hf_config)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        self.weight_version = state["weight_version"]
+    def _load_policy_weights(self, folder: Path) -> None:
+        load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)

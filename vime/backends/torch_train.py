@@ -6,8 +6,8 @@ laptop scale: recompute the batch's log-probs with the current weights (the
 ``train_rollout_logprob_abs_diff``), compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
 over micro-batches of ``micro_batch_size`` samples, with gradient clipping
-and AdamW. ``dtype="bf16"`` keeps fp32 master weights and runs the forward
-under bf16 autocast.
+and AdamW. ``dtype="bf16"`` runs forward and backward on bf16 weights and
+steps fp32 masters (``vime.backends.master_weights``).
 
 PPO's value model is a second copy of the backbone with a scalar head; a
 frozen copy of the initial policy serves as the KL reference when
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,8 @@ from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergen
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
-from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.hf import DTYPES, load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.master_weights import MasterWeights
 
 
 class _ValueModel(torch.nn.Module):
@@ -64,18 +64,21 @@ class TorchTrainEngine(TrainEngine):
         self.device = device
         self.weight_version = 0
         self.policy = self._load_policy(model_path).to(device)
-        self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
+        self.reference = self._load_policy(model_path).to(device, DTYPES[dtype]).requires_grad_(False) \
+            if loss.kl_coef else None
         self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
-        groups = [{"params": list(self.policy.parameters()), "lr": optim.lr}]
-        if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": optim.critic_lr})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay,
-                                           betas=(optim.adam_beta1, optim.adam_beta2))
+        trained = [self.policy] + ([self.critic] if self.critic is not None else [])
+        self.masters = MasterWeights(trained) if dtype == "bf16" else None
+        params = self.masters.groups if self.masters else [list(module.parameters()) for module in trained]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": group, "lr": lr} for group, lr in zip(params, (optim.lr, optim.critic_lr))],
+            weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2),
+            fused=torch.device(device).type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: optim.lr_factor(step, total_steps))
 
     def _load_policy(self, model_path: str) -> torch.nn.Module:
-        """The policy in fp32 (the master weights), answering ``model(input_ids=, attention_mask=,
+        """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=,
         position_ids=).logits``: the one thing another backend overrides to reuse this step (called
         again for the frozen KL reference)."""
         return load_causal_lm(model_path, "fp32")
@@ -90,26 +93,29 @@ class TorchTrainEngine(TrainEngine):
         self.save_hf(folder / "model")
         torch.save({"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                    "critic": None if self.critic is None else self.critic.state_dict()},
+                    "critic": None if self.critic is None else self.critic.state_dict(),
+                    "masters": None if self.masters is None else self.masters.state_dict()},
                    folder / "trainer.pt")
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / "trainer.pt", weights_only=True)
-        saved = load_causal_lm(str(folder / "model"), "fp32")
         with torch.no_grad():
-            for name, param in self.policy.named_parameters():  # in place: the optimizer holds these tensors
-                param.copy_(saved.get_parameter(name))
+            self._load_policy_weights(folder / "model")
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+        if self.masters is not None:  # the bf16 weights above are the masters rounded; these are exact
+            self.masters.load_state_dict(state["masters"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.weight_version = state["weight_version"]
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == "bf16":
-            return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _load_policy_weights(self, folder: Path) -> None:
+        """The policy's weights from the Hugging Face folder :meth:`save_hf` wrote, copied in place (the
+        optimizer and the master weights hold these tensors)."""
+        saved = load_causal_lm(str(folder), "fp32")
+        for name, param in self.policy.named_parameters():
+            param.copy_(saved.get_parameter(name))
 
     def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> contextlib.AbstractContextManager:
         """Route the forward's tokens to the rollout's experts (``[rows, width, moe_layers, top_k]``, R3)."""
@@ -120,7 +126,7 @@ class TorchTrainEngine(TrainEngine):
         """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
         input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
         experts = None if batch.routed_experts is None else batch.routed_experts[rows, :input_ids.shape[1]]
-        with self._autocast(), self._replaying(model, experts):
+        with self._replaying(model, experts):
             logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
         index = _response_index(batch, rows, logits.shape[1])
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -133,13 +139,15 @@ class TorchTrainEngine(TrainEngine):
     def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None
         input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
-        with self._autocast():
-            values = self.critic(input_ids, mask)
+        values = self.critic(input_ids, mask)
         return values.gather(1, _response_index(batch, rows, values.shape[1])) * batch.response_mask[rows]
 
     @torch.no_grad()
-    def _score_batch(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
-        """Everything computed once per step with the weights the batch will be trained from."""
+    def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
+        """Everything computed once per step with the weights the batch will be trained from: the response
+        tokens' log-probs (``old_logprobs``, the trainer side of ``train_rollout_logprob_abs_diff``) and
+        entropies, and the reference log-probs and values where the algorithm has them."""
+        batch = batch.to(self.device)
         everything = torch.arange(batch.input_ids.shape[0])
         scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
         for rows in everything.split(self.optim.micro_batch_size):
@@ -160,7 +168,8 @@ class TorchTrainEngine(TrainEngine):
         return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        scores = self._score_batch(batch)
+        batch = batch.to(self.device)
+        scores = self.score(batch)
         self.policy.train()
         mask = batch.response_mask
         advantages, returns = self._advantages(batch, scores.get("values"))
@@ -186,11 +195,12 @@ class TorchTrainEngine(TrainEngine):
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer).items():
                     totals.setdefault(key, []).append(value)
-            totals.setdefault("grad_norm", []).append(float(torch.nn.utils.clip_grad_norm_(
-                self.policy.parameters(), self.optim.grad_clip or math.inf)))
-            if self.critic is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.optim.grad_clip or math.inf)
+            norms = [torch.nn.utils.clip_grad_norm_(group["params"], self.optim.grad_clip or math.inf)
+                     for group in self.optimizer.param_groups]
+            totals.setdefault("grad_norm", []).append(float(norms[0]))
             self.optimizer.step()
+            if self.masters is not None:
+                self.masters.publish()
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.policy.eval()

@@ -1,0 +1,68 @@
+"""bf16 training with fp32 master weights: the trainers' ``dtype="bf16"``.
+
+The model's parameters are bf16, so forward and backward run bf16 kernels
+without autocast re-casting every weight on every micro-batch (on an H200
+that re-casting cost more than the 45 % MFU goal allowed, see
+``bench/train.py``). Each parameter has an fp32 master copy; the optimizer
+steps the masters, and :meth:`MasterWeights.publish` rounds them back into
+the bf16 parameters. Gradients accumulate in fp32 on the masters: a hook
+moves each bf16 gradient there as soon as backward has produced it, so
+micro-batches never sum in bf16 and no bf16 gradient outlives its layer's
+backward. This is what Megatron's mixed-precision optimizer does
+(``Float16OptimizerWithFloat16Params``, with
+``accumulate_allreduce_grads_in_fp32``), in a form that also runs on CPU and
+serves a transformers model as well as a megatron-core one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+class MasterWeights:
+    """fp32 masters of a set of parameters that this turns into bf16; the optimizer takes :attr:`groups`."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+        self.groups: list[list[torch.Tensor]] = []
+        self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for module in modules:
+            group = []
+            for param in module.parameters():
+                if not param.requires_grad:
+                    continue
+                master = param.detach().to(torch.float32, copy=True)
+                param.data = param.data.to(torch.bfloat16)
+                param.register_post_accumulate_grad_hook(_move_gradient(master))
+                self._pairs.append((param, master))
+                group.append(master)
+            self.groups.append(group)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Round the masters into the bf16 parameters (after each optimizer step, and after a load)."""
+        params, masters = zip(*self._pairs)
+        torch._foreach_copy_(list(params), list(masters))
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [master for _, master in self._pairs]
+
+    @torch.no_grad()
+    def load_state_dict(self, masters: list[torch.Tensor]) -> None:
+        if len(masters) != len(self._pairs):
+            raise ValueError(f"the checkpoint holds {len(masters)} master weights, this model {len(self._pairs)}: "
+                             "it was saved from another model or another vime version")
+        for (_, master), saved in zip(self._pairs, masters):
+            master.copy_(saved)
+        self.publish()
+
+
+def _move_gradient(master: torch.Tensor) -> Callable[[torch.nn.Parameter], None]:
+    def move(param: torch.nn.Parameter) -> None:
+        if master.grad is None:
+            master.grad = param.grad.to(torch.float32)
+        else:
+            master.grad.add_(param.grad)
+        param.grad = None
+    return move
