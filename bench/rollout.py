@@ -15,8 +15,7 @@ Each model shape runs in subprocesses of its own (a vLLM engine does not give al
   - NCCL broadcast in buckets from a process on a second GPU (``receive_broadcast``) against one
     broadcast of the same bytes over the same group (needs two GPUs: device kind nvidia-h200-x2);
 
-* ``train_rollout_logprob_abs_diff``: vLLM (bf16) against a transformers forward (bf16, SDPA) over
-  the same sequences with the same random weights (saved once, loaded by both).
+* ``train_rollout_logprob_abs_diff`` is measured by ``bench/alignment.py``, against each trainer.
 
 Dummy random weights, Qwen3 shapes; random weights never emit EOS, so every response runs to its
 length. Prints a table, writes JSON::
@@ -235,40 +234,7 @@ def _hf_named_shapes(shape: str):
     return [(name, torch.empty(p.shape, dtype=torch.bfloat16, device="cuda")) for name, p in model.named_parameters()]
 
 
-def logprob_gap(shape: str, args: argparse.Namespace) -> dict:
-    """vLLM bf16 against transformers bf16 on the same random weights and the same sequences."""
-    import torch
-    import transformers
-
-    from vime.backends.base import SamplingParams, Sequence
-    from vime.backends.vllm_rollout import VllmRolloutEngine
-
-    config = transformers.Qwen3Config(**{k: v for k, v in dict(COMMON, **SHAPES[shape]).items()
-                                         if k not in ("architectures", "model_type")})
-    torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix="qwen3-weights-")
-    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    engine = VllmRolloutEngine(folder, dtype="bf16", engine_args=VLLM)
-    sequences = [Sequence(i, p, SamplingParams(temperature=1.0, max_new_tokens=args.gap_new))
-                 for i, p in enumerate(_prompts(args.gap_prompts, args.prompt_len))]
-    engine.add(sequences)
-    while engine.busy:
-        engine.step()
-    model = model.cuda().eval()
-    gaps = []
-    with torch.no_grad():
-        for s in sequences:
-            ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
-            reference = torch.log_softmax(logits, -1).gather(-1, ids[0, len(s.prompt_ids):, None]).squeeze(1)
-            gaps.append((torch.tensor(s.logprobs, device="cuda") - reference).abs())
-    every = torch.cat(gaps)
-    return {"logprob_abs_diff": float(every.mean()), "logprob_abs_diff_max": float(every.max()),
-            "logprob_tokens": every.numel()}
-
-
-PARTS = {"bare": bare, "vime": vime, "gap": logprob_gap,
+PARTS = {"bare": bare, "vime": vime,
          "producer-ipc": lambda shape, args: _producer(shape, "ipc", args),
          "producer-nccl": lambda shape, args: _producer(shape, "nccl", args)}
 
@@ -279,9 +245,6 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new", type=int, default=512)
-    parser.add_argument("--gap-prompts", type=int, default=64)
-    parser.add_argument("--gap-new", type=int, default=256)
-    parser.add_argument("--gap-models", default="0.6b", help="shapes for the log-prob gap (weights are saved to disk)")
     parser.add_argument("--update-models", default="4b", help="shapes whose CUDA IPC and NCCL updates are measured")
     parser.add_argument("--rounds", type=int, default=5, help="timed weight updates per path (median quoted)")
     parser.add_argument("--bucket-mb", type=int, default=1024, help="NCCL broadcast bucket size")
@@ -297,7 +260,7 @@ def main() -> int:
     rows = []
     for shape in args.models.split(","):
         row = {"shape": shape, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new}
-        for part in ("bare", "vime", *(("gap",) if shape in args.gap_models.split(",") else ())):
+        for part in ("bare", "vime"):
             command = [sys.executable, __file__, "--one", part, shape, *sys.argv[1:]]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
             found = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -310,8 +273,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     keys = ["shape", "bare_tokens_per_s", "vime_tokens_per_s", "ratio", "weights_gb", "vime_load_s", "bare_copy_s",
-            "ipc_update_s", "bare_ipc_s", "nccl_update_s", "bare_broadcast_s", "logprob_abs_diff",
-            "logprob_abs_diff_max"]
+            "ipc_update_s", "bare_ipc_s", "nccl_update_s", "bare_broadcast_s"]
     print("| " + " | ".join(keys) + " |\n|" + " --- |" * len(keys))
     for row in rows:
         print("| " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys)
