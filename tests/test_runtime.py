@@ -22,7 +22,7 @@ from conftest import open_job
 from vime import PeerGone, RemoteError
 from vime.messages import ErrorReply, StatusQuery
 from vime.probe import Blob, Count, CountQuery, Nap, Note, Ping, Pong
-from vime.transports.codec import Encoded, Envelope, decode_frame, encode, encode_frame
+from vime.transports.codec import Encoded, Envelope, decode_frame, encode_frame
 from vime.transports.sockets import Inbox
 
 

@@ -48,7 +48,6 @@ from vime.messages import (
     ErrorReply,
     Heartbeat,
     Register,
-    Registered,
     SegmentsFree,
     Shutdown,
     Status,
