@@ -225,7 +225,7 @@ def test_hf_folder_written_from_megatron_loads_in_transformers(hf_models, tmp_pa
     assert config.model_type == "glm4_moe" and sorted(state) == sorted(hf_models["glm4_moe"][1])
 
 
-def test_unsupported_models_are_refused_with_the_reason():
+def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     llama = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         megatron.transformer_config(llama)
@@ -233,6 +233,11 @@ def test_unsupported_models_are_refused_with_the_reason():
     glm.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         megatron.transformer_config(glm)
+    with pytest.raises(NotImplementedError, match="--tensor-model-parallel-size 1"):
+        megatron.build_model(tiny_config("qwen3_moe", VOCAB), tensor_parallel=2)
+    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2: launch with torchrun "
+                                         "--nproc-per-node 2"):
+        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2)
 
 
 # -- the train engine -------------------------------------------------------------------------------------------
@@ -403,3 +408,37 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path):
     assert start < 0.1 and end > start + 0.2, (start, end)
     assert summary["groups"]["lost"] == 0
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
+
+
+# -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-tied"])
+def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tmp_path):
+    """Two ranks under torchrun, each holding half of every split tensor (q/k/v by key/value group, gate and up
+    each halved, the vocabulary halved): the gathered weights are the checkpoint's bit for bit, and the
+    log-probs, the step's metrics (the gradient norm over both ranks' shards among them) and the updated
+    weights are those of one process."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    _, checkpoint, folder = hf_models[case]
+    batch = _batch(seed=0)
+    torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
+    worker = Path(__file__).with_name("megatron_tp_worker.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(folder), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(ranks["loaded"]) == sorted(checkpoint)
+    assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
+    single = _engine(megatron.MegatronTrainEngine, folder, updates=1, kl_coef=0.1)
+    assert (ranks["logprobs"] - single.score(batch)["old_logprobs"]).abs().max() <= 1e-5
+    expected = single.train_step(batch)
+    for key in expected:
+        assert ranks["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
+    for name, tensor in single.named_weights().items():  # Adam's first step is about lr * sign(gradient): a
+        gap = (ranks["trained"][name] - tensor).abs()     # gradient within rounding of zero may flip it
+        assert gap.max() <= 2.1e-3 and (gap > 1e-4).float().mean() < 5e-3, name

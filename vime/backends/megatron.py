@@ -18,9 +18,13 @@ its flash kernel) with fp32 masters for the optimizer
 (``vime.backends.master_weights``). Speed figures are measured by
 ``bench/train.py``.
 
-What is deliberately not here yet: tensor, pipeline and expert parallelism
-(``init_parallel`` sets up a single rank, and the conversions work on whole,
-unsharded tensors), Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
+Tensor parallelism: under ``torchrun`` each rank holds its shard of every
+split tensor, cut from the whole checkpoint on load and gathered back for
+weight sync and ``save_hf`` (``_shard``/``_unshard``; the conversions
+themselves work on whole tensors). What is deliberately not here yet:
+tensor parallelism for MoE models, pipeline, expert and data parallelism,
+sequence parallelism, the trainer actor leading tensor-parallel follower
+ranks, Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,27 +80,38 @@ from vime.config import OptimConfig
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
 
-def init_parallel() -> None:
-    """Set up torch.distributed and megatron-core's process groups for one rank, once.
+def init_parallel(tensor_parallel: int = 1) -> None:
+    """Set up torch.distributed and megatron-core's process groups, once per process.
 
     Megatron's layers look up their tensor/pipeline/expert groups globally, so
-    even a single-process model needs them. With no launcher around, the
-    process group is a world of one over an in-memory store (no port).
-    Without CUDA (tests), megatron-core is first patched to place tensors on the CPU.
+    even a single-process model needs them. Under ``torchrun`` the world is the
+    launcher's (NCCL on GPUs, one per local rank; gloo on CPU) and must be
+    exactly one tensor-parallel group; with no launcher around, it is a world
+    of one over an in-memory store (no port). Without CUDA (tests),
+    megatron-core is first patched to place tensors on the CPU.
     """
     cpu_compat.apply()
+    launched = "LOCAL_RANK" in os.environ
     if torch.cuda.is_available():
-        torch.cuda.set_device(torch.cuda.current_device())
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) if launched else torch.cuda.current_device())
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise NotImplementedError("vime's Megatron backend runs on one rank so far; launch it without torchrun")
+        if launched:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != tensor_parallel:
+        raise ValueError(f"{dist.get_world_size()} processes for --tensor-model-parallel-size {tensor_parallel}: "
+                         f"launch with torchrun --nproc-per-node {tensor_parallel} (data and pipeline parallelism "
+                         "are not supported yet)")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 pipeline_model_parallel_size=1)
         if torch.cuda.is_available():
             # Megatron's layers consult the CUDA RNG tracker for dropout and recomputation; it must be seeded
             model_parallel_cuda_manual_seed(0)
+    elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
+        raise ValueError("this process already holds a model of another tensor-parallel size")
 
 
 class SDPAttention(MegatronModule):
@@ -215,14 +231,19 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     return TransformerConfig(**settings)
 
 
-def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
-                routing_replay: bool = False) -> GPTModel:
+def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
+                tensor_parallel: int = 1) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
-    :func:`forward` to record or replay experts.
+    :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
+    this process holds its rank's shard, and the logits come out whole (the
+    log-probs need the whole vocabulary).
     """
-    init_parallel()
+    if tensor_parallel > 1 and any(moe_layer_pattern(hf_config)):
+        raise NotImplementedError("tensor parallelism covers dense models so far; train a MoE model with "
+                                  "--tensor-model-parallel-size 1")
+    init_parallel(tensor_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for layer_spec in block.layer_specs:
@@ -232,7 +253,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
-        share_embeddings_and_output_weights=hf_config.tie_word_embeddings)
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=False)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -360,21 +381,55 @@ def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
             if isinstance(tensor, torch.Tensor)}
 
 
+def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int] | None:
+    """How a whole tensor divides among the tensor-parallel ranks: ``(dim, parts)``, or None when every rank
+    holds it whole. A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``."""
+    if not getattr(live, "tensor_model_parallel", False):
+        return None
+    return live.partition_dim, 2 if name.endswith("linear_fc1.weight") else 1
+
+
+def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` (the model's own layout of the tensor ``live`` holds)."""
+    rule = _split_rule(name, live)
+    if rule is None:
+        return whole
+    dim, parts = rule
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    return torch.cat([part.chunk(size, dim)[rank] for part in whole.chunk(parts, dim)], dim)
+
+
+def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered from every tensor-parallel rank (a collective: every rank calls it)."""
+    rule = _split_rule(name, live)
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if rule is None or size == 1:
+        return live
+    dim, parts = rule
+    pieces = [torch.empty_like(live) for _ in range(size)]
+    dist.all_gather(pieces, live.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat([chunk for index in range(parts) for chunk in (piece.chunk(parts, dim)[index] for piece in pieces)],
+                     dim)
+
+
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid)."""
+    """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid);
+    under tensor parallelism each rank takes its shard of the whole checkpoint."""
     converted = hf_to_megatron(hf_state, hf_config)
     live = model_tensors(model)
     if set(converted) != set(live):
         raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - set(converted))[:5]},"
                          f" unknown {sorted(set(converted) - set(live))[:5]}")
     for name, tensor in converted.items():
-        live[name].copy_(tensor)
+        live[name].copy_(_shard(name, tensor, live[name]))
 
 
 def hf_weights(model: GPTModel, hf_config: Any) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies)."""
-    return megatron_to_hf({name: tensor.detach() for name, tensor in model_tensors(model).items()}, hf_config)
+    """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
+    whole on every rank: under tensor parallelism every rank must call this."""
+    return megatron_to_hf({name: _unshard(name, tensor).detach() for name, tensor in model_tensors(model).items()},
+                          hf_config)
 
 
 def read_hf_folder(folder: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -521,20 +576,36 @@ class MegatronTrainEngine(TorchTrainEngine):
     ``dtype="bf16"`` trains bf16 weights with fp32 masters, as the reference
     trainer does.
 
+    With ``tensor_parallel`` > 1 every rank of a ``torchrun`` launch builds
+    this engine and makes the same calls with the same batches: each holds
+    its shard of the weights, masters and optimizer state, the gradient norm
+    is taken over the whole model, and ``named_weights`` gathers whole
+    tensors on every rank. Rank 0 writes the Hugging Face folder; each rank
+    writes its own trainer state.
+
     GRPO only for now: PPO's value model is a Hugging Face backbone there.
     """
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
-                 total_steps: int = 1, seed: int = 0) -> None:
+                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1) -> None:
         if algo != "grpo":
             raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
                                       "use the torch trainer for ppo")
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
+        self.tensor_parallel = tensor_parallel
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
         del self._checkpoint
+        # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
+        # the whole ones whose gradient each rank sees only part of: q/k norms act on the rank's own heads
+        trained = [(name, param) for name, param in self.policy.named_parameters() if param.requires_grad]
+        tensors = self.optimizer.param_groups[0]["params"]
+        self._split = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
+                       if getattr(param, "tensor_model_parallel", False)}
+        self._partial = {id(tensor) for tensor, (name, _) in zip(tensors, trained)
+                         if name.endswith(("q_layernorm.weight", "k_layernorm.weight"))}
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -561,16 +632,45 @@ class MegatronTrainEngine(TorchTrainEngine):
             model.replay_experts = None
 
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
-        model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES)
+        model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
+                            tensor_parallel=self.tensor_parallel)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model).eval()
 
+    def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Under tensor parallelism, first complete the q/k norms' gradients (summed over the ranks), then take
+        the norm over the whole model: shards' squares summed over the ranks, whole tensors counted once,
+        since every rank now holds the same gradient of them."""
+        if self.tensor_parallel == 1:
+            return super()._clip_gradients(params, max_norm)
+        group = parallel_state.get_tensor_model_parallel_group()
+        for param in params:
+            if param.grad is not None and id(param) in self._partial:
+                dist.all_reduce(param.grad, group=group)
+        grads = [param.grad for param in params if param.grad is not None]
+        split = [param.grad for param in params if param.grad is not None and id(param) in self._split]
+        whole = [param.grad for param in params if param.grad is not None and id(param) not in self._split]
+        squares = torch.nn.utils.get_total_norm(split) ** 2
+        dist.all_reduce(squares, group=group)
+        total = (squares + torch.nn.utils.get_total_norm(whole) ** 2).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        return total
+
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies)."""
+        """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
+        whole tensors, so under tensor parallelism every rank must call this."""
         return hf_weights(self.policy.model, self.hf_config)
 
     def save_hf(self, folder: Path) -> None:
-        write_hf_folder(folder, self.hf_config, self.named_weights())
+        weights = self.named_weights()
+        if dist.get_rank() == 0:
+            write_hf_folder(folder, self.hf_config, weights)
+        dist.barrier()
+
+    def _state_file(self, folder: Path) -> Path:
+        if self.tensor_parallel == 1:
+            return super()._state_file(folder)
+        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:
         load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)

@@ -95,10 +95,10 @@ class TorchTrainEngine(TrainEngine):
                     "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                     "critic": None if self.critic is None else self.critic.state_dict(),
                     "masters": None if self.masters is None else self.masters.state_dict()},
-                   folder / "trainer.pt")
+                   self._state_file(folder))
 
     def load(self, folder: Path) -> None:
-        state = torch.load(folder / "trainer.pt", weights_only=True)
+        state = torch.load(self._state_file(folder), weights_only=True)
         with torch.no_grad():
             self._load_policy_weights(folder / "model")
         if self.critic is not None:
@@ -109,6 +109,14 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.weight_version = state["weight_version"]
+
+    def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of ``params`` to a norm of at most ``max_norm``; their norm before."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _state_file(self, folder: Path) -> Path:
+        """Where :meth:`save` puts what the Hugging Face folder does not hold (optimizer, schedule, masters)."""
+        return folder / "trainer.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:
         """The policy's weights from the Hugging Face folder :meth:`save_hf` wrote, copied in place (the
@@ -195,7 +203,7 @@ class TorchTrainEngine(TrainEngine):
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer).items():
                     totals.setdefault(key, []).append(value)
-            norms = [torch.nn.utils.clip_grad_norm_(group["params"], self.optim.grad_clip or math.inf)
+            norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
             totals.setdefault("grad_norm", []).append(float(norms[0]))
             self.optimizer.step()

@@ -1,0 +1,40 @@
+"""One rank of a tensor-parallel Megatron trainer, launched by ``torchrun`` from tests/test_megatron.py.
+
+Every rank builds the engine from the same Hugging Face folder and makes the
+same calls with the same batch (read from a file the test wrote); rank 0
+writes what the test compares with a single-process trainer: the weights as
+loaded (gathered back to Hugging Face names), the recomputed log-probs, the
+step's metrics, and the weights after the step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from vime.algorithms.grpo import GRPOConfig
+from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.algorithms.ppo import PPOConfig
+from vime.backends.base import TensorBatch
+from vime.backends.megatron import MegatronTrainEngine
+from vime.config import OptimConfig
+
+
+def main(folder: str, batch_file: str, out: str, tensor_parallel: int) -> None:
+    engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1, micro_batch_size=2),
+                                 loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                 temperature=0.7, total_steps=4, tensor_parallel=tensor_parallel)
+    batch = TensorBatch(**torch.load(batch_file, weights_only=True))
+    loaded = {name: tensor.clone() for name, tensor in engine.named_weights().items()}  # some alias the weights
+    logprobs = engine.score(batch)["old_logprobs"]
+    metrics = engine.train_step(batch)
+    trained = engine.named_weights()
+    if dist.get_rank() == 0:
+        torch.save({"loaded": loaded, "logprobs": logprobs, "metrics": metrics, "trained": trained}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
