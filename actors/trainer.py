@@ -81,10 +81,7 @@ class Trainer(Actor):
         run = self.run
         if run.job.train_threads:
             torch.set_num_threads(run.job.train_threads)
-        self.engine = train_engine(run.job.train_backend)(
-            run.model.model_path, algo=run.job.algo, optim=run.optim, loss=run.loss, grpo_config=run.grpo,
-            ppo_config=run.ppo, temperature=run.sampling.temperature, dtype=run.model.dtype,
-            total_steps=run.job.steps, seed=settings.seed)
+        self.engine = train_engine(run, settings.seed)
         self.workers: set[str] = set()  # those sent every new version
         self.paths: dict[str, str] = {}  # worker -> nng, ipc or broadcast
         self.groups: dict[str, BroadcastGroup] = {}  # broadcast path: worker -> its group
@@ -117,6 +114,7 @@ class Trainer(Actor):
 
     async def on_stop(self) -> None:
         self.metrics.close()
+        await trio.to_thread.run_sync(self.engine.close)
 
     async def on_peer_gone(self, name: str) -> None:
         self._forget(name)
@@ -375,13 +373,19 @@ def weight_path(mode: str, trainer_gpu: str | None, worker_gpus: list[str]) -> s
     return mode
 
 
-def train_engine(backend: str) -> type[TrainEngine]:
-    """The trainer engine class of ``--train-backend``; megatron-core is imported only when asked for."""
-    if backend == "megatron":
-        from vime.backends.megatron import MegatronTrainEngine
+def train_engine(run: RunConfig, seed: int) -> TrainEngine:
+    """The trainer engine of ``--train-backend``; megatron-core is imported only when asked for. With
+    ``--tensor-model-parallel-size`` > 1 this process is rank 0 and starts the other ranks."""
+    arguments = run.train_engine_arguments(seed)
+    if run.job.train_backend != "megatron":
+        return TorchTrainEngine(**arguments)
+    if run.job.tensor_model_parallel_size > 1:
+        from vime.backends.tensor_parallel import LeadingEngine
 
-        return MegatronTrainEngine
-    return TorchTrainEngine
+        return LeadingEngine(run, seed)
+    from vime.backends.megatron import MegatronTrainEngine
+
+    return MegatronTrainEngine(**arguments)
 
 
 def _plain(value: Any) -> Any:

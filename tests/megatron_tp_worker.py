@@ -1,4 +1,5 @@
-"""One rank of a tensor-parallel Megatron trainer, launched by ``torchrun`` from tests/test_megatron.py.
+"""Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, or a leader
+(``lose-a-follower``) that starts its own follower and loses it.
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote); rank 0
@@ -36,5 +37,25 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int) -> None:
     dist.destroy_process_group()
 
 
+
+
+def lead_and_lose_a_follower(folder: str) -> None:
+    """Rank 0 as the trainer actor holds it: kill rank 1, then order a call; print what the leader says."""
+    from vime.backends.tensor_parallel import LeadingEngine
+    from vime.config import RunConfig
+
+    run = RunConfig().replace(model_path=folder, train_backend="megatron", tensor_model_parallel_size=2)
+    engine = LeadingEngine(run, seed=0)
+    engine.followers[0].kill()
+    engine.followers[0].wait()
+    try:
+        engine.named_weights()
+    except RuntimeError as error:
+        print("REFUSED", error, flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1] == "lose-a-follower":
+        lead_and_lose_a_follower(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -390,15 +390,18 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models):
 # -- in the pipeline -----------------------------------------------------------------------------------------------
 
 
-async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path):
+@pytest.mark.parametrize("tensor_parallel", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: 78 s here
+async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
-    weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree."""
+    weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
+    --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
 
     run_dir = tmp_path / "run"
-    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=30, seed=3, train_backend="megatron"))
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=30, seed=3, train_backend="megatron", tensor_model_parallel_size=tensor_parallel))
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 31))
@@ -442,3 +445,15 @@ def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tm
     for name, tensor in single.named_weights().items():  # Adam's first step is about lr * sign(gradient): a
         gap = (ranks["trained"][name] - tensor).abs()     # gradient within rounding of zero may flip it
         assert gap.max() <= 2.1e-3 and (gap > 1e-4).float().mean() < 5e-3, name
+
+
+def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_models):
+    """The trainer actor's engine (rank 0) checks its followers before every order: a killed rank is
+    reported by number and exit code instead of a collective waiting forever."""
+    import subprocess
+    import sys
+
+    _, _, folder = hf_models["qwen3"]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_tp_worker.py")), "lose-a-follower",
+                           str(folder)], capture_output=True, text=True, timeout=300)
+    assert "REFUSED tensor-parallel rank 1 exited with code -9" in done.stdout, done.stderr[-3000:]

@@ -29,6 +29,8 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
      ["GPU-b", "GPU-c", "GPU-d"]),
     ({"rollout_num_gpus": 2, "rollout_workers": 2}, ["0", "1"], "", ["0", "1"]),  # a CPU trainer
     ({"actor_num_gpus_per_node": 1, "rollout_workers": 2}, ["0"], "0", ["", ""]),  # CPU engines
+    ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "rollout_num_gpus": 2}, ["0", "1", "2", "3"],
+     "0,1", ["2", "3"]),  # two tensor-parallel ranks
 ])
 def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
@@ -39,7 +41,7 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
      r"needs 3 GPUs \(trainer 1, rollout 2\) but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
     ({"actor_num_gpus_per_node": 1}, [], "needs 1 GPUs .* shows 0$"),
     ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"], "one host so far; add rollout workers"),
-    ({"actor_num_gpus_per_node": 2}, ["0", "1"], "one GPU so far .* pass 1"),
+    ({"actor_num_gpus_per_node": 2}, ["0", "1"], "one tensor-parallel group .* pass --tensor-model-parallel-size 2"),
     ({"colocate": True}, ["0"], "pass --actor-num-gpus-per-node too"),
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "colocate": True}, ["0", "1"],
      "must be 1 or left out, not 2"),

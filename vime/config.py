@@ -204,6 +204,8 @@ class JobConfig:
     save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none")
     save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
+    tensor_model_parallel_size: int = setting(1, "Megatron tensor parallelism: the trainer runs this many ranks "
+                                                 "(one per trainer GPU; gloo on CPU), dense models only so far")
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
@@ -214,7 +216,10 @@ class JobConfig:
             raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
         if self.train_backend == "megatron" and self.algo != "grpo":
             raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
-        _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0)
+        if self.tensor_model_parallel_size > 1 and self.train_backend != "megatron":
+            raise ValueError("--tensor-model-parallel-size needs --train-backend megatron")
+        _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
+                  tensor_model_parallel_size=1)
 
 
 def _at_least(settings: Any, **minimums: float) -> None:
@@ -255,6 +260,12 @@ class RunConfig:
                     values[name] = tuple(values[name])
             sections[section.name] = kind(**values)
         return cls(**sections)
+
+    def train_engine_arguments(self, seed: int) -> dict[str, Any]:
+        """What a trainer engine is built from: the same for every backend and every tensor-parallel rank."""
+        return dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=self.loss,
+                    grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
+                    dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
 
     def replace(self, **overrides: Any) -> RunConfig:
         """A copy with fields changed by flat name (``lr=3e-4``), whatever their section."""

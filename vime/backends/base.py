@@ -204,3 +204,6 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load(self, folder: Path) -> None:
         """Continue from what :meth:`save` wrote (the engine was built from the original model)."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel ranks); nothing by default."""

@@ -1,0 +1,182 @@
+"""A tensor-parallel Megatron trainer that the trainer actor drives as if it were one engine.
+
+Rank 0 lives in the trainer actor's process; it starts ranks 1..N-1 as
+processes of its own (``python -m vime.backends.tensor_parallel``), on the
+next GPUs of the trainer's placement (or on CPU, over gloo). Every rank
+builds the same :class:`~vime.backends.megatron.MegatronTrainEngine` and must
+make the same collective calls in the same order, so rank 0 leads: before
+each call it broadcasts an order (which call, and its argument: the batch's
+tensors, or a folder), and the other ranks follow it. Orders travel over the
+process group itself -- integer headers and raw tensors, nothing pickled --
+and one lock keeps them in sequence when the actor calls from several
+threads.
+
+A follower that dies is noticed before the next order (its process has an
+exit code), and the trainer stops with the rank and the code, rather than
+waiting on a collective that will never complete; followers die with the
+trainer's process (Linux's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vime.backends.base import TensorBatch, TrainEngine
+from vime.config import RunConfig
+
+ORDERS = ("train_step", "named_weights", "save", "load", "save_hf", "stop")
+DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
+FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
+MAX_DIMS = 4
+
+
+class LeadingEngine(TrainEngine):
+    """Rank 0 of a tensor-parallel Megatron trainer: each call is ordered to every rank, then made here."""
+
+    def __init__(self, run: RunConfig, seed: int) -> None:
+        size = run.job.tensor_model_parallel_size
+        shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size)}
+        os.environ.update(shared, RANK="0", LOCAL_RANK="0")
+        spec = json.dumps({"config": run.to_dict(), "seed": seed})
+        self.followers = [subprocess.Popen([sys.executable, "-m", __name__, spec], preexec_fn=_die_with_parent,
+                                           env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                          for rank in range(1, size)]
+        self.engine = _engine(run, seed)
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> str:  # type: ignore[override]
+        return self.engine.device
+
+    @property
+    def weight_version(self) -> int:  # type: ignore[override]
+        return self.engine.weight_version
+
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
+        with self._lock:
+            self._order("train_step")
+            _send_batch(batch, self.device)
+            return self.engine.train_step(batch)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            self._order("named_weights")
+            return self.engine.named_weights()
+
+    def save_hf(self, folder: Path) -> None:
+        with self._lock:
+            self._order("save_hf", str(folder))
+            self.engine.save_hf(folder)
+
+    def save(self, folder: Path) -> None:
+        with self._lock:
+            self._order("save", str(folder))
+            self.engine.save(folder)
+
+    def load(self, folder: Path) -> None:
+        with self._lock:
+            self._order("load", str(folder))
+            self.engine.load(folder)
+
+    def close(self) -> None:
+        """Order the followers to stop and wait for them."""
+        with self._lock:
+            if all(follower.poll() is None for follower in self.followers):
+                self._order("stop")
+            for follower in self.followers:
+                follower.wait(timeout=60)
+
+    def _order(self, name: str, argument: str = "") -> None:
+        for rank, follower in enumerate(self.followers, start=1):
+            if follower.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {follower.returncode}; its "
+                                   "output is in the trainer's log. Restart the run from its last checkpoint")
+        payload = torch.tensor(list(argument.encode()), dtype=torch.uint8)
+        _broadcast(torch.tensor([ORDERS.index(name), payload.numel()]), self.device)
+        if payload.numel():
+            _broadcast(payload, self.device)
+
+
+def _engine(run: RunConfig, seed: int) -> Any:
+    from vime.backends.megatron import MegatronTrainEngine
+
+    return MegatronTrainEngine(**run.train_engine_arguments(seed), tensor_parallel=run.job.tensor_model_parallel_size)
+
+
+def follow(spec: dict[str, Any]) -> None:
+    """A follower rank: build the engine, then carry out rank 0's orders until it says stop."""
+    engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
+    while True:
+        header = _broadcast(torch.zeros(2, dtype=torch.int64), engine.device)
+        name = ORDERS[int(header[0])]
+        argument = bytes(_broadcast(torch.zeros(int(header[1]), dtype=torch.uint8), engine.device).tolist()).decode() \
+            if int(header[1]) else ""
+        if name == "stop":
+            break
+        if name == "train_step":
+            engine.train_step(_receive_batch(engine.device))
+        elif name == "named_weights":
+            engine.named_weights()
+        else:
+            getattr(engine, name)(Path(argument))
+    dist.destroy_process_group()
+
+
+def _broadcast(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """``tensor`` from rank 0 to every rank, through ``device`` (NCCL moves only GPU tensors); on the CPU after."""
+    moved = tensor.to(device)
+    dist.broadcast(moved, src=0)
+    return moved.cpu()
+
+
+def _send_batch(batch: TensorBatch, device: str) -> None:
+    for name in FIELDS:
+        value = getattr(batch, name)
+        if value is None:
+            _broadcast(torch.full((2 + MAX_DIMS,), -1, dtype=torch.int64), device)
+            continue
+        shape = list(value.shape) + [0] * (MAX_DIMS - value.dim())
+        _broadcast(torch.tensor([DTYPES.index(value.dtype), value.dim(), *shape]), device)
+        _broadcast(value, device)
+
+
+def _receive_batch(device: str) -> TensorBatch:
+    fields: dict[str, torch.Tensor | None] = {}
+    for name in FIELDS:
+        header = _broadcast(torch.zeros(2 + MAX_DIMS, dtype=torch.int64), device).tolist()
+        if header[0] < 0:
+            fields[name] = None
+            continue
+        dims = header[1]
+        fields[name] = _broadcast(torch.empty(header[2:2 + dims], dtype=DTYPES[header[0]]), device)
+    return TensorBatch(**fields)
+
+
+def _die_with_parent() -> None:
+    """In a follower, before it runs: the kernel kills it when the trainer's process ends, however it ends
+    (a follower left waiting in a collective would otherwise wait for the process group's timeout)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    follow(json.loads(sys.argv[1]))
