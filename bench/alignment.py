@@ -9,7 +9,7 @@ largest absolute difference over every response token are reported:
   Hugging Face trainer gets;
 * ``hf-autocast``: the same with fp32 weights under bf16 autocast: the matmuls are bf16, but the
   residual stream stays fp32 (the embedding and the norms' weights are fp32);
-* ``torch``: vime's reference trainer, bf16 autocast over fp32 master weights (on the GPU);
+* ``torch``: vime's reference trainer, bf16 weights with fp32 masters (on the GPU);
 * ``megatron``: vime's Megatron trainer, the same precision, on megatron-core.
 
 MoE shapes run the vime trainers twice: routing freely, and with R3 (replaying the experts vLLM

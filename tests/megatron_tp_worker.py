@@ -5,12 +5,14 @@ Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote); rank 0
 writes what the test compares with a single-process trainer: the weights as
 loaded (gathered back to Hugging Face names), the recomputed log-probs, the
-step's metrics, and the weights after the step.
+step's metrics, the weights after the step, and whether a trainer resumed
+from a checkpoint of all ranks takes the next step exactly as the original.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,16 +26,27 @@ from vime.config import OptimConfig
 
 
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int) -> None:
-    engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1, micro_batch_size=2),
-                                 loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-                                 temperature=0.7, total_steps=4, tensor_parallel=tensor_parallel)
+    def build() -> MegatronTrainEngine:
+        return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
+                                                                          micro_batch_size=2),
+                                   loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(),
+                                   ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
+                                   tensor_parallel=tensor_parallel)
+
+    engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
     loaded = {name: tensor.clone() for name, tensor in engine.named_weights().items()}  # some alias the weights
     logprobs = engine.score(batch)["old_logprobs"]
     metrics = engine.train_step(batch)
-    trained = engine.named_weights()
+    trained = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+    checkpoint = Path(out).with_name("checkpoint")
+    engine.save(checkpoint)  # every rank its own optimizer state, rank 0 the model
+    resumed = build()
+    resumed.load(checkpoint)
+    resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
     if dist.get_rank() == 0:
-        torch.save({"loaded": loaded, "logprobs": logprobs, "metrics": metrics, "trained": trained}, out)
+        torch.save({"loaded": loaded, "logprobs": logprobs, "metrics": metrics, "trained": trained,
+                    "resumed_alike": resumed_alike}, out)
     dist.destroy_process_group()
 
 

@@ -315,6 +315,22 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
     assert all(param.grad is None for param in weights.values())  # gradients live on the masters only
 
 
+def test_bf16_kl_reference_starts_equal_to_the_policy(model):
+    """The frozen reference holds the policy's bf16 weights and the same fp32 buffers (RoPE frequencies)."""
+    folder, eos, prompts = model
+    engine = TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(), loss=PolicyLossConfig(kl_coef=0.1),
+                              grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=1.0, dtype="bf16")
+    metrics = engine.train_step(hand_batch(prompts[2], [[6, 7, 8, eos], [7, eos]], [1.0, 0.0], [0, 0]))
+    assert metrics["kl"] == 0.0
+
+
+def test_resuming_a_bf16_run_needs_its_master_weights(model, tmp_path):
+    folder, _, _ = model
+    train_engine(folder).save(tmp_path)
+    with pytest.raises(ValueError, match="holds no fp32 master weights .* --dtype fp32"):
+        train_engine(folder, dtype="bf16").load(tmp_path)
+
+
 def test_reported_losses_do_not_count_empty_mini_batches(model):
     folder, eos, prompts = model
     batch = hand_batch(prompts[0], [[7, 8, eos]], [1.0], [0])

@@ -21,19 +21,28 @@ from collections.abc import Callable, Iterable
 import torch
 
 
+def to_bf16(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Turn ``module``'s parameters into bf16 in place (buffers, like RoPE frequencies, keep their dtype);
+    the parameters, in ``parameters()`` order."""
+    params = list(module.parameters())
+    for param in params:
+        param.data = param.data.to(torch.bfloat16)
+    return params
+
+
 class MasterWeights:
-    """fp32 masters of a set of parameters that this turns into bf16; the optimizer takes :attr:`groups`."""
+    """fp32 masters of a set of parameters that this turns into bf16; the optimizer takes :attr:`groups`
+    (one list per module, the masters of its trainable parameters in ``parameters()`` order)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
         self.groups: list[list[torch.Tensor]] = []
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for module in modules:
             group = []
-            for param in module.parameters():
-                if not param.requires_grad:
-                    continue
-                master = param.detach().to(torch.float32, copy=True)
-                param.data = param.data.to(torch.bfloat16)
+            trainable = [param for param in module.parameters() if param.requires_grad]
+            masters = [param.detach().to(torch.float32, copy=True) for param in trainable]
+            to_bf16(module)
+            for param, master in zip(trainable, masters):
                 param.register_post_accumulate_grad_hook(_move_gradient(master))
                 self._pairs.append((param, master))
                 group.append(master)
@@ -42,17 +51,17 @@ class MasterWeights:
     @torch.no_grad()
     def publish(self) -> None:
         """Round the masters into the bf16 parameters (after each optimizer step, and after a load)."""
-        params, masters = zip(*self._pairs)
-        torch._foreach_copy_(list(params), list(masters))
+        if self._pairs:
+            torch._foreach_copy_([param for param, _ in self._pairs], [master for _, master in self._pairs])
 
     def state_dict(self) -> list[torch.Tensor]:
         return [master for _, master in self._pairs]
 
     @torch.no_grad()
     def load_state_dict(self, masters: list[torch.Tensor]) -> None:
-        if len(masters) != len(self._pairs):
-            raise ValueError(f"the checkpoint holds {len(masters)} master weights, this model {len(self._pairs)}: "
-                             "it was saved from another model or another vime version")
+        if [tuple(saved.shape) for saved in masters] != [tuple(master.shape) for _, master in self._pairs]:
+            raise ValueError(f"the checkpoint's {len(masters)} master weights do not fit this model's "
+                             f"{len(self._pairs)}: it was saved from another model or another parallel layout")
         for (_, master), saved in zip(self._pairs, masters):
             master.copy_(saved)
         self.publish()

@@ -23,8 +23,7 @@ split tensor, cut from the whole checkpoint on load and gathered back for
 weight sync and ``save_hf`` (``_shard``/``_unshard``; the conversions
 themselves work on whole tensors). What is deliberately not here yet:
 tensor parallelism for MoE models, pipeline, expert and data parallelism,
-sequence parallelism, the trainer actor leading tensor-parallel follower
-ranks, Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
+sequence parallelism, Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -576,8 +575,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     ``dtype="bf16"`` trains bf16 weights with fp32 masters, as the reference
     trainer does.
 
-    With ``tensor_parallel`` > 1 every rank of a ``torchrun`` launch builds
-    this engine and makes the same calls with the same batches: each holds
+    With ``tensor_parallel`` > 1 every rank (of a ``torchrun`` launch, or
+    led by ``vime.backends.tensor_parallel`` in the pipeline) builds this engine and makes the same calls with the same batches: each holds
     its shard of the weights, masters and optimizer state, the gradient norm
     is taken over the whole model, and ``named_weights`` gathers whole
     tensors on every rank. Rank 0 writes the Hugging Face folder; each rank
@@ -601,7 +600,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
         # the whole ones whose gradient each rank sees only part of: q/k norms act on the rank's own heads
         trained = [(name, param) for name, param in self.policy.named_parameters() if param.requires_grad]
-        tensors = self.optimizer.param_groups[0]["params"]
+        tensors = self.optimizer.param_groups[0]["params"]  # the trainable parameters' (or masters'), in order
         self._split = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
                        if getattr(param, "tensor_model_parallel", False)}
         self._partial = {id(tensor) for tensor, (name, _) in zip(tensors, trained)
@@ -650,9 +649,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         grads = [param.grad for param in params if param.grad is not None]
         split = [param.grad for param in params if param.grad is not None and id(param) in self._split]
         whole = [param.grad for param in params if param.grad is not None and id(param) not in self._split]
-        squares = torch.nn.utils.get_total_norm(split) ** 2
+        squares = (torch.nn.utils.get_total_norm(split) ** 2).to(self.device)  # a CPU zero when split is empty
         dist.all_reduce(squares, group=group)
-        total = (squares + torch.nn.utils.get_total_norm(whole) ** 2).sqrt()
+        total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
@@ -665,6 +664,11 @@ class MegatronTrainEngine(TorchTrainEngine):
         weights = self.named_weights()
         if dist.get_rank() == 0:
             write_hf_folder(folder, self.hf_config, weights)
+        dist.barrier()
+
+    def save(self, folder: Path) -> None:
+        """Returns once every rank has written its part: the checkpoint is complete when the caller seals it."""
+        super().save(folder)
         dist.barrier()
 
     def _state_file(self, folder: Path) -> Path:

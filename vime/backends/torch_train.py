@@ -29,8 +29,8 @@ from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergen
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
-from vime.backends.hf import DTYPES, load_causal_lm, position_ids, scaled_logprobs
-from vime.backends.master_weights import MasterWeights
+from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.master_weights import MasterWeights, to_bf16
 
 
 class _ValueModel(torch.nn.Module):
@@ -64,12 +64,14 @@ class TorchTrainEngine(TrainEngine):
         self.device = device
         self.weight_version = 0
         self.policy = self._load_policy(model_path).to(device)
-        self.reference = self._load_policy(model_path).to(device, DTYPES[dtype]).requires_grad_(False) \
-            if loss.kl_coef else None
+        self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
+        if self.reference is not None and dtype == "bf16":
+            to_bf16(self.reference)  # as the policy's weights are: the KL starts at exactly 0
         self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
         trained = [self.policy] + ([self.critic] if self.critic is not None else [])
         self.masters = MasterWeights(trained) if dtype == "bf16" else None
-        params = self.masters.groups if self.masters else [list(module.parameters()) for module in trained]
+        params = self.masters.groups if self.masters else [
+            [param for param in module.parameters() if param.requires_grad] for module in trained]
         self.optimizer = torch.optim.AdamW(
             [{"params": group, "lr": lr} for group, lr in zip(params, (optim.lr, optim.critic_lr))],
             weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2),
@@ -98,7 +100,14 @@ class TorchTrainEngine(TrainEngine):
                    self._state_file(folder))
 
     def load(self, folder: Path) -> None:
-        state = torch.load(self._state_file(folder), weights_only=True)
+        path = self._state_file(folder)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
+                                    "layout (--tensor-model-parallel-size); resume with that layout")
+        state = torch.load(path, weights_only=True)
+        if self.masters is not None and state.get("masters") is None:
+            raise ValueError(f"{folder} holds no fp32 master weights (an fp32 run, or vime before they were saved): "
+                             "resume it with --dtype fp32, or start a new run from its model folder")
         with torch.no_grad():
             self._load_policy_weights(folder / "model")
         if self.critic is not None:
