@@ -106,7 +106,7 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
         assert paths in (4, 5)
 
 
-@pytest.mark.parametrize("victim", ["trainer", "buffer"])
+@pytest.mark.parametrize("victim", ["trainer", pytest.param("buffer", marks=pytest.mark.slow)])  # CI time
 async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothing_lost_or_repeated(tmp_path, victim):
     run_dir = tmp_path / "run"
     steps, batch = 12, 16

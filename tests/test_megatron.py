@@ -416,7 +416,7 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3-tied"])
+@pytest.mark.parametrize("case", ["qwen3", pytest.param("qwen3-tied", marks=pytest.mark.slow)])  # CI time
 def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tmp_path):
     """Two ranks under torchrun, each holding half of every split tensor (q/k/v by key/value group, gate and up
     each halved, the vocabulary halved): the gathered weights are the checkpoint's bit for bit, and the

@@ -74,11 +74,12 @@ def test_eval_metrics_count_right_answers_per_prompt_and_per_source():
     assert not any(key.count("/") > 1 for key in single)  # one source: no per-source keys
 
 
-# glm45_air_dapo's parts (Parquet with nested labels, GSPO, GLM-4.5 MoE) are covered by faster tests, and
-# qwen3_4b_gsm8k_tools runs all of qwen3_4b_gsm8k plus its tool; their whole runs are in the slow tier to keep
-# the default run well inside CI's time.
+# glm45_air_dapo's parts (Parquet with nested labels, GSPO, GLM-4.5 MoE) and qwen3_30b_a3b_dapo's (DAPO data,
+# MoE with R3) are covered by faster tests, and qwen3_4b_gsm8k_tools runs all of qwen3_4b_gsm8k plus its tool;
+# their whole runs are in the slow tier to keep the default run well inside CI's time.
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
-                                  if name in ("glm45_air_dapo", "qwen3_4b_gsm8k") else name for name in RECIPES])
+                                  if name in ("glm45_air_dapo", "qwen3_4b_gsm8k", "qwen3_30b_a3b_dapo") else name
+                                  for name in RECIPES])
 def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
     """The acceptance command, sized for a 2-core CPU: 3 steps of 2 prompts x 2 responses of 24 tokens,
     eval every 2 versions on 4 held-out prompts, the HF export of the last step reloaded."""
