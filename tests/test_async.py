@@ -156,6 +156,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):
     assert kept == ["step_00000009", "step_00000012"] and checkpoint.step_of(checkpoint.latest(tmp_path)) == 12
 
 
+@pytest.mark.slow  # CI time; tests/test_runtime.py covers joining with and without the token at actor level
 async def test_a_worker_joins_over_tcp_with_the_token_and_is_refused_without(tmp_path):
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=40, rollout_workers=1, rollout_batch_size=8, rollout_capacity=4,
