@@ -82,12 +82,15 @@ def generate(folder: Path, args: argparse.Namespace) -> dict[str, list[Any]]:
 
     gpu = torch.cuda.is_available()
     config = json.loads((folder / "config.json").read_text())
-    engine = VllmRolloutEngine(str(folder), dtype="bf16" if gpu else "fp32", record_experts=config["model_type"] in MOE_MODEL_TYPES,
+    engine = VllmRolloutEngine(str(folder), dtype="bf16" if gpu else "fp32",
+                               record_experts=config["model_type"] in MOE_MODEL_TYPES,
                                engine_args=dict(max_model_len=args.prompt_len + args.new + 16,
                                                 **({"gpu_memory_utilization": 0.45} if gpu else {})))
     generator = torch.Generator().manual_seed(1)
-    sequences = [Sequence(index, torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=generator).tolist(),
-                          SamplingParams(temperature=1.0, max_new_tokens=args.new)) for index in range(args.prompts)]
+    prompts = [torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=generator).tolist()
+               for _ in range(args.prompts)]  # one draw per prompt, as the committed figures were made
+    sequences = [Sequence(index, prompt, SamplingParams(temperature=1.0, max_new_tokens=args.new))
+                 for index, prompt in enumerate(prompts)]
     engine.add(sequences)
     while engine.busy:
         engine.step()

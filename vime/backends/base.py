@@ -133,7 +133,7 @@ class TensorBatch:
     def to(self, device: str | torch.device) -> TensorBatch:
         """A copy on ``device`` (the trainer's): batches are collated on the CPU, wherever the policy lives."""
         return dataclasses.replace(self, **{
-            field.name: value.to(device, non_blocking=True) for field in dataclasses.fields(self)
+            field.name: value.to(device) for field in dataclasses.fields(self)
             if isinstance(value := getattr(self, field.name), torch.Tensor)})
 
 

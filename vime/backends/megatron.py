@@ -23,7 +23,8 @@ split tensor, cut from the whole checkpoint on load and gathered back for
 weight sync and ``save_hf`` (``_shard``/``_unshard``; the conversions
 themselves work on whole tensors). What is deliberately not here yet:
 tensor parallelism for MoE models, pipeline, expert and data parallelism,
-sequence parallelism, Megatron's distributed optimizer, sequence packing, activation recomputation, and PPO's value model.
+sequence parallelism, Megatron's distributed optimizer, sequence packing,
+activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -407,8 +409,8 @@ def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
     dim, parts = rule
     pieces = [torch.empty_like(live) for _ in range(size)]
     dist.all_gather(pieces, live.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat([chunk for index in range(parts) for chunk in (piece.chunk(parts, dim)[index] for piece in pieces)],
-                     dim)
+    per_rank = [piece.chunk(parts, dim) for piece in pieces]  # each rank's [its gate; its up], or its one part
+    return torch.cat([chunks[part] for part in range(parts) for chunks in per_rank], dim)
 
 
 @torch.no_grad()
@@ -576,10 +578,11 @@ class MegatronTrainEngine(TorchTrainEngine):
     trainer does.
 
     With ``tensor_parallel`` > 1 every rank (of a ``torchrun`` launch, or
-    led by ``vime.backends.tensor_parallel`` in the pipeline) builds this engine and makes the same calls with the same batches: each holds
-    its shard of the weights, masters and optimizer state, the gradient norm
-    is taken over the whole model, and ``named_weights`` gathers whole
-    tensors on every rank. Rank 0 writes the Hugging Face folder; each rank
+    led by ``vime.backends.tensor_parallel`` in the pipeline) builds this
+    engine and makes the same calls with the same batches: each holds its
+    shard of the weights, masters and optimizer state, the gradient norm is
+    taken over the whole model, and ``named_weights`` gathers whole tensors
+    on every rank. Rank 0 writes the Hugging Face folder; each rank
     writes its own trainer state.
 
     GRPO only for now: PPO's value model is a Hugging Face backbone there.
@@ -643,12 +646,14 @@ class MegatronTrainEngine(TorchTrainEngine):
         if self.tensor_parallel == 1:
             return super()._clip_gradients(params, max_norm)
         group = parallel_state.get_tensor_model_parallel_group()
-        for param in params:
-            if param.grad is not None and id(param) in self._partial:
-                dist.all_reduce(param.grad, group=group)
-        grads = [param.grad for param in params if param.grad is not None]
+        partial = [param.grad for param in params if param.grad is not None and id(param) in self._partial]
+        if partial:  # one collective for all of them, as megatron-core's finalize_model_grads does
+            summed = _flatten_dense_tensors(partial)
+            dist.all_reduce(summed, group=group)
+            torch._foreach_copy_(partial, _unflatten_dense_tensors(summed, partial))
         split = [param.grad for param in params if param.grad is not None and id(param) in self._split]
         whole = [param.grad for param in params if param.grad is not None and id(param) not in self._split]
+        grads = split + whole
         squares = (torch.nn.utils.get_total_norm(split) ** 2).to(self.device)  # a CPU zero when split is empty
         dist.all_reduce(squares, group=group)
         total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()

@@ -60,7 +60,6 @@ class TorchTrainEngine(TrainEngine):
         self.algo, self.optim, self.loss = algo, optim, loss
         self.grpo, self.ppo = grpo_config, ppo_config
         self.temperature = temperature
-        self.dtype = dtype
         self.device = device
         self.weight_version = 0
         self.policy = self._load_policy(model_path).to(device)
