@@ -93,7 +93,8 @@ def table(results: list[dict]) -> str:
         to = "-" if r["step_to_0.9"] is None else str(r["step_to_0.9"])
         seconds = "-" if r["seconds_to_0.9"] is None else f"{r['seconds_to_0.9']:.0f}"
         parts = " ".join(f"{r['median_' + p]:6.3f}" for p in PARTS)
-        lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {r['max_logprob_diff']:11.1e} "
+        gap = "-" if r["max_logprob_diff"] is None else f"{r['max_logprob_diff']:.1e}"
+        lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {gap:>11} "
                      f"{r['total_s']:7.0f} {parts}")
     head = f"{'run':<18} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}  staleness share (age:share)"
     lines += ["", head, "-" * len(head)]

@@ -304,6 +304,7 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
     rounded = [param.detach().clone() for param in weights.values()]
     assert all(param.dtype == torch.bfloat16 for param in rounded)
     metrics = engine.train_step(hand_batch(prompts[2], [[6, eos], [7, eos]], [1.0, 0.0], [0, 0]))
+    assert math.isnan(metrics.pop("train_rollout_logprob_abs_diff_stale"))  # every token is of this version
     assert all(math.isfinite(value) for value in metrics.values())
     masters = engine.masters.state_dict()
     assert all(master.dtype == torch.float32 for master in masters)
@@ -339,6 +340,45 @@ def test_reported_losses_do_not_count_empty_mini_batches(model):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # the training itself is the same
     assert two["value_loss"] == pytest.approx(one["value_loss"], rel=1e-5)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+def test_one_update_per_batch_takes_its_scores_from_the_training_pass(model):
+    """With one optimizer step and no KL reference, the no-grad scoring pass is skipped: the step must be the
+    one the scored path takes. A KL term of weight 1e-9 forces that path and adds nothing: its gradient is 0
+    while the policy equals the reference."""
+    folder, eos, prompts = model
+    responses = [[6], [7, eos], [8, 9, 10, eos], [11], [4, 5, eos], [12, 13, 6, 7, eos]]
+    batch = collate([prompts[3]] * 6, responses, [[-2.5] * len(r) for r in responses],
+                    [[0] * len(r) for r in responses], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1],
+                    pad_token_id=0)
+    engines = [TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=4),
+                                loss=PolicyLossConfig(kl_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                temperature=0.7) for kl in (0.0, 1e-9)]
+    assert engines[0].reference is None and engines[1].reference is not None
+    for engine in engines:  # plain SGD, as in the accumulation test below: updates proportional to gradients
+        engine.optimizer = torch.optim.SGD(engine.policy.parameters(), lr=0.1)
+        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+    fused, scored = (engine.train_step(batch) for engine in engines)
+    for key in ("train_rollout_logprob_abs_diff", "entropy", "loss", "grad_norm"):
+        assert fused[key] == pytest.approx(scored[key], rel=1e-5), key
+    assert fused["train_rollout_logprob_abs_diff"] > 0.1  # a real comparison: rollout log-probs are -2.5
+    assert all(param.grad is None for param in engines[0].policy.parameters())  # no gradient held between steps
+    for name, tensor in engines[1].named_weights().items():
+        torch.testing.assert_close(engines[0].named_weights()[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_with_dropout_the_old_logprobs_come_from_a_pass_of_their_own(model, monkeypatch):
+    """A training forward with dropout is not the policy's own: the scoring pass (eval mode) runs again."""
+    folder, eos, prompts = model
+    engine = train_engine(folder)
+    passes = []
+    monkeypatch.setattr(engine, "score", lambda batch: passes.append(batch) or TorchTrainEngine.score(engine, batch))
+    batch = hand_batch(prompts[0], [[6, eos], [7, eos]], [1.0, 0.0], [0, 0])
+    engine.train_step(batch)
+    assert not passes
+    engine.policy.config.attention_dropout = 0.1
+    engine.train_step(batch)
+    assert len(passes) == 1
 
 
 @pytest.mark.parametrize("micro_batch_size", [4, 1], ids=["4+2", "1x6"])

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-PANELS = [("raw_reward", "raw reward"), ("train_rollout_logprob_abs_diff", "|logp train - logp rollout|"),
-          ("step_time_s", "step time (s)")]
+# Each panel: its title and the curves it draws (metric key, legend label; a lone curve has no legend).
+PANELS = [("raw reward", [("raw_reward", "")]),
+          ("|logp train - logp rollout|", [("train_rollout_logprob_abs_diff", "same version"),
+                                           ("train_rollout_logprob_abs_diff_stale", "older versions")]),
+          ("step time (s)", [("step_time_s", "")])]
 
 
 def write_report(run_dir: str | Path, rows: list[dict[str, Any]], title: str = "") -> Path:
@@ -18,10 +21,14 @@ def write_report(run_dir: str | Path, rows: list[dict[str, Any]], title: str = "
 
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6), constrained_layout=True)
     steps = [row["step"] for row in rows]
-    for axis, (key, label) in zip(axes, PANELS):
-        axis.plot(steps, [row.get(key) for row in rows], linewidth=1.2)
+    for axis, (title, curves) in zip(axes, PANELS):
+        drawn = [(key, label) for key, label in curves if any(row.get(key) is not None for row in rows)]
+        for key, label in drawn:
+            axis.plot(steps, [row.get(key) for row in rows], linewidth=1.2, label=label or None)
+        if len(drawn) > 1:
+            axis.legend(fontsize=8)
         axis.set_xlabel("step")
-        axis.set_title(label)
+        axis.set_title(title)
         axis.grid(alpha=0.3)
     axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     if title:

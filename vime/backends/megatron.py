@@ -639,6 +639,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model).eval()
 
+    def _dropout(self) -> float:
+        config = self.policy.model.config
+        return config.attention_dropout + config.hidden_dropout
+
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Under tensor parallelism, first complete the q/k norms' gradients (summed over the ranks), then take
         the norm over the whole model: shards' squares summed over the ranks, whole tensors counted once,

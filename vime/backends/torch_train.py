@@ -6,7 +6,11 @@ laptop scale: recompute the batch's log-probs with the current weights (the
 ``train_rollout_logprob_abs_diff``), compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
 over micro-batches of ``micro_batch_size`` samples, with gradient clipping
-and AdamW. ``dtype="bf16"`` runs forward and backward on bf16 weights and
+and AdamW. With one optimizer step per batch, neither a KL reference nor a
+value model, and no dropout, nothing needs the old log-probs before the
+training forward passes, which run on those very weights: their log-probs
+serve as the old ones (the ratio is exactly 1), and the separate no-grad
+pass is skipped. ``dtype="bf16"`` runs forward and backward on bf16 weights and
 steps fp32 masters (``vime.backends.master_weights``).
 
 PPO's value model is a second copy of the backbone with a scalar head; a
@@ -118,6 +122,11 @@ class TorchTrainEngine(TrainEngine):
         torch.set_rng_state(state["rng"])
         self.weight_version = state["weight_version"]
 
+    def _dropout(self) -> float:
+        """The policy's dropout: with any, a training forward is not the scoring one (eval mode, no dropout)."""
+        config = self.policy.config
+        return getattr(config, "attention_dropout", 0.0) + getattr(config, "hidden_dropout", 0.0)
+
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` to a norm of at most ``max_norm``; their norm before."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -148,7 +157,8 @@ class TorchTrainEngine(TrainEngine):
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         logprobs = scaled_logprobs(logits, self.temperature)
         chosen = logprobs.gather(-1, batch.response_ids[rows].unsqueeze(-1)).squeeze(-1)
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.loss.entropy_coef)):  # else a metric
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
         response_mask = batch.response_mask[rows]
         return chosen * response_mask, entropy * response_mask
 
@@ -185,17 +195,18 @@ class TorchTrainEngine(TrainEngine):
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         batch = batch.to(self.device)
-        scores = self.score(batch)
+        scored_in_training = (self.optim.updates_per_step == 1 and self.reference is None and self.critic is None
+                              and not self._dropout())
+        if scored_in_training:  # filled in by the micro-steps, all of which run before the one optimizer step
+            empty = torch.zeros_like(batch.rollout_logprobs)
+            scores = {"old_logprobs": empty, "entropy": empty.clone()}
+        else:
+            scores = self.score(batch)
         self.policy.train()
         mask = batch.response_mask
         advantages, returns = self._advantages(batch, scores.get("values"))
-        same_version = (batch.versions == self.weight_version) & (mask > 0)
-        metrics: dict[str, Any] = {
-            "train_rollout_logprob_abs_diff": float(
-                ((scores["old_logprobs"] - batch.rollout_logprobs).abs() * same_version).sum()
-                / same_version.sum().clamp(min=1)),
-            "entropy": float(aggregate(scores["entropy"], mask, "token")),
-        }
+        version = self.weight_version
+        metrics: dict[str, Any] = {}
         if "ref_logprobs" in scores:
             kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator)
             metrics["kl"] = float(aggregate(kl, mask, "token"))
@@ -209,7 +220,7 @@ class TorchTrainEngine(TrainEngine):
             value_normalizer = float(mask[mini].sum())
             for rows in mini.split(self.optim.micro_batch_size):
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
-                                                   value_normalizer).items():
+                                                   value_normalizer, scored_in_training).items():
                     totals.setdefault(key, []).append(value)
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
@@ -217,6 +228,15 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.publish()
+        self.optimizer.zero_grad(set_to_none=True)  # so that a colocated engine can use that memory between steps
+        # Only tokens sampled by the weights trained now show the engines' numerical mismatch; older ones also
+        # carry the policy's movement since. Either figure is NaN (null in metrics.jsonl) without such tokens.
+        gaps = (scores["old_logprobs"] - batch.rollout_logprobs).abs()
+        sampled = (mask > 0) & (batch.versions >= 0)
+        for key, tokens in (("train_rollout_logprob_abs_diff", sampled & (batch.versions == version)),
+                            ("train_rollout_logprob_abs_diff_stale", sampled & (batch.versions < version))):
+            metrics[key] = float((gaps * tokens).sum() / tokens.sum()) if tokens.any() else math.nan
+        metrics["entropy"] = float(aggregate(scores["entropy"], mask, "token"))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.policy.eval()
@@ -229,10 +249,14 @@ class TorchTrainEngine(TrainEngine):
 
     def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
                     advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
-                    value_normalizer: float) -> dict[str, float]:
-        """Forward and backward of one micro-batch; gradients accumulate."""
+                    value_normalizer: float, scored_here: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch; gradients accumulate. ``scored_here``: this forward's
+        log-probs and entropies are the step's scores (written into ``scores``)."""
         mask = batch.response_mask[rows]
         logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
+        if scored_here:
+            scores["old_logprobs"][rows] = logprobs.detach()
+            scores["entropy"][rows] = entropy.detach()
         loss, stats = policy_loss(self.loss, logprobs, scores["old_logprobs"][rows], advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None,
