@@ -3,6 +3,7 @@ supervision, joining, and every kind of bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -117,6 +118,19 @@ async def test_auto_restart(tmp_path):
         os.kill(info.pid, signal.SIGKILL)
         await job.wait_event("restarted", "echo0", timeout=30)
         assert await job.ask("echo0", Ping(payload=b"back")) == Pong(payload=b"back")
+
+
+async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
+    """A broken start-up (a bad engine argument, say) fails again on every restart: the driver stops after
+    three failures in a row and says why, instead of restarting it for as long as the job runs."""
+    async with open_job(tmp_path) as job:
+        with contextlib.suppress(RuntimeError):  # it may fail before or after registering
+            await job.spawn("echo", "broken", {"fail_on_start": True}, restart=True)
+        event = await job.wait_event("gave up", "broken", timeout=60)
+        assert "3 times in a row" in event.detail and "told to fail as it starts" in event.detail
+        assert [e.what for e in job.events if e.name == "broken"].count("restarted") == 2
+        await trio.sleep(1)
+        assert "broken" not in job.actors
 
 
 def _join(address: str, *extra: str) -> subprocess.Popen:

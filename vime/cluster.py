@@ -11,7 +11,12 @@ heartbeats stop for ``dead_after_s``. Either way the driver logs it, removes
 it from the directory it sends to everyone (asks waiting on it fail with
 PeerGone), records an event, and restarts it if it was spawned with
 ``restart=True`` and did not exit cleanly (exit status 0 is a deliberate
-leave, after SIGTERM say), or when :meth:`Cluster.restart` is called.
+leave, after SIGTERM say), or when :meth:`Cluster.restart` is called. An
+actor that fails by itself (a non-zero exit, or a crash: SIGABRT, SIGSEGV,
+SIGBUS) within ``QUICK_DEATH_S`` of starting, ``GIVE_UP_AFTER`` times in a
+row, is not restarted again: its start-up is broken (a bad engine argument,
+too little GPU memory), and the driver records a ``gave up`` event instead of
+looping. A kill (SIGKILL, SIGTERM) is someone's decision and does not count.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from vime.messages import Directory, Heartbeat, Register, Registered, Shutdown
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 
+QUICK_DEATH_S = 120.0
+GIVE_UP_AFTER = 3
+_CRASHES = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS})
+
 
 @dataclasses.dataclass
 class ActorInfo:
@@ -54,7 +63,8 @@ class ActorInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ActorEvent:
-    """Something the driver saw happen to an actor: ``joined``, ``died``, ``restarted``, ``refused``."""
+    """Something the driver saw happen to an actor: ``joined``, ``died``, ``restarted``, ``gave up`` (on
+    restarting it), ``refused``."""
 
     what: str
     name: str
@@ -73,6 +83,8 @@ class _Spawned:
     env: dict[str, str]
     process: trio.Process | None = None
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
+    started_at: float = 0.0  # time.monotonic() of the latest start
+    quick_failures: int = 0  # failures in a row, each within QUICK_DEATH_S of its start
 
 
 class _Driver(Actor):
@@ -207,6 +219,7 @@ class Cluster:
         env = dict(os.environ, **entry.env, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
         with open(log_path, "ab") as log_file:
             entry.process = await trio.lowlevel.open_process(command, stdout=log_file, stderr=log_file, env=env)
+        entry.started_at = time.monotonic()
         assert self._nursery is not None
         self._nursery.start_soon(self._watch_process, name, entry, entry.process)
         with trio.move_on_after(timeout):
@@ -226,8 +239,19 @@ class Cluster:
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         self._declare_dead(name, how)
         entry.registered.set()  # wakes a spawn still waiting
-        if entry.restart and code != 0 and name in self._spawned:  # exit 0 is a deliberate leave (SIGTERM)
-            await self._restart(name)
+        failed = code > 0 or -code in _CRASHES
+        quick = failed and time.monotonic() - entry.started_at < QUICK_DEATH_S
+        entry.quick_failures = entry.quick_failures + 1 if quick else 0
+        if not (entry.restart and code != 0 and name in self._spawned):  # exit 0 is a deliberate leave (SIGTERM)
+            return
+        if entry.quick_failures >= GIVE_UP_AFTER:
+            detail = (f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of starting; "
+                      f"its log {self.run_dir / 'logs' / f'{name}.log'} ends with:\n"
+                      f"{_tail(self.run_dir / 'logs' / f'{name}.log')}")
+            self.driver.log.error("not restarting", name=name, failures=entry.quick_failures)
+            self._post(ActorEvent("gave up", name, detail, time.time()))
+            return
+        await self._restart(name)
 
     async def restart(self, name: str, timeout: float = 60.0) -> ActorInfo:
         """Start a spawned actor again with its role and config (after it died, or killing it first)."""

@@ -49,8 +49,9 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
 
     Rollout workers are restarted when they die (``--restart-rollouts``; the
-    router re-issues their groups meanwhile); the death of any other actor
-    ends the run with an error naming its log and how to resume.
+    router re-issues their groups meanwhile), unless one keeps failing as it
+    starts (``vime.cluster``); that, or the death of any other actor, ends
+    the run with an error naming its log and how to resume.
     ``on_step(job, row)`` runs after each step is seen. Raises RunFailed
     when the job cannot go on. Over tcp (or ``tls+tcp``, with ``tls`` as
     :meth:`Cluster.open` takes it), every actor listens on ``host`` (an
@@ -203,11 +204,15 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
     follower = MetricsFollower(run_dir)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(seen) < steps:
+        broken = [e for e in job.events if e.what == "gave up"]
         died = [e for e in job.events if e.what == "died" and e.name in _VITAL]
-        if died:
+        if broken or died:
             saved = checkpoint.latest(run_dir)
             then = (f"continue from the checkpoint of step {checkpoint.step_of(saved)} with --resume {run_dir}"
                     if saved else "no checkpoint was written yet (--save-every N writes them)")
+            if broken:
+                raise RuntimeError(f"actor {broken[0].name} keeps failing as it starts, so it is not restarted again: "
+                                   f"{broken[0].detail}\nfix what its log says, then {then}")
             raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log; "
                                f"{then}")
         if deadline is not None and time.monotonic() > deadline:

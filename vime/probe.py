@@ -1,7 +1,9 @@
 """Small actors for self-checks, tests and benchmarks.
 
 ``echo`` answers pings, sinks bursts of notes, acknowledges (or returns)
-tensors and can be told to nap, which makes backpressure observable.
+tensors and can be told to nap, which makes backpressure observable; with
+``{"fail_on_start": true}`` in its config it fails as it starts (a broken
+start-up, for the driver's restart policy).
 ``tally`` keeps per-key totals and stamps each change with a ticket drawn from
 its seeded RNG and the message clock: real state that a replay of its message
 log must reproduce exactly.
@@ -115,6 +117,10 @@ class Echo(Actor):
         self.notes = 0
         self.out_of_order = 0
         self.last_seq = -1
+
+    async def on_start(self) -> None:
+        if self.config.get("fail_on_start"):
+            raise RuntimeError("echo was told to fail as it starts (fail_on_start)")
 
     @handles(Ping)
     async def ping(self, msg: Ping, envelope: Envelope) -> Pong:
