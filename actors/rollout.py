@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -57,10 +58,12 @@ from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
 from vime.protocol import (
     BroadcastJoin,
+    EngineAsleep,
     GenerateGroup,
     GroupDone,
     RolloutGroup,
     Sample,
+    SleepEngine,
     WeightsBroadcast,
     WeightsChunk,
     WeightsLoaded,
@@ -112,6 +115,7 @@ class RolloutWorker(Actor):
         self.engine_calls: collections.deque[_EngineCall] = collections.deque()  # to run between two steps
         self.wake = trio.Event()
         self.applied = trio.lowlevel.ParkingLot()  # woken whenever a weight version is applied
+        self.draining = False  # finishing the running responses before the engine sleeps (SleepEngine)
         self.leaving = False
 
     async def on_start(self) -> None:
@@ -229,6 +233,25 @@ class RolloutWorker(Actor):
         await self._between_steps(self.engine.load_shared, msg.tensors, msg.version)
         return WeightsLoaded(version=msg.version)
 
+    @handles(SleepEngine)
+    async def _on_sleep(self, msg: SleepEngine, envelope: Envelope) -> EngineAsleep:
+        """The trainer on our GPU is about to train: let the running responses finish, start nothing new, and
+        sleep until its next weights (``_admit`` starts nothing while the engine sleeps)."""
+        started = time.monotonic()
+        self.draining = True
+        try:
+            while self.engine.busy:
+                await self.stepped.park()
+            drained = time.monotonic() - started
+            await self._between_steps(self._sleep, msg.level, msg.version)
+        finally:
+            self.draining = False
+        return EngineAsleep(drain_s=drained)
+
+    def _sleep(self, level: int, version: int) -> None:
+        if self.engine.weight_version <= version:
+            self.engine.sleep(level)
+
     @handles(BroadcastJoin)
     async def _on_broadcast_join(self, msg: BroadcastJoin, envelope: Envelope) -> WeightsLoaded:
         await self._between_steps(self.engine.join_broadcast, msg.address, 1, msg.world_size, msg.device)
@@ -295,6 +318,8 @@ class RolloutWorker(Actor):
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
+        if self.draining or self.engine.asleep:  # the GPU is the colocated trainer's until the next weights
+            return
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []
@@ -306,8 +331,10 @@ class RolloutWorker(Actor):
         now = time.monotonic()
         for request, params in ready:
             sequences = []
-            for _ in range(request.group_size):
-                sequences.append(Sequence(self.next_request, list(request.prompt_ids), params))
+            for length in forced_lengths(self.run.rollout.forced_response_lengths, params.max_new_tokens,
+                                         self.run.job.seed, request.group_id, request.group_size):
+                sequences.append(Sequence(self.next_request, list(request.prompt_ids), params if length is None
+                                          else dataclasses.replace(params, max_new_tokens=length, stop_token_ids=())))
                 self.next_request += 1
             group = self.groups[request.group_id] = _Group(request, sequences, now)
             if self.endpoint is not None:  # external agents drive the responses
@@ -385,3 +412,16 @@ class RolloutWorker(Actor):
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,
                                                generate_s=time.monotonic() - group.started))
         await self.tell("router", GroupDone(group_id=request.group_id))
+
+
+def forced_lengths(spec: str, max_new_tokens: int, seed: int, group_id: int, count: int) -> list[int | None]:
+    """The length each of a group's ``count`` responses is forced to by ``--forced-response-lengths`` (None:
+    not forced). Drawn from the run's seed and the group's id, so a group re-issued to another worker, or
+    a replayed run, gets the same lengths."""
+    if not spec:
+        return [None] * count
+    if spec == "max":
+        return [max_new_tokens] * count
+    low = min(int(spec.removeprefix("uniform:")), max_new_tokens)
+    generator = random.Random(f"{seed}:{group_id}")
+    return [generator.randint(low, max_new_tokens) for _ in range(count)]

@@ -31,9 +31,17 @@ result, version 0's included, is also appended to RUN_DIR/eval.jsonl as it
 arrives. A checkpoint is written only once the rows before it are, so a
 resumed run neither loses nor repeats a row.
 
+With vLLM's sleep mode on (``--vllm-enable-sleep-mode true``), the engines
+on the trainer's own GPU sleep through every training step: asked before it,
+each finishes its running responses, starts no new ones and gives its GPU
+memory back; the CUDA IPC weights after it wake them. Rollout and training
+then take turns on the GPU, each with all of its memory.
+
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
-batch, ``time_train_s``, ``time_weight_sync_s``; the batch brings
-``time_generate_s`` and ``time_reward_s`` from the rollout side.
+batch, ``time_sleep_s`` waiting for colocated engines to go to sleep,
+``time_train_s``, ``time_weight_sync_s`` (waking them included), and of the
+sleep time ``time_drain_s``, the engines finishing responses; the batch
+brings ``time_generate_s`` and ``time_reward_s`` from the rollout side.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from vime.metrics import MetricsWriter
 from vime.protocol import (
     BroadcastJoin,
     EvalResult,
+    SleepEngine,
     SnapshotQuery,
     TrainBatch,
     WantBatch,
@@ -85,6 +94,7 @@ class Trainer(Actor):
         self.workers: set[str] = set()  # those sent every new version
         self.paths: dict[str, str] = {}  # worker -> nng, ipc or broadcast
         self.groups: dict[str, BroadcastGroup] = {}  # broadcast path: worker -> its group
+        self.sharing_gpu: set[str] = set()  # workers whose engine is on our GPU (colocated): put to sleep
         self.weights_lock = trio.Lock()  # held while the weights change or travel
         self.chunks: list[WeightsChunk] = []  # nng path: a CPU copy of the newest version, made when first needed
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
@@ -121,6 +131,7 @@ class Trainer(Actor):
 
     def _forget(self, worker: str) -> None:
         self.workers.discard(worker)
+        self.sharing_gpu.discard(worker)
         self.paths.pop(worker, None)
         self.groups.pop(worker, None)
 
@@ -130,6 +141,8 @@ class Trainer(Actor):
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         path = weight_path(self.run.job.weight_sync, self.gpu, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
+        if self.gpu in msg.gpus:
+            self.sharing_gpu.add(envelope.sender)
         self.start_soon(self._bring_in, envelope.sender, path, len(msg.gpus), msg.weight_version)
         return WeightsPublished(version=self.version_out)
 
@@ -207,9 +220,13 @@ class Trainer(Actor):
                               [s.logprobs for s in samples], [s.versions for s in samples],
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
                               [s.routed_experts for s in samples], [s.loss_mask for s in samples])
-            train_started = time.perf_counter()
             async with self.weights_lock:
+                slept = time.perf_counter()
+                drained = await self._put_engines_to_sleep()
+                train_started = time.perf_counter()
                 metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
+                if drained is not None:  # what training cached goes back to the engines about to wake
+                    torch.cuda.empty_cache()
                 trained = time.perf_counter()
                 await self._publish()
             synced = time.perf_counter()
@@ -232,6 +249,8 @@ class Trainer(Actor):
                 "step_time_s": synced - started,
                 "rollout_tokens_per_s": response_tokens / max(batch.stats["time_generate_s"], 1e-9),
                 "time_wait_s": waited,
+                "time_sleep_s": train_started - slept,
+                "time_drain_s": drained or 0.0,
                 "time_train_s": trained - train_started,
                 "time_weight_sync_s": synced - trained,
                 "time_checkpoint_s": time.perf_counter() - synced,
@@ -244,6 +263,31 @@ class Trainer(Actor):
             await self.rows_in.send(row)
             self.log.info("step", step=step, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
+
+    async def _put_engines_to_sleep(self) -> float | None:
+        """With vLLM's sleep mode, the engines on our GPU finish their running responses and give their memory
+        back while we train (the weights published next wake them). Returns the longest time an engine took
+        to finish its responses, or None when none sleeps. One that cannot sleep stays awake, with a warning:
+        training may then run short of memory."""
+        sleepers = sorted(self.workers & self.sharing_gpu)
+        if not (sleepers and self.run.rollout.vllm_args.get("enable_sleep_mode")):
+            return None
+        drains = [0.0]
+
+        async def put_to_sleep(worker: str) -> None:
+            try:
+                answer = await self.ask(worker, SleepEngine(level=2, version=self.version_out), timeout=600.0)
+                drains.append(answer.drain_s)
+            except (PeerGone, LookupError):
+                self._forget(worker)
+            except (RemoteError, TimeoutError) as err:
+                self.log.warning("a colocated engine did not go to sleep: training beside it (if memory runs out, "
+                                 "lower --vllm-gpu-memory-utilization)", worker=worker, error=str(err))
+
+        async with trio.open_nursery() as nursery:
+            for worker in sleepers:
+                nursery.start_soon(put_to_sleep, worker)
+        return max(drains)
 
     async def _save(self, step: int) -> None:
         """A resumable checkpoint after ``step`` steps: ours and the buffer's state, atomically."""

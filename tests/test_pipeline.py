@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from vime import rewards
+from vime.actors.rollout import forced_lengths
 from vime.actors.trainer import weight_path
 from vime.config import RunConfig
 from vime.metrics import MetricsFollower
@@ -96,14 +97,20 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
 
 async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):
     """--weight-sync broadcast on CPU: each worker forms a gloo group with the trainer and receives every
-    version in buckets; the trainer recomputes exactly the log-probs the workers sampled with."""
+    version in buckets; the trainer recomputes exactly the log-probs the workers sampled with. Response
+    lengths are forced (as benchmarks with random weights do): every group's add up to what the run's seed
+    and the group ids say, whichever worker generated it."""
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=6, rollout_workers=2, rollout_batch_size=16, weight_sync="broadcast",
-                        weight_bucket_mb=1)
+                        weight_bucket_mb=1, forced_response_lengths="uniform:2", max_new_tokens=6, seed=5)
     await train(config, run_dir, timeout_s=180)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 7))
     assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    longest, size = config.sampling.max_new_tokens, config.data.group_size
+    for row in rows:
+        lengths = [n for group in row["group_ids"] for n in forced_lengths("uniform:2", longest, 5, group, size)]
+        assert row["response_tokens"] == sum(lengths) and 2 <= min(lengths) < max(lengths) <= longest
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"path": "broadcast"') == 2, trainer_log[-2000:]
     for worker in ("rollout-0", "rollout-1"):

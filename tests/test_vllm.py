@@ -210,9 +210,7 @@ def _sleep_share_wake(folder: str, descriptors: list, prompt: list[int]) -> dict
     awake = torch.cuda.mem_get_info()[0]
     engine.sleep(level=2)
     asleep = torch.cuda.mem_get_info()[0]
-    engine.wake_up(["weights"])
-    engine.load_shared(descriptors, 1)
-    engine.wake_up(["kv_cache"])
+    engine.load_shared(descriptors, 1)  # wakes the engine: its weights' memory, then the KV cache
     woken = torch.cuda.mem_get_info()[0]
     after = Sequence(1, prompt, params)
     run(engine, [after])
@@ -289,10 +287,13 @@ async def test_pipeline_trains_on_vllm_rollouts(tmp_path, cpu_environment):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, path", [("colocated", "ipc"), ("separate", "broadcast")])
+@pytest.mark.parametrize("layout, path", [("colocated", "ipc"), ("colocated-sleeping", "ipc"),
+                                          ("separate", "broadcast")])
 async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environment, layout, path):
     """Megatron trains on the first GPU; vLLM generates on the same GPU (colocated: weights by CUDA IPC)
-    or on the next (separate: NCCL broadcast in buckets), placed by flags alone."""
+    or on the next (separate: NCCL broadcast in buckets), placed by flags alone. Colocated with sleep mode
+    and one step of staleness allowed, the engine finishes its running responses, sleeps through every
+    training step and wakes with the new weights."""
     pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
     if layout == "separate" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
@@ -300,14 +301,20 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
     from vime.pipeline import train
 
     flags = {"colocated": dict(actor_num_gpus_per_node=1, colocate=True),
+             "colocated-sleeping": dict(actor_num_gpus_per_node=1, colocate=True, max_staleness=1,
+                                        vllm_args=dict(ENGINE_ARGS, enable_sleep_mode=True),
+                                        forced_response_lengths="uniform:2", max_new_tokens=8),
              "separate": dict(actor_num_gpus_per_node=1, rollout_num_gpus=1)}[layout]
     run_dir = tmp_path / "run"
-    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=4, rollout_batch_size=16, train_backend="megatron", rollout_backend="vllm", dtype="bf16",
-        vllm_args=ENGINE_ARGS, rollout_threads=0, weight_bucket_mb=1, **flags))
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
+        "steps": 4, "rollout_batch_size": 16, "train_backend": "megatron", "rollout_backend": "vllm", "dtype": "bf16",
+        "vllm_args": ENGINE_ARGS, "rollout_threads": 0, "weight_bucket_mb": 1, **flags}))
     await train(config, run_dir, timeout_s=600)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
-    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) < 0.02
+    fresh = [row["train_rollout_logprob_abs_diff"] for row in rows]  # null on a step of only older tokens
+    assert fresh[0] is not None and max(gap for gap in fresh if gap is not None) < 0.02
     assert (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{path}"') == 1
+    if layout == "colocated-sleeping":  # the engine slept before every step (a bare lock wait is microseconds)
+        assert all(row["time_sleep_s"] > 1e-3 for row in rows), [row["time_sleep_s"] for row in rows]
     print(layout, "weight sync s per step:", [round(row["time_weight_sync_s"], 4) for row in rows])

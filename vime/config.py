@@ -67,6 +67,11 @@ class RolloutConfig:
     rollout_num_gpus_per_engine: int = setting(1, "with vllm: GPUs per engine (its tensor parallelism)")
     vllm_args: dict[str, Any] = setting({}, "with vllm: vLLM engine arguments, one --vllm-NAME VALUE flag each "
                                             "(--vllm-gpu-memory-utilization 0.5)")
+    forced_response_lengths: str = setting("", "for benchmarks with random weights, which never stop: every "
+                                               "response (eval ones too; not with --openai-endpoint) ignores its "
+                                               "stop tokens and runs to a length drawn per response (seeded by "
+                                               "group), 'max' (--max-new-tokens) or 'uniform:MIN' (MIN to "
+                                               "--max-new-tokens; MIN above it means --max-new-tokens); empty: off")
 
     def __post_init__(self) -> None:
         if self.rollout_backend not in ("torch", "vllm"):
@@ -75,6 +80,9 @@ class RolloutConfig:
             raise ValueError("--vllm-* flags and --rollout-num-gpus-per-engine apply to --rollout-backend vllm only")
         _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0,
                   rollout_num_gpus_per_engine=1)
+        if self.forced_response_lengths and not re.fullmatch(r"max|uniform:[1-9]\d*", self.forced_response_lengths):
+            raise ValueError(f"--forced-response-lengths takes max or uniform:MIN (MIN >= 1), not "
+                             f"{self.forced_response_lengths!r}")
 
 
 @dataclasses.dataclass(frozen=True)

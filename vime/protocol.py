@@ -7,6 +7,7 @@ The flow (see DESIGN.md)::
     (or, by placement: trainer --WeightsShared / BroadcastJoin, WeightsBroadcast--> rollout --WeightsLoaded--> trainer)
     trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
+    trainer --SleepEngine--> a colocated rollout worker --EngineAsleep--> trainer (before training, with sleep mode)
     buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
@@ -183,6 +184,24 @@ class WeightsLoaded:
     """rollout worker -> trainer: the engine holds weights of ``version``."""
 
     version: int
+
+
+@message
+class SleepEngine:
+    """trainer -> a rollout worker on the trainer's GPU (ask, answered with EngineAsleep), before each training
+    step when vLLM's sleep mode is on: finish the running responses, start no new ones, and give the engine's GPU
+    memory back (vLLM sleep ``level``); the next weights wake it. Not if the engine already holds weights newer
+    than ``version`` (the trainer's newest when it asked): they came after the trainer stopped waiting."""
+
+    level: int
+    version: int
+
+
+@message
+class EngineAsleep:
+    """rollout worker -> trainer: the engine sleeps; finishing its running responses took ``drain_s``."""
+
+    drain_s: float
 
 
 @message

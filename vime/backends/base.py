@@ -114,6 +114,13 @@ class RolloutEngine(abc.ABC):
             tensors.update(bucket)
         self.load_weights(tensors, version)
 
+    asleep = False  # whether the engine has given its GPU memory back (see sleep)
+
+    def sleep(self, level: int) -> None:
+        """Give the GPU memory back while a colocated trainer uses the GPU, until the next weights arrive."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode: only vLLM's engine sleeps "
+                                  "(--rollout-backend vllm --vllm-enable-sleep-mode true)")
+
 
 @dataclasses.dataclass
 class TensorBatch:

@@ -213,22 +213,28 @@ class VllmRolloutEngine(RolloutEngine):
         """A full set broadcast by the group's sender (checkpoint names, :func:`vime.transports.gpu.specs` order)."""
         self._update(version, "vime_receive_broadcast", spec_list, bucket_bytes)
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int) -> None:
         """Give the GPU memory back while another engine (a colocated trainer) uses the GPU: level 1
-        keeps the weights in host memory, level 2 drops them (a full update must follow the wake-up).
-        Needs ``--vllm-enable-sleep-mode``; sequences must not be running."""
+        keeps the weights in host memory, level 2 drops them (vLLM keeps the model's buffers). The next
+        weight update wakes the engine: the weights' memory first, the KV cache once they are loaded.
+        Needs ``--vllm-enable-sleep-mode true``; sequences must not be running."""
+        self._collect_launched()  # a batch launched ahead for a sequence that has just ended
         if self.busy:
             raise RuntimeError(f"{len(self._running)} sequences are running: finish or abort them before sleeping")
+        if self.engine.reset_prefix_cache() is False:  # its KV blocks do not survive the sleep (None: vLLM 0.24)
+            raise RuntimeError("vLLM kept its prefix cache (requests still scheduled): not sleeping")
         self.engine.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take the memory back: ``["weights"]`` first, to load new weights before the KV cache returns."""
-        self.engine.wake_up(tags)
+        self.asleep = True
 
     @torch.no_grad()
     def _update(self, version: int, method: str, *args: Any) -> None:
         self._collect_launched()
+        if self.asleep:
+            self.engine.wake_up(["weights"])
         self.engine.collective_rpc(method, args=args)
+        if self.asleep:
+            self.engine.wake_up(["kv_cache"])
+            self.asleep = False
         self.weight_version = version
 
     def _collect_launched(self) -> None:

@@ -9,6 +9,14 @@ with the real tokenizer given. The embedding matrix is padded to a multiple
 of 64 rows, as the real checkpoints pad theirs::
 
     python -m vime.tools.make_tiny_model --arch qwen3 --tokenizer ../shared/data/qwen3-tokenizer --out tiny-qwen3
+
+``--shape`` writes a real model's full shape instead (``qwen3-0.6b``,
+``qwen3-4b``: their published configs, vocabulary of 151,936 included), for
+benchmarks where the real weights cannot be had; build it on a GPU in bf16
+(``--device cuda --dtype bf16``), as the real checkpoints are stored::
+
+    python -m vime.tools.make_tiny_model --arch qwen3 --shape qwen3-4b --device cuda --dtype bf16 \
+        --tokenizer qwen3-tokenizer --out qwen3-4b-random
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("qwen3", "qwen3_moe", "glm4_moe")
+# The published Qwen3 configs (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B): what --shape builds, random weights aside.
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+}
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, layers: int = 2, **token_ids: Any) -> Any:
@@ -42,23 +55,38 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, layers: in
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
 
 
+def full_config(shape: str, **token_ids: Any) -> Any:
+    """The transformers config of a real model's shape (``SHAPES``); ``token_ids`` are pad/bos/eos ids."""
+    import transformers
+
+    if shape not in SHAPES:
+        raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, not {shape!r}")
+    return transformers.Qwen3Config(**SHAPES[shape], vocab_size=151936, num_key_value_heads=8, head_dim=128,
+                                    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                                    tie_word_embeddings=True, **token_ids)
+
+
 def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: int = 0, hidden_size: int = 64,
-                    layers: int = 2) -> Path:
-    """Write the random checkpoint and the tokenizer to ``out``; returns it."""
+                    layers: int = 2, shape: str = "", dtype: str = "fp32", device: str = "cpu") -> Path:
+    """Write the random checkpoint and the tokenizer to ``out``; returns it. With ``shape``, a real model's full
+    shape (``arch`` must be its family), built on ``device`` in ``dtype`` (fp32 or bf16)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder = Path(out)
     tokens = AutoTokenizer.from_pretrained(str(tokenizer))
-    padded = -(-len(tokens) // 64) * 64
     eos = tokens.eos_token_id
-    config = tiny_config(arch, padded, hidden_size=hidden_size, layers=layers, eos_token_id=eos,
-                         pad_token_id=tokens.pad_token_id if tokens.pad_token_id is not None else eos,
-                         bos_token_id=tokens.bos_token_id)
+    token_ids = dict(eos_token_id=eos, pad_token_id=tokens.pad_token_id if tokens.pad_token_id is not None else eos,
+                     bos_token_id=tokens.bos_token_id)
+    if shape and arch != "qwen3":
+        raise ValueError(f"--shape {shape} is a qwen3 model: pass --arch qwen3")
+    config = full_config(shape, **token_ids) if shape else \
+        tiny_config(arch, -(-len(tokens) // 64) * 64, hidden_size=hidden_size, layers=layers, **token_ids)
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     GenerationConfig(eos_token_id=eos, pad_token_id=config.pad_token_id).save_pretrained(folder)
@@ -74,14 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shape", default="", choices=["", *SHAPES],
+                        help="a real model's full shape instead of a tiny one (--hidden-size, --layers ignored)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype")
+    parser.add_argument("--device", default="cpu", help="where to build the model (cuda: much faster at full size)")
     args = parser.parse_args(argv)
+    if args.shape and args.arch != "qwen3":
+        parser.error(f"--shape {args.shape} is a qwen3 model: pass --arch qwen3")
     if not (Path(args.tokenizer) / "tokenizer_config.json").is_file():
         print(f"--tokenizer {args.tokenizer}: no tokenizer_config.json there; pass the folder of the real "
               "tokenizer files", file=sys.stderr)
         return 2
     folder = make_tiny_model(args.arch, args.tokenizer, args.out, seed=args.seed, hidden_size=args.hidden_size,
-                             layers=args.layers)
-    print(f"wrote a tiny random {args.arch} to {folder}")
+                             layers=args.layers, shape=args.shape, dtype=args.dtype, device=args.device)
+    print(f"wrote a random {args.shape or 'tiny ' + args.arch} to {folder}")
     return 0
 
 
