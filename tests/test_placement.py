@@ -49,6 +49,8 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
      "not a multiple of --rollout-num-gpus-per-engine 2"),
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "rollout_workers": 3}, ["0"] * 3,
      "--rollout-workers 3 does not match the 2 engines"),
+    ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
+      "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "sleep-mode with a tensor-parallel trainer is not supported yet"),
 ])
 def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
     with pytest.raises(ValueError, match=said):

@@ -71,6 +71,9 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
             raise ValueError(f"--colocate shares the trainer's {trainer_gpus} GPU(s): --rollout-num-gpus must be "
                              f"{trainer_gpus} or left out, not {rollout_gpus}")
         rollout_gpus = trainer_gpus
+        if config.job.tensor_model_parallel_size > 1 and rollout.vllm_args.get("enable_sleep_mode"):
+            raise ValueError("--vllm-enable-sleep-mode with a tensor-parallel trainer is not supported yet (only "
+                             "the first rank gives its cached memory back): drop one of the two")
     if rollout_gpus and rollout.rollout_backend != "vllm":
         raise ValueError("--rollout-num-gpus: the reference rollout engine runs on CPU; pass --rollout-backend vllm")
     if rollout_gpus % per_engine:
