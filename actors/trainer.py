@@ -141,23 +141,24 @@ class Trainer(Actor):
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         path = weight_path(self.run.job.weight_sync, self.gpu, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
-        if self.gpu in msg.gpus:
-            self.sharing_gpu.add(envelope.sender)
-        self.start_soon(self._bring_in, envelope.sender, path, len(msg.gpus), msg.weight_version)
+        self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
         return WeightsPublished(version=self.version_out)
 
-    async def _bring_in(self, worker: str, path: str, gpus: int, version: int) -> None:
+    async def _bring_in(self, worker: str, path: str, gpus: list[str], version: int) -> None:
         """Set up the worker's path (a broadcast group meets here, outside the weights lock, so that training
-        goes on meanwhile), send it the newest weights if it lacks them, and from then on every new version."""
+        goes on meanwhile), send it the newest weights if it lacks them, and from then on every new version
+        (and, when its engine shares our GPU, a SleepEngine before every step)."""
         self._forget(worker)
         try:
             if path == "broadcast":
-                path = await self._form_group(worker, 1 + max(gpus, 1))
+                path = await self._form_group(worker, 1 + max(len(gpus), 1))
             async with self.weights_lock:
                 self.paths[worker] = path
                 if version < self.version_out:
                     await self._deliver(worker, self._outgoing())
                 self.workers.add(worker)
+                if self.gpu in gpus:
+                    self.sharing_gpu.add(worker)
         except (PeerGone, LookupError):
             self._forget(worker)
 
