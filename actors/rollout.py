@@ -249,6 +249,8 @@ class RolloutWorker(Actor):
         return EngineAsleep(drain_s=drained)
 
     def _sleep(self, level: int, version: int) -> None:
+        """Weights newer than the trainer's when it asked came after it stopped waiting for us: generate with
+        them rather than sleep through the step they belong to."""
         if self.engine.weight_version <= version:
             self.engine.sleep(level)
 
