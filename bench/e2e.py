@@ -69,6 +69,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from vime.metrics import trained_ages
+
 SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time_train_s",
          "weight_sync": "time_weight_sync_s", "sleep": "time_sleep_s", "wait": "time_wait_s"}
 OPTIONAL = {"time_sleep_s"}  # absent from runs made before the trainer wrote it: 0 there
@@ -161,11 +163,7 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
     rows = _rows(run_dir)
     measured = rows[warmup:]
     elapsed = sum(row["step_time_s"] for row in measured)
-    ages: collections.Counter[int] = collections.Counter()
-    for row in measured:
-        for key, count in row.items():
-            if key.startswith("staleness_samples_"):
-                ages[int(key.rsplit("_", 1)[1])] += count
+    ages = trained_ages(measured)
     trained = sum(ages.values())
     busy, memory, note = gpu_figures(run_dir, rows, warmup)
     return {

@@ -36,6 +36,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vime.metrics import trained_ages
+
 PARTS = ("step_time_s", "time_wait_s", "time_generate_s", "time_reward_s", "time_train_s", "time_weight_sync_s")
 
 
@@ -58,12 +60,7 @@ def figures(run_dir: Path) -> dict:
     config = json.loads((run_dir / "config.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows  # the first step waits for the actors to warm up
-    ages: dict[int, float] = {}
-    for row in steady:
-        for key, count in row.items():
-            if key.startswith("staleness_samples_"):
-                age = int(key.rsplit("_", 1)[1])
-                ages[age] = ages.get(age, 0.0) + count
+    ages = trained_ages(steady)
     total = sum(ages.values()) or 1.0
     return {
         "run": run_dir.name,

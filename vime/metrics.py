@@ -8,7 +8,9 @@ go to RUN_DIR/tensorboard when the ``tensorboard`` package is importable.
 
 from __future__ import annotations
 
+import collections
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,14 @@ class MetricsFollower:
         complete = data[:data.rfind(b"\n") + 1]
         self._offset += len(complete)
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def trained_ages(rows: Iterable[dict[str, Any]]) -> collections.Counter[int]:
+    """How many trained samples were each number of versions old, summed over ``rows`` (each row counts its
+    own in ``staleness_samples_AGE`` keys, one per age present): the staleness histogram of a run."""
+    ages: collections.Counter[int] = collections.Counter()
+    for row in rows:
+        for key, count in row.items():
+            if key.startswith("staleness_samples_"):
+                ages[int(key.removeprefix("staleness_samples_"))] += count
+    return ages
