@@ -15,6 +15,11 @@ A weight update that lands while sequences are running does not restart
 them: they continue under the new weights (a partial rollout), and every
 token carries the version that produced it.
 
+On the trainer's own GPU with vLLM's sleep mode, the trainer asks
+(SleepEngine) before each of its steps: the worker lets its running
+responses finish, admits nothing new, and sleeps; the next weights wake it.
+Updates then never land mid-response.
+
 With tools (``--tool``), a response is an episode of turns: a turn that
 stops with tool calls has them run in the sandbox (in threads, so
 generation goes on), their results inserted as tool messages (loss mask 0),
