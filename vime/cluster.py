@@ -245,9 +245,9 @@ class Cluster:
         if not (entry.restart and code != 0 and name in self._spawned):  # exit 0 is a deliberate leave (SIGTERM)
             return
         if entry.quick_failures >= GIVE_UP_AFTER:
+            log_path = self.run_dir / "logs" / f"{name}.log"
             detail = (f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of starting; "
-                      f"its log {self.run_dir / 'logs' / f'{name}.log'} ends with:\n"
-                      f"{_tail(self.run_dir / 'logs' / f'{name}.log')}")
+                      f"its log {log_path} ends with:\n{_tail(log_path)}")
             self.driver.log.error("not restarting", name=name, failures=entry.quick_failures)
             self._post(ActorEvent("gave up", name, detail, time.time()))
             return

@@ -555,9 +555,10 @@ class _AsCausalLM(torch.nn.Module):
     it passes are those the causal GPTModel assumes anyway.
     """
 
-    def __init__(self, model: GPTModel) -> None:
+    def __init__(self, model: GPTModel, config: Any) -> None:
         super().__init__()
         self.model = model
+        self.config = config  # the Hugging Face config, as a transformers model carries it
         self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -637,11 +638,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
                             tensor_parallel=self.tensor_parallel)
         load_hf_weights(model, checkpoint, self.hf_config)
-        return _AsCausalLM(model).eval()
-
-    def _dropout(self) -> float:
-        config = self.policy.model.config
-        return config.attention_dropout + config.hidden_dropout
+        return _AsCausalLM(model, self.hf_config).eval()
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Under tensor parallelism, first complete the q/k norms' gradients (summed over the ranks), then take

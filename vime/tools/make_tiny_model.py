@@ -74,19 +74,21 @@ def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: 
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from vime.backends.hf import DTYPES
+
+    if shape and arch != "qwen3":
+        raise ValueError(f"--shape {shape} is a qwen3 model: pass --arch qwen3")
     folder = Path(out)
     tokens = AutoTokenizer.from_pretrained(str(tokenizer))
     eos = tokens.eos_token_id
     token_ids = dict(eos_token_id=eos, pad_token_id=tokens.pad_token_id if tokens.pad_token_id is not None else eos,
                      bos_token_id=tokens.bos_token_id)
-    if shape and arch != "qwen3":
-        raise ValueError(f"--shape {shape} is a qwen3 model: pass --arch qwen3")
     config = full_config(shape, **token_ids) if shape else \
         tiny_config(arch, -(-len(tokens) // 64) * 64, hidden_size=hidden_size, layers=layers, **token_ids)
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     GenerationConfig(eos_token_id=eos, pad_token_id=config.pad_token_id).save_pretrained(folder)
@@ -107,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype")
     parser.add_argument("--device", default="cpu", help="where to build the model (cuda: much faster at full size)")
     args = parser.parse_args(argv)
-    if args.shape and args.arch != "qwen3":
-        parser.error(f"--shape {args.shape} is a qwen3 model: pass --arch qwen3")
     if not (Path(args.tokenizer) / "tokenizer_config.json").is_file():
         print(f"--tokenizer {args.tokenizer}: no tokenizer_config.json there; pass the folder of the real "
               "tokenizer files", file=sys.stderr)
         return 2
-    folder = make_tiny_model(args.arch, args.tokenizer, args.out, seed=args.seed, hidden_size=args.hidden_size,
-                             layers=args.layers, shape=args.shape, dtype=args.dtype, device=args.device)
+    try:
+        folder = make_tiny_model(args.arch, args.tokenizer, args.out, seed=args.seed, hidden_size=args.hidden_size,
+                                 layers=args.layers, shape=args.shape, dtype=args.dtype, device=args.device)
+    except ValueError as err:
+        parser.error(str(err))
     print(f"wrote a random {args.shape or 'tiny ' + args.arch} to {folder}")
     return 0
 
