@@ -68,7 +68,7 @@ def bare(shape: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=_config_folder(shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_num_seqs=args.prompts, seed=0, **VLLM)
+              max_num_seqs=args.prompts, seed=0, **(VLLM | args.vllm_args))
     prompts = [{"prompt_token_ids": p} for p in _prompts(args.prompts, args.prompt_len)]
     params = SamplingParams(temperature=1.0, max_tokens=args.new, ignore_eos=True, logprobs=0, detokenize=False)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
@@ -87,12 +87,12 @@ def vime(shape: str, args: argparse.Namespace) -> dict:
     from vime.backends.vllm_rollout import VllmRolloutEngine
 
     engine = VllmRolloutEngine(_config_folder(shape), dtype="bf16", max_batch_size=args.prompts,
-                               engine_args=dict(load_format="dummy", **VLLM))
+                               engine_args=dict(load_format="dummy", **(VLLM | args.vllm_args)))
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new)
     prompts = _prompts(args.prompts, args.prompt_len)
 
     def generate(count: int) -> tuple[float, int]:
-        sequences = [Sequence(index, prompt, params) for index, prompt in enumerate(prompts[:count])]
+        sequences = [Sequence(index, prompt, params, stream=args.stream) for index, prompt in enumerate(prompts[:count])]
         engine.add(sequences)
         start = time.perf_counter()
         while engine.busy:
@@ -248,6 +248,11 @@ def main() -> int:
     parser.add_argument("--update-models", default="4b", help="shapes whose CUDA IPC and NCCL updates are measured")
     parser.add_argument("--rounds", type=int, default=5, help="timed weight updates per path (median quoted)")
     parser.add_argument("--bucket-mb", type=int, default=1024, help="NCCL broadcast bucket size")
+    parser.add_argument("--vllm-args", type=json.loads, default={}, metavar="JSON",
+                        help='more engine arguments for both engines, e.g. \'{"enable_sleep_mode": true}\'')
+    parser.add_argument("--stream", action="store_true",
+                        help="vime's engine hands each sequence its tokens every step (as to a streamed reply), "
+                             "not once at its end")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=2, metavar=("PART", "SHAPE"), help=argparse.SUPPRESS)

@@ -91,16 +91,19 @@ def test_generation_reports_the_trainers_logprobs_and_batches_continuously(dense
     engine, folder, eos, prompts = dense
     stopping = SamplingParams(temperature=0.7, max_new_tokens=12, stop_token_ids=(eos,))
     early = [Sequence(next(IDS), prompt, stopping) for prompt in prompts[:2]]
-    early.append(Sequence(next(IDS), prompts[2], SamplingParams(temperature=0.7, max_new_tokens=12)))  # runs 12 tokens
+    early.append(Sequence(next(IDS), prompts[2], SamplingParams(temperature=0.7, max_new_tokens=12),  # 12 tokens
+                          stream=True))
     engine.add(early)
     finished = []
     for _ in range(3):
         finished += engine.step()
     late = Sequence(next(IDS), prompts[3], stopping)
     lengths_before = [len(s.response_ids) for s in early]
+    ended_before = [s in finished for s in early]
     finished += run(engine, [late])
     assert sorted(s.request_id for s in finished) == sorted(s.request_id for s in [*early, late])
     assert 0 < lengths_before[2] < len(early[2].response_ids) == 12  # it kept growing beside the late request
+    assert all(length == 0 for length, ended in zip(lengths_before[:2], ended_before) if not ended)  # not streamed
     for s in [*early, late]:
         assert s.finish_reason in ("stop", "length") and 0 < len(s.response_ids) <= 12
         assert len(s.logprobs) == len(s.versions) == len(s.response_ids)
@@ -120,7 +123,7 @@ def test_weights_change_mid_generation(dense, tmp_path):
     old_weights = dict(load_causal_lm(folder).named_parameters())
     start = engine.weight_version
     params = SamplingParams(temperature=1.0, max_new_tokens=10)  # no stop ids: every sequence runs 10 tokens
-    before = [Sequence(next(IDS), prompts[1], params) for _ in range(2)]
+    before = [Sequence(next(IDS), prompts[1], params, stream=stream) for stream in (False, True)]
     engine.add(before)
     for _ in range(4):
         engine.step()
@@ -130,6 +133,7 @@ def test_weights_change_mid_generation(dense, tmp_path):
     for s in before:
         switch = s.versions.index(start + 1)
         assert 0 < switch < 10 and s.versions == [start] * switch + [start + 1] * (10 - switch)
+    assert before[0].versions == before[1].versions  # reported at the end or as they came: stamped alike
     assert after.versions == [start + 1] * 10
     fits_new, fits_old = largest_gap(other, [after]), largest_gap(folder, [after])
     assert fits_new < TOLERANCE and fits_old > max(5 * fits_new, TOLERANCE)  # not the old weights' log-probs

@@ -54,6 +54,9 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished
+    # its tokens reach response_ids as they are generated (a streamed reply); otherwise an engine may
+    # hand them over only when the sequence ends, which is cheaper for large batches
+    stream: bool = False
     # with routing replay: [prompt + response - 1, moe_layers, top_k] experts of every token fed to the model
     routed_experts: torch.Tensor | None = None
 
