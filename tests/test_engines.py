@@ -26,7 +26,7 @@ from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
-from vime.backends.torch_train import TorchTrainEngine
+from vime.backends.torch_train import TorchTrainEngine, micro_batches
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
@@ -403,6 +403,24 @@ def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
     assert max((whole_weights[name] - initial[name]).abs().max() for name in initial) > 1e-3
     for name, tensor in whole_weights.items():
         torch.testing.assert_close(split_weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_micro_batches_hold_samples_of_similar_length_longest_first():
+    lengths = [3, 9, 5, 9, 1, 6]
+    mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
+    assert [rows.tolist() for rows in micro_batches(torch.arange(6), mask, 2)] == [[1, 3], [5, 2], [0, 4]]
+    assert [rows.tolist() for rows in micro_batches(torch.tensor([4, 0, 5]), mask, 2)] == [[5, 0], [4]]
+
+
+def test_scores_come_back_in_the_batchs_order(model):
+    """Scoring runs in length-sorted micro-batches; each row's log-probs must still land on that row."""
+    folder, eos, prompts = model
+    responses = [[8, eos], [4, 5, 6, 7, 8, 9, eos], [6], [7, 8, 9, 10, eos]]  # sorted: 1, 3, 0, 2
+    batch = hand_batch(prompts[1], responses, [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1])
+    together = train_engine(folder, micro_batch_size=2).score(batch)["old_logprobs"]
+    for row, response in enumerate(responses):
+        alone = train_engine(folder, micro_batch_size=2).score(hand_batch(prompts[1], [response], [0.0], [0]))
+        torch.testing.assert_close(together[row, :len(response)], alone["old_logprobs"][0, :len(response)])
 
 
 # -- config -----------------------------------------------------------------------------------------------------

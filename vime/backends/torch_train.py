@@ -6,7 +6,10 @@ laptop scale: recompute the batch's log-probs with the current weights (the
 ``train_rollout_logprob_abs_diff``), compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
 over micro-batches of ``micro_batch_size`` samples, with gradient clipping
-and AdamW. With one optimizer step per batch, neither a KL reference nor a
+and AdamW. A micro-batch is as wide as its longest sample, so each
+mini-batch is cut into micro-batches of samples of similar length (longest
+first); gradients only accumulate over them, so the grouping does not change
+the step. With one optimizer step per batch, neither a KL reference nor a
 value model, and no dropout, nothing needs the old log-probs before the
 training forward passes, which run on those very weights: their log-probs
 serve as the old ones (the ratio is exactly 1), and the separate no-grad
@@ -176,7 +179,8 @@ class TorchTrainEngine(TrainEngine):
         batch = batch.to(self.device)
         everything = torch.arange(batch.input_ids.shape[0])
         scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
-        for rows in everything.split(self.optim.micro_batch_size):
+        chunks = micro_batches(everything, batch.attention_mask, self.optim.micro_batch_size)
+        for rows in chunks:
             logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
             scores["old_logprobs"].append(logprobs)
             scores["entropy"].append(entropy)
@@ -184,7 +188,8 @@ class TorchTrainEngine(TrainEngine):
                 scores["ref_logprobs"].append(self._response_logprobs(self.reference, batch, rows)[0])
             if self.critic is not None:
                 scores["values"].append(self._values(batch, rows))
-        return {key: torch.cat(parts) for key, parts in scores.items() if parts}
+        restore = torch.argsort(torch.cat(chunks))  # back to the batch's order
+        return {key: torch.cat(parts)[restore] for key, parts in scores.items() if parts}
 
     def _advantages(self, batch: TensorBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.algo == "grpo":
@@ -218,7 +223,7 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
             normalizer = float(mask[mini].sum()) if self.loss.loss_aggregation == "token" else float(mini.numel())
             value_normalizer = float(mask[mini].sum())
-            for rows in mini.split(self.optim.micro_batch_size):
+            for rows in micro_batches(mini, batch.attention_mask, self.optim.micro_batch_size):
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training).items():
                     totals.setdefault(key, []).append(value)
@@ -271,6 +276,14 @@ class TorchTrainEngine(TrainEngine):
             stats.update(value_stats, value_loss=value_loss.item())
         loss.backward()
         return stats
+
+
+def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """``rows`` cut into micro-batches of ``size``, longest samples first: a micro-batch is padded to its
+    longest sample, so grouping samples of similar length wastes the least compute on padding, and the
+    largest one comes first (running out of memory shows at once)."""
+    lengths = attention_mask[rows].sum(-1).cpu()
+    return rows[torch.argsort(lengths, descending=True, stable=True)].split(size)
 
 
 def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
