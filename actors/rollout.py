@@ -157,10 +157,10 @@ class RolloutWorker(Actor):
         assert self.endpoint is not None
         return await self.endpoint.handle(request)
 
-    def start_turn(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, trio.Event]:
-        """An external agent's next reply: generated like any turn, its tokens as they come (a reply may be
-        streamed); the event is set when it ends."""
-        sequence = Sequence(self.next_request, prompt_ids, params, stream=True)
+    def start_turn(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> tuple[Sequence, trio.Event]:
+        """An external agent's next reply: generated like any turn (with ``stream``, its tokens reach the
+        sequence as they come); the event is set when it ends."""
+        sequence = Sequence(self.next_request, prompt_ids, params, stream=stream)
         self.next_request += 1
         done = self.external_turns[sequence.request_id] = trio.Event()
         self.continuing.append(sequence)

@@ -92,7 +92,8 @@ def vime(shape: str, args: argparse.Namespace) -> dict:
     prompts = _prompts(args.prompts, args.prompt_len)
 
     def generate(count: int) -> tuple[float, int]:
-        sequences = [Sequence(index, prompt, params, stream=args.stream) for index, prompt in enumerate(prompts[:count])]
+        sequences = [Sequence(index, prompt, params, stream=args.stream)
+                     for index, prompt in enumerate(prompts[:count])]
         engine.add(sequences)
         start = time.perf_counter()
         while engine.busy:

@@ -143,6 +143,27 @@ def test_weights_change_mid_generation(dense, tmp_path):
     assert largest_gap(folder, [again]) < TOLERANCE
 
 
+def test_a_sequence_ending_in_a_batch_launched_ahead_is_reported_once():
+    """vLLM on GPUs launches a batch ahead (asynchronous scheduling; not on the CPU build). Before an update
+    the engine collects such batches; a sequence that ends in one is handed back by the next step, once,
+    stamped with the version that sampled it. vLLM's engine is a stand-in here: only the GPU build queues."""
+    from types import SimpleNamespace as Namespace
+
+    launched = [(None, Namespace(total_num_scheduled_tokens=1))]
+    ending = Namespace(request_id="7", finished=True, outputs=[Namespace(
+        token_ids=[5], logprobs=[{5: Namespace(logprob=-1.0)}], finish_reason="length")])
+    core = Namespace(batch_queue=launched, pause_scheduler=lambda **_: None, resume_scheduler=lambda: None)
+    engine = VllmRolloutEngine.__new__(VllmRolloutEngine)
+    engine.engine = Namespace(engine_core=Namespace(engine_core=core), collective_rpc=lambda *_, **__: None,
+                              output_processor=Namespace(external_req_ids={}, request_states={}),
+                              step=lambda: [ending] if launched and launched.pop() else [])
+    sequence = Sequence(7, [1, 2], SamplingParams(max_new_tokens=1))
+    engine.weight_version, engine._running, engine._finished = 0, {"7": sequence}, []
+    engine.load_shared([], version=1)
+    assert engine.step() == [sequence] and engine.step() == [] and not engine.busy
+    assert sequence.response_ids == [5] and sequence.versions == [0] and sequence.finish_reason == "length"
+
+
 def test_abort_stops_running_and_queued_sequences(dense):
     engine, folder, eos, prompts = dense
     params = SamplingParams(max_new_tokens=20)

@@ -49,7 +49,8 @@ class TurnHost(Protocol):
     stepped: trio.lowlevel.ParkingLot  # woken after every engine step
     counters: Any  # collections.Counter of the worker's status
 
-    def start_turn(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, trio.Event]: ...
+    def start_turn(self, prompt_ids: list[int], params: SamplingParams,
+                   stream: bool) -> tuple[Sequence, trio.Event]: ...
 
     def start_soon(self, fn: Any, *args: Any) -> None: ...
 
@@ -163,7 +164,8 @@ class AgentEndpoint:
             episode.episode = Episode(prompt)
         episode.episode.add_inserted(inserted)
         params = dataclasses.replace(episode.sampling, max_new_tokens=min(asked, room, episode.sampling.max_new_tokens))
-        sequence, done = self.host.start_turn(episode.episode.prompt_ids + episode.episode.response_ids, params)
+        sequence, done = self.host.start_turn(episode.episode.prompt_ids + episode.episode.response_ids, params,
+                                              stream=bool(body.get("stream")))
         episode.busy, episode.active = True, trio.current_time()
         episode.history = [*messages]
         recorded = trio.Event()

@@ -78,7 +78,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def step(self) -> list[Sequence]:
-        """Advance every running sequence by one token; return those that finished."""
+        """Advance every running sequence by one token; return those that finished. A sequence's tokens may
+        reach it only when it finishes, unless it is marked ``stream``."""
 
     @property
     @abc.abstractmethod

@@ -224,12 +224,13 @@ class TorchTrainEngine(TrainEngine):
             normalizer = float(mask[mini].sum()) if self.loss.loss_aggregation == "token" else float(mini.numel())
             value_normalizer = float(mask[mini].sum())
             for rows in micro_batches(mini, batch.attention_mask, self.optim.micro_batch_size):
+                tokens = float(mask[rows].sum())
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training).items():
-                    totals.setdefault(key, []).append(value)
+                    totals.setdefault(key, []).append((value, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
-            totals.setdefault("grad_norm", []).append(float(norms[0]))
+            totals.setdefault("grad_norm", []).append((float(norms[0]), 1.0))
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.publish()
@@ -246,10 +247,8 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler.step()
         self.policy.eval()
         self.weight_version += 1
-        summed = {"loss", "value_loss"}
-        for key, values in totals.items():
-            # kl was measured before the update, on the whole batch; keep that figure
-            metrics.setdefault(key, sum(values) / (len(minis) if key in summed else len(values)))
+        for key, pairs in totals.items():
+            metrics.setdefault(key, _combine(key, pairs, len(minis)))  # kl was measured before the update: kept
         return metrics
 
     def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
@@ -276,6 +275,16 @@ class TorchTrainEngine(TrainEngine):
             stats.update(value_stats, value_loss=value_loss.item())
         loss.backward()
         return stats
+
+
+def _combine(key: str, pairs: list[tuple[float, float]], minis: int) -> float:
+    """One figure for the step from the micro-batches' (value, response tokens): the losses were normalised
+    by their mini-batch, so they add up (one figure per mini-batch, averaged); the rest are per-token means,
+    weighted by their micro-batch's tokens (micro-batches of short samples hold fewer)."""
+    if key in ("loss", "value_loss"):
+        return sum(value for value, _ in pairs) / minis
+    weight = sum(tokens for _, tokens in pairs)
+    return sum(value * tokens for value, tokens in pairs) / weight if weight else sum(v for v, _ in pairs) / len(pairs)
 
 
 def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:

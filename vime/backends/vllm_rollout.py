@@ -151,7 +151,7 @@ class VllmRolloutEngine(RolloutEngine):
             enable_return_routed_experts=record_experts, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WorkerExtension", **extra)
         self.engine = LLMEngine.from_engine_args(args)
-        self._kinds = {True: RequestOutputKind.DELTA, False: RequestOutputKind.FINAL_ONLY}  # by Sequence.stream
+        self._every_step, self._at_end = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.weight_version = 0
         self._running: dict[str, Sequence] = {}
@@ -171,13 +171,18 @@ class VllmRolloutEngine(RolloutEngine):
                 request, {"prompt_token_ids": sequence.prompt_ids, "cache_salt": f"v{self.weight_version}"},
                 SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                               ignore_eos=True,
-                               logprobs=0, detokenize=False, output_kind=self._kinds[sequence.stream]))
+                               ignore_eos=True, logprobs=0, detokenize=False,
+                               output_kind=self._every_step if sequence.stream else self._at_end))
             self._running[request] = sequence
 
     def step(self) -> list[Sequence]:
         finished, self._finished = self._finished, []
-        for output in self.engine.step():
+        return finished + self._take(self.engine.step())
+
+    def _take(self, outputs: list[Any]) -> list[Sequence]:
+        """Add vLLM's outputs to their sequences; the sequences that ended."""
+        finished = []
+        for output in outputs:
             sequence = self._running.get(output.request_id)
             if sequence is None:  # aborted since
                 continue
@@ -247,13 +252,14 @@ class VllmRolloutEngine(RolloutEngine):
 
     def _stamp_unreported(self) -> None:
         """Stamp the tokens that running ``FINAL_ONLY`` requests have produced but not yet reported with the
-        version about to be replaced; the rest get the version current when they end (``step``)."""
+        version about to be replaced; the rest get the version current when they end (``step``). vLLM counts
+        a request's own tokens, which follow whatever response the sequence held when it was added."""
         processor = self.engine.output_processor
         for name, sequence in self._running.items():
             if sequence.stream:
                 continue
-            produced = sum(processor.request_states[internal].detokenizer.num_output_tokens()
-                           for internal in processor.external_req_ids.get(name, ()))
+            states = [processor.request_states[internal] for internal in processor.external_req_ids.get(name, ())]
+            produced = len(sequence.response_ids) + sum(state.detokenizer.num_output_tokens() for state in states)
             sequence.versions += [self.weight_version] * (produced - len(sequence.versions))
 
     def _collect_launched(self) -> None:
@@ -267,6 +273,6 @@ class VllmRolloutEngine(RolloutEngine):
         core.pause_scheduler(mode="keep", clear_cache=False)
         try:
             while any(batch[1].total_num_scheduled_tokens for batch in queue):
-                self._finished += self.step()
+                self._finished += self._take(self.engine.step())
         finally:
             core.resume_scheduler()
