@@ -313,12 +313,12 @@ async def test_pipeline_trains_on_vllm_rollouts(tmp_path, cpu_environment):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, path", [("colocated", "ipc"), ("colocated-sleeping", "ipc"),
-                                          ("separate", "broadcast")])
+                                          ("colocated-two-engines", "ipc"), ("separate", "broadcast")])
 async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environment, layout, path):
     """Megatron trains on the first GPU; vLLM generates on the same GPU (colocated: weights by CUDA IPC)
     or on the next (separate: NCCL broadcast in buckets), placed by flags alone. Colocated with sleep mode
     and one step of staleness allowed, the engine finishes its running responses, sleeps through every
-    training step and wakes with the new weights."""
+    training step and wakes with the new weights. Two engines can share the GPU (started in turn)."""
     pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
     if layout == "separate" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
@@ -329,6 +329,7 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
              "colocated-sleeping": dict(actor_num_gpus_per_node=1, colocate=True, max_staleness=1,
                                         vllm_args=dict(ENGINE_ARGS, enable_sleep_mode=True),
                                         forced_response_lengths="uniform:2", max_new_tokens=8),
+             "colocated-two-engines": dict(actor_num_gpus_per_node=1, colocate=True, rollout_workers=2),
              "separate": dict(actor_num_gpus_per_node=1, rollout_num_gpus=1)}[layout]
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
@@ -339,7 +340,8 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
     fresh = [row["train_rollout_logprob_abs_diff"] for row in rows]  # null on a step of only older tokens
     assert fresh[0] is not None and max(gap for gap in fresh if gap is not None) < 0.02
-    assert (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{path}"') == 1
+    engines = flags.get("rollout_workers", 1)
+    assert (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{path}"') == engines
     if layout == "colocated-sleeping":  # the engine slept before every step (a bare lock wait is microseconds)
         assert all(row["time_sleep_s"] > 1e-3 for row in rows), [row["time_sleep_s"] for row in rows]
     print(layout, "weight sync s per step:", [round(row["time_weight_sync_s"], 4) for row in rows])
