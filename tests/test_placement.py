@@ -38,6 +38,8 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
       "vllm_args": {"gpu_memory_utilization": 0.3}}, ["0"], "0", ["0", "0"]),  # two engines beside the trainer
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "rollout_workers": 4,
       "vllm_args": {"gpu_memory_utilization": 0.45}}, ["0", "1", "2"], "0", ["1", "2", "1", "2"]),
+    ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 2, "rollout_workers": 4,
+      "vllm_args": {"gpu_memory_utilization": 0.4}}, ["0", "1", "2", "3", "4"], "0", ["1,2", "3,4", "1,2", "3,4"]),
 ])
 def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
@@ -80,6 +82,8 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
     calls = []
 
     class Job:
+        events: list = []
+
         async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
             calls.append(("spawn", name))
 
@@ -92,6 +96,31 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
     assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))
     assert calls.index(("spawn", "rollout-3")) > calls.index(("built", "rollout-1"))
     assert len(calls) == 6  # the last of a group is not waited for
+
+
+async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_on(autojump_clock):
+    from vime.cluster import ActorEvent
+    from vime.runtime import PeerGone
+
+    calls, failures = [], {"rollout-0": 2, "rollout-1": 99}
+
+    class Job:
+        events: list = []
+
+        async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
+            calls.append(("spawn", name))
+
+        async def ask(self, name: str, query, timeout: float) -> None:
+            if failures[name]:
+                failures[name] -= 1
+                if name == "rollout-1" and failures[name] < 97:
+                    self.events.append(ActorEvent("gave up", name, "", 0.0))
+                raise PeerGone(name) if name == "rollout-0" else LookupError(name)
+            calls.append(("built", name))
+
+    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
+    assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))  # after its two restarts
+    assert ("spawn", "rollout-3") in calls and ("built", "rollout-1") not in calls
 
 
 def test_reference_engines_stay_on_cpu():

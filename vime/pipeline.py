@@ -187,9 +187,16 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
         await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
         await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
-        await _spawn_rollouts(job, config, document, placed)
-        ready_s = time.monotonic() - started
-        rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
+        ready_s = 0.0
+
+        async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
+            nonlocal ready_s
+            await _spawn_rollouts(job, config, document, placed)
+            ready_s = time.monotonic() - started
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spawn_rollouts)
+            rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
     return rows, counters, ready_s
 
@@ -198,15 +205,27 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
     """Start the rollout workers; those sharing GPUs one after another, each once the one before has built its
     engine (it answers a status query only then): vLLM sizes its KV cache from the memory it sees the GPU
     use while it profiles, which an engine starting beside it would change. The wait only orders the
-    starts; a worker that fails is reported by the run's own watch."""
+    starts (it runs beside the run's watch, which reports a worker that fails)."""
+    async def built(name: str) -> None:
+        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good."""
+        while True:
+            try:
+                await job.ask(name, StatusQuery(), timeout=1800)
+                return
+            except (PeerGone, LookupError):  # it died, or is not back yet
+                if not config.rollout.restart_rollouts or any(e.what == "gave up" and e.name == name
+                                                              for e in job.events):
+                    return
+                await trio.sleep(1.0)
+
     async def start_in_turn(indices: list[int]) -> None:
         for index in indices:
             name = f"rollout-{index}"
             await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
                             restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
             if index != indices[-1]:
-                with contextlib.suppress(TimeoutError, PeerGone):
-                    await job.ask(name, StatusQuery(), timeout=1800)
+                with contextlib.suppress(TimeoutError):
+                    await built(name)
 
     async with trio.open_nursery() as nursery:
         for indices in engines_sharing_gpus(placed):

@@ -24,6 +24,9 @@ import os
 from vime.config import RunConfig
 
 
+_ENGINES_SHARE = 0.9  # of a GPU's memory, at most, for the vLLM engines that share it (vLLM's own default)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """``CUDA_VISIBLE_DEVICES`` per process; ``None`` leaves the driver's own in place."""
@@ -88,9 +91,9 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
                          "--rollout-workers out for one engine per slot")
     sharing = max(1, rollout.rollout_workers // slots)  # engines on each slot's GPUs
     utilization = rollout.vllm_args.get("gpu_memory_utilization")
-    if rollout_gpus and sharing > 1 and (utilization is None or utilization * sharing > 0.95):
+    if rollout_gpus and sharing > 1 and (utilization is None or utilization * sharing > _ENGINES_SHARE):
         raise ValueError(f"{sharing} engines share each rollout GPU, each taking --vllm-gpu-memory-utilization of "
-                         f"its memory: pass at most {0.9 / sharing:.2f}")
+                         f"its memory: pass at most {_ENGINES_SHARE / sharing:.2f} (less beside a colocated trainer)")
     needed = trainer_gpus + (0 if layout.colocate else rollout_gpus)
     if needed > len(gpus):
         raise ValueError(f"this placement needs {needed} GPUs (trainer {trainer_gpus}, rollout "
