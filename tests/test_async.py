@@ -31,7 +31,7 @@ async def stop_while_busy(job: Cluster, worker: str, timeout: float = 30.0) -> i
             counters = (await job.ask("router", StatusQuery(), timeout=10)).counters
             if counters.get(f"assigned:{worker}", 0) > 0:
                 job.kill(worker, signal.SIGSTOP)
-                await trio.sleep(0.05)  # what it sent before it stopped reaches the router
+                await trio.sleep(0.5)  # what it sent before it stopped reaches the router (slow on a loaded CI)
                 held = (await job.ask("router", StatusQuery(), timeout=10)).counters.get(f"assigned:{worker}", 0)
                 if held:
                     return held
