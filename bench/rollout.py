@@ -36,23 +36,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=3072, tie_word_embeddings=True),
-    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=9728, tie_word_embeddings=False),
-}
-COMMON = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128, vocab_size=151936,
-              hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-              attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645,
-              torch_dtype="bfloat16", initializer_range=0.02, use_cache=True)
 VLLM = dict(gpu_memory_utilization=0.45, max_model_len=2048, attention_backend="FLASH_ATTN")
+
+
+def _config(shape: str):
+    """The published Qwen3 config of ``shape`` (0.6b, 4b), as ``make_tiny_model --shape`` writes it."""
+    from vime.tools.make_tiny_model import full_config
+
+    config = full_config(f"qwen3-{shape}", bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config
 
 
 def _config_folder(shape: str) -> str:
     folder = tempfile.mkdtemp(prefix=f"qwen3-{shape}-")
-    config = dict(COMMON, **SHAPES[shape], max_window_layers=SHAPES[shape]["num_hidden_layers"])
-    Path(folder, "config.json").write_text(json.dumps(config))
+    _config(shape).save_pretrained(folder)
     return folder
 
 
@@ -228,10 +226,8 @@ def _hf_named_shapes(shape: str):
     import torch
     import transformers
 
-    config = transformers.Qwen3Config(**{k: v for k, v in dict(COMMON, **SHAPES[shape]).items()
-                                         if k not in ("architectures", "model_type")})
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(config)
+        model = transformers.Qwen3ForCausalLM(_config(shape))
     return [(name, torch.empty(p.shape, dtype=torch.bfloat16, device="cuda")) for name, p in model.named_parameters()]
 
 
