@@ -16,7 +16,6 @@ from the checkpoint's state; the rollout workers get its weights.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -207,10 +206,13 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
     use while it profiles, which an engine starting beside it would change. The wait only orders the
     starts (it runs beside the run's watch, which reports a worker that fails)."""
     async def built(name: str) -> None:
-        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good."""
+        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good (or
+        has taken half an hour)."""
         while True:
             try:
                 await job.ask(name, StatusQuery(), timeout=1800)
+                return
+            except TimeoutError:
                 return
             except (PeerGone, LookupError):  # it died, or is not back yet
                 if not config.rollout.restart_rollouts or any(e.what == "gave up" and e.name == name
@@ -224,8 +226,7 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
             await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
                             restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
             if index != indices[-1]:
-                with contextlib.suppress(TimeoutError):
-                    await built(name)
+                await built(name)
 
     async with trio.open_nursery() as nursery:
         for indices in engines_sharing_gpus(placed):

@@ -219,12 +219,13 @@ class TorchTrainEngine(TrainEngine):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
         minis = [mini for mini in order.tensor_split(self.optim.updates_per_step) if mini.numel()]
+        row_tokens = mask.sum(-1).cpu()  # response tokens per sample, read once rather than per micro-batch
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
-            normalizer = float(mask[mini].sum()) if self.loss.loss_aggregation == "token" else float(mini.numel())
-            value_normalizer = float(mask[mini].sum())
+            value_normalizer = float(row_tokens[mini].sum())
+            normalizer = value_normalizer if self.loss.loss_aggregation == "token" else float(mini.numel())
             for rows in micro_batches(mini, batch.attention_mask, self.optim.micro_batch_size):
-                tokens = float(mask[rows].sum())
+                tokens = float(row_tokens[rows].sum())
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training).items():
                     totals.setdefault(key, []).append((value, tokens))
@@ -283,8 +284,7 @@ def _combine(key: str, pairs: list[tuple[float, float]], minis: int) -> float:
     weighted by their micro-batch's tokens (micro-batches of short samples hold fewer)."""
     if key in ("loss", "value_loss"):
         return sum(value for value, _ in pairs) / minis
-    weight = sum(tokens for _, tokens in pairs)
-    return sum(value * tokens for value, tokens in pairs) / weight if weight else sum(v for v, _ in pairs) / len(pairs)
+    return sum(value * tokens for value, tokens in pairs) / max(sum(tokens for _, tokens in pairs), 1.0)
 
 
 def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
