@@ -69,7 +69,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from vime.metrics import trained_ages
+from vime.metrics import MetricsFollower, trained_ages
 
 SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time_train_s",
          "weight_sync": "time_weight_sync_s", "sleep": "time_sleep_s", "wait": "time_wait_s"}
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, staleness: int, flags: list[str]) -> Path:
                   gpu_note=None if sampled else "no nvidia-smi on this machine")
     (run_dir / "e2e.json").write_text(json.dumps(labels, indent=2) + "\n")
     ended = f"timed out after {args.timeout} s" if code is None else f"exit {code} after {wall_s:.0f} s"
-    print(f"{name}: {ended}, {len(_rows(run_dir))} of {args.steps} steps", flush=True)
+    print(f"{name}: {ended}, {len(MetricsFollower(run_dir).new_rows())} of {args.steps} steps", flush=True)
     if code != 0:
         print("  " + "\n  ".join((run_dir / "scenario.log").read_text().splitlines()[-5:]), flush=True)
     return run_dir
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, staleness: int, flags: list[str]) -> Path:
 def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any]:
     """One run's entry, from its folder's files; figures over no measured step are None."""
     config = _json(run_dir / "config.json") or {}
-    rows = _rows(run_dir)
+    rows = MetricsFollower(run_dir).new_rows()
     measured = rows[warmup:]
     elapsed = sum(row["step_time_s"] for row in measured)
     ages = trained_ages(measured)
@@ -287,11 +287,6 @@ def gpu_names() -> str:
     found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     names = [line.strip() for line in found.stdout.splitlines() if line.strip()]
     return f"{len(names)} x {names[0]}" if names else "cpu"
-
-
-def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _json(path: Path) -> Any:

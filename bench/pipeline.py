@@ -36,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vime.metrics import trained_ages
+from vime.metrics import MetricsFollower, trained_ages
 
 PARTS = ("step_time_s", "time_wait_s", "time_generate_s", "time_reward_s", "time_train_s", "time_weight_sync_s")
 
@@ -58,7 +58,7 @@ def run(algo: str, seed: int, steps: int, out: Path, staleness: int | None, work
 def figures(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = MetricsFollower(run_dir).new_rows()
     steady = rows[1:] or rows  # the first step waits for the actors to warm up
     ages = trained_ages(steady)
     total = sum(ages.values()) or 1.0
