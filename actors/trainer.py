@@ -35,7 +35,9 @@ With vLLM's sleep mode on (``--vllm-enable-sleep-mode true``), the engines
 on the trainer's own GPU sleep through every training step: asked before it,
 each finishes its running responses, starts no new ones and gives its GPU
 memory back; the CUDA IPC weights after it wake them. Rollout and training
-then take turns on the GPU, each with all of its memory.
+then take turns on the GPU, each with all of its memory. With ``--colocate``
+the first step waits until the driver says every engine it starts is built
+(EnginesStarted), so that no engine profiles its memory beside a training step.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch, ``time_sleep_s`` waiting for colocated engines to go to sleep,
@@ -65,6 +67,7 @@ from vime.config import RunConfig
 from vime.metrics import MetricsWriter
 from vime.protocol import (
     BroadcastJoin,
+    EnginesStarted,
     EvalResult,
     SleepEngine,
     SnapshotQuery,
@@ -106,6 +109,7 @@ class Trainer(Actor):
         self.eval_versions = set(run.eval.versions(run.job.steps))
         self.eval_results: dict[int, dict[str, float]] = {}
         self.first_step = 0
+        self.engines_started = trio.Event()
         self.rows_written = 0  # steps whose row is in metrics.jsonl
         self._changed = trio.Event()  # set (and replaced) when a row is written or an eval result arrives
         resume = self.config.get("checkpoint")
@@ -178,6 +182,10 @@ class Trainer(Actor):
         self.groups[worker] = group
         return "broadcast"
 
+    @handles(EnginesStarted)
+    async def _on_engines_started(self, msg: EnginesStarted, envelope: Envelope) -> None:
+        self.engines_started.set()
+
     @handles(EvalResult)
     async def _on_eval(self, msg: EvalResult, envelope: Envelope) -> None:
         self.eval_results[msg.version] = msg.metrics
@@ -211,6 +219,9 @@ class Trainer(Actor):
 
     async def _train_loop(self) -> None:
         await self.wait_for_peer("buffer", timeout=600.0)
+        if self.run.placement.colocate and not self.engines_started.is_set():
+            self.log.info("training waits for the engines on this GPU to be built")
+            await self.engines_started.wait()
         for step in range(self.first_step, self.run.job.steps):
             started = time.perf_counter()
             await self.tell("buffer", WantBatch(step=step))

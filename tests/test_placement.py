@@ -78,7 +78,7 @@ def test_engines_on_the_same_gpus_form_a_group():
 
 async def test_engines_on_the_same_gpus_start_one_after_another():
     """A worker on GPUs that another engine uses starts once that engine is built (it answers a status
-    query only then); workers on other GPUs start meanwhile."""
+    query only then); workers on other GPUs start meanwhile. The trainer hears once every engine is built."""
     calls = []
 
     class Job:
@@ -91,11 +91,14 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
             await trio.sleep(0.05)  # the engine builds
             calls.append(("built", name))
 
+        async def tell(self, name: str, message) -> None:
+            calls.append((type(message).__name__, name))
+
     await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
     assert set(calls[:2]) == {("spawn", "rollout-0"), ("spawn", "rollout-1")}
     assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))
     assert calls.index(("spawn", "rollout-3")) > calls.index(("built", "rollout-1"))
-    assert len(calls) == 6  # the last of a group is not waited for
+    assert len(calls) == 9 and calls[-1] == ("EnginesStarted", "trainer")
 
 
 async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_on(autojump_clock):
@@ -111,12 +114,15 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
             calls.append(("spawn", name))
 
         async def ask(self, name: str, query, timeout: float) -> None:
-            if failures[name]:
+            if failures.get(name):
                 failures[name] -= 1
                 if name == "rollout-1" and failures[name] < 97:
                     self.events.append(ActorEvent("gave up", name, "", 0.0))
                 raise PeerGone(name) if name == "rollout-0" else LookupError(name)
             calls.append(("built", name))
+
+        async def tell(self, name: str, message) -> None:
+            raise PeerGone(name)  # the trainer died meanwhile: the run's watch reports that
 
     await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
     assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))  # after its two restarts

@@ -16,6 +16,7 @@ from the checkpoint's state; the rollout workers get its weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.runtime import PeerGone
 from vime.plugins import import_function
+from vime.protocol import EnginesStarted
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -70,14 +72,14 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         _keep_rows_up_to(run_dir / name, checkpoint.step_of(start) if start else -1)
     started = time.monotonic()
     try:
-        rows, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, on_step, timeout_s,
-                                             started, start, host, tls)
+        rows, arrived, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, on_step,
+                                                      timeout_s, started, start, host, tls)
     except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
         cause = _first_leaf(group)
         if isinstance(cause, (RuntimeError, TimeoutError)):
             raise RunFailed(str(cause)) from cause
         raise
-    summary = _summary(config, rows, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
+    summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
@@ -171,8 +173,9 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
                started: float, start: Path | None, host: str,
-               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]], float]:
-    """Start the actors in dependency order, follow the steps, collect the counters."""
+               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]], float]:
+    """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
+    collect the counters; how long until every engine the driver starts was built."""
     document = config.to_dict()
     resumed = {**document, "checkpoint": str(start)} if start else document  # for trainer and buffer
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
@@ -195,16 +198,17 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spawn_rollouts)
-            rows = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s)
+            rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
-    return rows, counters, ready_s
+    return rows, arrived, counters, ready_s
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:
     """Start the rollout workers; those sharing GPUs one after another, each once the one before has built its
     engine (it answers a status query only then): vLLM sizes its KV cache from the memory it sees the GPU
-    use while it profiles, which an engine starting beside it would change. The wait only orders the
-    starts (it runs beside the run's watch, which reports a worker that fails)."""
+    use while it profiles, which an engine starting beside it would change. Once every engine is built (or
+    gone), tell the trainer, which waits for that before training on a GPU it shares. The waits only order
+    the starts (they run beside the run's watch, which reports a worker that fails)."""
     async def built(name: str) -> None:
         """Return once ``name`` has built its engine, through its restarts, or once it is gone for good (or
         has taken half an hour)."""
@@ -225,12 +229,13 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
             name = f"rollout-{index}"
             await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
                             restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
-            if index != indices[-1]:
-                await built(name)
+            await built(name)
 
     async with trio.open_nursery() as nursery:
         for indices in engines_sharing_gpus(placed):
             nursery.start_soon(start_in_turn, indices)
+    with contextlib.suppress(PeerGone, LookupError):  # a trainer gone is the watch's to report
+        await job.tell("trainer", EnginesStarted())
 
 
 def engines_sharing_gpus(placed: Placement) -> list[list[int]]:
@@ -244,9 +249,11 @@ def engines_sharing_gpus(placed: Placement) -> list[list[int]]:
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,
                   on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None,
-                  timeout_s: float | None) -> list[dict[str, Any]]:
-    """Wait for ``steps`` rows in metrics.jsonl, showing each; fail fast if a vital actor dies."""
+                  timeout_s: float | None, started: float) -> tuple[list[dict[str, Any]], list[float]]:
+    """Wait for ``steps`` rows in metrics.jsonl, showing each, and when each came (seconds from ``started``);
+    fail fast if a vital actor dies."""
     seen: list[dict[str, Any]] = []
+    arrived: list[float] = []
     follower = MetricsFollower(run_dir)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(seen) < steps:
@@ -265,12 +272,13 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
         for row in follower.new_rows():
             seen.append(row)
+            arrived.append(time.monotonic() - started)
             if show is not None:
                 show(row)
             if on_step is not None:
                 await on_step(job, row)
         await trio.sleep(0.1)
-    return seen[:steps]
+    return seen[:steps], arrived[:steps]
 
 
 _VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go
@@ -281,8 +289,8 @@ def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, dict[str, int]], ready_s: float,
-             total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float], counters: dict[str, dict[str, int]],
+             ready_s: float, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
     return {
@@ -291,7 +299,7 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], counters: dict[str, 
         "steps": len(rows),
         "final_raw_reward": _trailing_mean(rows, len(rows) - 1) if rows else None,
         "first_step_reward_0.9": target,
-        "seconds_to_reward_0.9": None if target is None else ready_s + sum(r["step_time_s"] for r in rows[:target + 1]),
+        "seconds_to_reward_0.9": None if target is None else arrived[target],
         **{f"max_{key}": max((row[key] for row in rows if row.get(key) is not None), default=None)
            for key in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_stale")},
         "startup_s": ready_s,

@@ -205,6 +205,13 @@ class EngineAsleep:
 
 
 @message
+class EnginesStarted:
+    """driver -> trainer: every rollout worker the driver starts has built its engine or is gone for good. With
+    ``--colocate`` the trainer starts training only then: a vLLM engine sizes its KV cache from the GPU memory it
+    sees in use while it profiles, which a training step on the same GPU would change under it."""
+
+
+@message
 class WeightsPublished:
     """trainer -> buffer: version ``version`` is on its way to every rollout worker
     (and trainer -> a worker that said WorkerReady: the version it is being sent)."""
