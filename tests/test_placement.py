@@ -129,6 +129,37 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
     assert ("spawn", "rollout-3") in calls and ("built", "rollout-1") not in calls
 
 
+@pytest.mark.parametrize("departure", ["clean exit", "never back"])
+async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autojump_clock, departure):
+    """A worker that exits cleanly is not restarted, so nothing waits for it; one that never answers is waited
+    for ENGINE_BUILD_S at most. The trainer hears either way."""
+    from vime.cluster import ActorEvent
+    from vime.pipeline import ENGINE_BUILD_S
+    from vime.runtime import PeerGone
+
+    calls = []
+
+    class Job:
+        events = [ActorEvent("died", "rollout-0", "exited with code 0", 0.0)] if departure == "clean exit" else []
+
+        async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
+            calls.append(("spawn", name, trio.current_time()))
+
+        async def ask(self, name: str, query, timeout: float) -> None:
+            if name == "rollout-0":
+                raise PeerGone(name)
+            calls.append(("built", name))
+
+        async def tell(self, name: str, message) -> None:
+            calls.append(("told", name))
+
+    await _spawn_rollouts(Job(), GPU_RUN, {}, Placement("0", ["0", "0"], ""))
+    spawned = {call[1]: call[2] for call in calls if call[0] == "spawn"}
+    waited = spawned["rollout-1"] - spawned["rollout-0"]
+    assert waited < 5 if departure == "clean exit" else ENGINE_BUILD_S <= waited < ENGINE_BUILD_S + 5
+    assert calls[-1] == ("told", "trainer")
+
+
 def test_reference_engines_stay_on_cpu():
     with pytest.raises(ValueError, match="pass --train-backend megatron"):
         place(RunConfig().replace(actor_num_gpus_per_node=1, rollout_backend="vllm"), ["0"])

@@ -79,6 +79,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         if isinstance(cause, (RuntimeError, TimeoutError)):
             raise RunFailed(str(cause)) from cause
         raise
+    resumed_at = checkpoint.step_of(start) if start else 0  # rows before it came from an earlier driver
+    arrived = [seconds if row["step"] >= resumed_at else None for row, seconds in zip(rows, arrived)]
     summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
@@ -203,26 +205,32 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     return rows, arrived, counters, ready_s
 
 
+ENGINE_BUILD_S = 1800.0  # the longest the driver waits for one rollout worker to build its engine
+
+
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:
     """Start the rollout workers; those sharing GPUs one after another, each once the one before has built its
     engine (it answers a status query only then): vLLM sizes its KV cache from the memory it sees the GPU
     use while it profiles, which an engine starting beside it would change. Once every engine is built (or
-    gone), tell the trainer, which waits for that before training on a GPU it shares. The waits only order
-    the starts (they run beside the run's watch, which reports a worker that fails)."""
+    gone, or past ``ENGINE_BUILD_S``), tell the trainer, which waits for that before training on a GPU it
+    shares. The waits only order the starts (they run beside the run's watch, which reports a worker that
+    fails)."""
     async def built(name: str) -> None:
-        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good (or
-        has taken half an hour)."""
-        while True:
-            try:
-                await job.ask(name, StatusQuery(), timeout=1800)
-                return
-            except TimeoutError:
-                return
-            except (PeerGone, LookupError):  # it died, or is not back yet
-                if not config.rollout.restart_rollouts or any(e.what == "gave up" and e.name == name
-                                                              for e in job.events):
+        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good (given
+        up on, or left: a clean exit is not restarted), or half an hour after it was started."""
+        with trio.move_on_after(ENGINE_BUILD_S):
+            while True:
+                try:
+                    await job.ask(name, StatusQuery(), timeout=ENGINE_BUILD_S)
                     return
-                await trio.sleep(1.0)
+                except TimeoutError:
+                    return
+                except (PeerGone, LookupError):  # it died, or is not back yet
+                    last = next((e for e in reversed(job.events) if e.name == name), None)
+                    if not config.rollout.restart_rollouts or (last is not None and (
+                            last.what == "gave up" or (last.what == "died" and last.detail == "exited with code 0"))):
+                        return
+                    await trio.sleep(1.0)
 
     async def start_in_turn(indices: list[int]) -> None:
         for index in indices:
@@ -270,9 +278,10 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
                                f"{then}")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
+        now = time.monotonic() - started
         for row in follower.new_rows():
             seen.append(row)
-            arrived.append(time.monotonic() - started)
+            arrived.append(now)
             if show is not None:
                 show(row)
             if on_step is not None:
@@ -289,7 +298,7 @@ def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float], counters: dict[str, dict[str, int]],
+def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float | None], counters: dict[str, dict[str, int]],
              ready_s: float, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)

@@ -9,6 +9,7 @@ The flow (see DESIGN.md)::
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
     trainer --SleepEngine--> a colocated rollout worker --EngineAsleep--> trainer (before training, with sleep mode)
     buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
+    driver --EnginesStarted--> trainer (once the rollout workers it starts have built their engines)
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
 fp32 log-probs arrive bit-exact.
@@ -208,7 +209,8 @@ class EngineAsleep:
 class EnginesStarted:
     """driver -> trainer: every rollout worker the driver starts has built its engine or is gone for good. With
     ``--colocate`` the trainer starts training only then: a vLLM engine sizes its KV cache from the GPU memory it
-    sees in use while it profiles, which a training step on the same GPU would change under it."""
+    sees in use while it profiles, which a training step on the same GPU would change under it. A worker
+    restarted later builds its engine beside training (not covered)."""
 
 
 @message
