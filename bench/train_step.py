@@ -6,7 +6,9 @@ pipeline step does around them: right-padded samples of varying prompt length, c
 of similar length, the log-prob and entropy of every response token over the whole vocabulary, the
 policy loss, clipping and AdamW on fp32 masters. The batch is ``--samples`` responses of
 ``--response-len`` tokens after prompts of ``--prompt-len`` tokens (``MIN:MAX``, uniform), random token
-ids, rewards of 1 and 0 by turns (so advantages are not zero); the model is the one at ``--model-path``
+ids, rewards of 1 and 0 by turns (so advantages are not zero), ``--updates-per-step`` optimizer steps (1, as in
+the TRL-settings runs: the training pass's log-probs are the old ones, so there is no scoring pass); the
+model is the one at ``--model-path``
 (a random full-size Qwen3 from ``python -m vime.tools.make_tiny_model --shape ...``). Each micro-batch
 size runs in a process of its own: running out of memory costs only its row.
 
@@ -35,14 +37,15 @@ from typing import Any
 
 import torch
 
+from vime.backends.base import TensorBatch, collate
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import kernel_time_by_kind  # noqa: E402 -- bench/train.py, beside this file
 
 
-def rl_batch(samples: int, prompt_len: tuple[int, int], response_len: int, vocab: int, seed: int = 0) -> Any:
+def rl_batch(samples: int, prompt_len: tuple[int, int], response_len: int, vocab: int,
+             seed: int = 0) -> TensorBatch:
     """A collated batch of random prompts and responses, groups of 8, rewards 1 and 0 by turns."""
-    from vime.backends.base import collate
-
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(samples)]
     responses = [[rng.randrange(vocab) for _ in range(response_len)] for _ in range(samples)]
@@ -51,8 +54,9 @@ def rl_batch(samples: int, prompt_len: tuple[int, int], response_len: int, vocab
                    pad_token_id=0)
 
 
-def padded_tokens(batch: Any, micro_batch_size: int) -> int:
-    """Token positions the forward computes: each micro-batch is as wide as its longest sample."""
+def padded_tokens(batch: TensorBatch, micro_batch_size: int) -> int:
+    """Token positions the forward computes: each micro-batch is as wide as its longest sample (one update per
+    step: with more, micro-batches form inside each random mini-batch and a scoring pass comes first)."""
     from vime.backends.torch_train import micro_batches
 
     lengths = batch.attention_mask.sum(-1)
@@ -68,7 +72,8 @@ def run_one(args: argparse.Namespace, micro_batch_size: int) -> dict[str, Any]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     run = RunConfig().replace(model_path=str(args.model_path), train_backend="megatron", dtype=args.dtype,
-                              micro_batch_size=micro_batch_size, steps=args.warmup + args.steps + 1)
+                              micro_batch_size=micro_batch_size, updates_per_step=args.updates_per_step,
+                              steps=args.warmup + args.steps + 1)
     engine = train_engine(run, seed=0)
     batch = rl_batch(args.samples, args.prompt_len, args.response_len, engine.hf_config.vocab_size)
 
@@ -98,7 +103,8 @@ def run_in_child(args: argparse.Namespace, micro_batch_size: int) -> dict[str, A
     command = [sys.executable, __file__, "--child", str(micro_batch_size), "--model-path", str(args.model_path),
                "--samples", str(args.samples), "--prompt-len", f"{args.prompt_len[0]}:{args.prompt_len[1]}",
                "--response-len", str(args.response_len), "--dtype", args.dtype, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+               "--warmup", str(args.warmup), "--updates-per-step", str(args.updates_per_step)] + (
+                  ["--profile"] if args.profile else [])
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -112,6 +118,7 @@ def run_in_child(args: argparse.Namespace, micro_batch_size: int) -> dict[str, A
 
 
 def span(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (or one number) as a pair."""
     low, _, high = text.partition(":")
     return int(low), int(high or low)
 
@@ -119,11 +126,13 @@ def span(text: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", type=Path, help="a Hugging Face Qwen3 folder (random weights will do)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model and batch: checks the plumbing")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny random model, batch and fp32 in place of the model, sizes and dtype given")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--prompt-len", type=span, default=(60, 194), help="MIN:MAX tokens, uniform")
     parser.add_argument("--response-len", type=int, default=512)
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--updates-per-step", type=int, default=1)
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
@@ -134,7 +143,7 @@ def main() -> None:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    if args.child:
+    if args.child is not None:
         print("RESULT " + json.dumps(run_one(args, args.child)), flush=True)
         return
     with tempfile.TemporaryDirectory() as scratch:
