@@ -160,6 +160,38 @@ async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autoj
     assert calls[-1] == ("told", "trainer")
 
 
+@pytest.mark.parametrize("colocate", [True, False])
+async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are_built(tmp_path, colocate):
+    from vime.actors.trainer import Trainer
+    from vime.protocol import EnginesStarted, WantBatch
+    from vime.runtime import ActorSettings
+    from vime.scenarios import arithmetic
+    from vime.transports.codec import Envelope
+
+    config = arithmetic.prepare(tmp_path, arithmetic.defaults().replace(colocate=colocate)).to_dict()
+    trainer = Trainer(ActorSettings(name="trainer", listen="ipc:///none", run_dir=str(tmp_path)), config)
+    sent: list[Envelope] = []
+    trainer._send_hook = sent.append
+
+    async def present(name: str, timeout: float) -> None:
+        return None
+
+    trainer.wait_for_peer = present
+
+    def asked() -> list[WantBatch]:
+        return [envelope.payload for envelope in sent if isinstance(envelope.payload, WantBatch)]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trainer._train_loop)
+        await trio.sleep(0.5)
+        assert asked() == ([] if colocate else [WantBatch(step=0)])
+        told = Envelope("EnginesStarted", "driver", "trainer", 1, None, 0.0, None, False, EnginesStarted())
+        await getattr(trainer, trainer._handlers[told.kind])(told.payload, told)
+        await trio.sleep(0.1)
+        assert asked() == [WantBatch(step=0)]
+        nursery.cancel_scope.cancel()
+
+
 def test_reference_engines_stay_on_cpu():
     with pytest.raises(ValueError, match="pass --train-backend megatron"):
         place(RunConfig().replace(actor_num_gpus_per_node=1, rollout_backend="vllm"), ["0"])
