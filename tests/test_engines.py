@@ -24,7 +24,7 @@ from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
-from vime.backends.hf import DTYPES, load_tokenizer
+from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
@@ -130,6 +130,24 @@ def test_trainer_recomputes_the_rollout_logprobs(model):
     # the figure really compares the tokens: logprobs off by 0.25 are reported as such
     shifted = train_engine(folder, temperature=temperature).train_step(batch(0.25))
     assert shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.25, abs=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scaled_logprobs_of_bf16_logits_are_the_fp32_log_softmax(device, temperature):
+    """At temperature 1 the softmax reads the bf16 logits itself (no fp32 copy); values and gradients are those
+    of the fp32 formula either way."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 1000, device=device) * 4).to(torch.bfloat16).requires_grad_()
+    weights = torch.randn(3, 5, 1000, device=device)
+    ours = scaled_logprobs(logits, temperature)
+    wanted = torch.log_softmax(logits.float() / temperature, dim=-1)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, wanted, rtol=0, atol=1e-6)
+    gradient, = torch.autograd.grad((ours * weights).sum(), logits)
+    wanted_gradient, = torch.autograd.grad((wanted * weights).sum(), logits)
+    assert gradient.dtype == torch.bfloat16
+    torch.testing.assert_close(gradient, wanted_gradient, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
