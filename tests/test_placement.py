@@ -82,8 +82,6 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
     calls = []
 
     class Job:
-        events: list = []
-
         async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
             calls.append(("spawn", name))
 
@@ -102,24 +100,22 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
 
 
 async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_on(autojump_clock):
-    from vime.cluster import ActorEvent
     from vime.runtime import PeerGone
 
     calls, failures = [], {"rollout-0": 2, "rollout-1": 99}
 
     class Job:
-        events: list = []
-
         async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
             calls.append(("spawn", name))
 
         async def ask(self, name: str, query, timeout: float) -> None:
             if failures.get(name):
                 failures[name] -= 1
-                if name == "rollout-1" and failures[name] < 97:
-                    self.events.append(ActorEvent("gave up", name, "", 0.0))
                 raise PeerGone(name) if name == "rollout-0" else LookupError(name)
             calls.append(("built", name))
+
+        def gone_for_good(self, name: str) -> bool:
+            return name == "rollout-1" and failures[name] < 97  # given up on after its third failure
 
         async def tell(self, name: str, message) -> None:
             raise PeerGone(name)  # the trainer died meanwhile: the run's watch reports that
@@ -131,16 +127,16 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
 
 @pytest.mark.parametrize("departure", ["clean exit", "never back"])
 async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autojump_clock, departure):
-    """A worker that exits cleanly is not restarted, so nothing waits for it; one that never answers is waited
-    for ENGINE_BUILD_S at most. The trainer hears either way."""
-    from vime.cluster import ActorEvent
+    """A worker that exited cleanly is not restarted (the job says it is gone for good), so nothing waits for it;
+    one that never answers is waited for ENGINE_BUILD_S at most. The trainer hears either way."""
     from vime.pipeline import ENGINE_BUILD_S
     from vime.runtime import PeerGone
 
     calls = []
 
     class Job:
-        events = [ActorEvent("died", "rollout-0", "exited with code 0", 0.0)] if departure == "clean exit" else []
+        def gone_for_good(self, name: str) -> bool:
+            return departure == "clean exit"
 
         async def spawn(self, role: str, name: str, *args, **kwargs) -> None:
             calls.append(("spawn", name, trio.current_time()))

@@ -118,6 +118,19 @@ async def test_auto_restart(tmp_path):
         os.kill(info.pid, signal.SIGKILL)
         await job.wait_event("restarted", "echo0", timeout=30)
         assert await job.ask("echo0", Ping(payload=b"back")) == Pong(payload=b"back")
+        assert not job.gone_for_good("echo0")
+
+
+async def test_an_actor_that_leaves_cleanly_is_not_restarted(tmp_path):
+    async with open_job(tmp_path) as job:
+        info = await job.spawn("echo", "echo0", restart=True)
+        os.kill(info.pid, signal.SIGTERM)
+        await job.wait_event("died", "echo0", timeout=10)
+        with trio.fail_after(5):
+            while not job.gone_for_good("echo0"):
+                await trio.sleep(0.05)
+        await trio.sleep(1)
+        assert "echo0" not in job.actors and "restarted" not in [e.what for e in job.events if e.name == "echo0"]
 
 
 async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
@@ -130,7 +143,7 @@ async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
         assert "3 times in a row" in event.detail and "told to fail as it starts" in event.detail
         assert [e.what for e in job.events if e.name == "broken"].count("restarted") == 2
         await trio.sleep(1)
-        assert "broken" not in job.actors
+        assert "broken" not in job.actors and job.gone_for_good("broken")
 
 
 def _join(address: str, *extra: str) -> subprocess.Popen:

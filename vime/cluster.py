@@ -124,6 +124,7 @@ class Cluster:
         self.events: list[ActorEvent] = []
         self._event_posted = trio.lowlevel.ParkingLot()
         self._spawned: dict[str, _Spawned] = {}
+        self._gone: set[str] = set()  # spawned actors dead and not to be restarted
         self._socket_dir = Path(tempfile.mkdtemp(prefix="vime-"))
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -243,19 +244,27 @@ class Cluster:
         quick = failed and time.monotonic() - entry.started_at < QUICK_DEATH_S
         entry.quick_failures = entry.quick_failures + 1 if quick else 0
         if not (entry.restart and code != 0 and name in self._spawned):  # exit 0 is a deliberate leave (SIGTERM)
+            self._gone.add(name)
             return
         if entry.quick_failures >= GIVE_UP_AFTER:
             log_path = self.run_dir / "logs" / f"{name}.log"
             detail = (f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of starting; "
                       f"its log {log_path} ends with:\n{_tail(log_path)}")
             self.driver.log.error("not restarting", name=name, failures=entry.quick_failures)
+            self._gone.add(name)
             self._post(ActorEvent("gave up", name, detail, time.time()))
             return
         await self._restart(name)
 
+    def gone_for_good(self, name: str) -> bool:
+        """Whether the spawned actor ``name`` died and the driver will not restart it: it left cleanly, was
+        spawned without restarts, or kept failing as it started (until :meth:`restart` is called)."""
+        return name in self._gone
+
     async def restart(self, name: str, timeout: float = 60.0) -> ActorInfo:
         """Start a spawned actor again with its role and config (after it died, or killing it first)."""
         entry = self._spawned[name]
+        self._gone.discard(name)
         if entry.process is not None and entry.process.returncode is None:
             old = entry.process
             entry.process = None

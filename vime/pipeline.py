@@ -216,8 +216,8 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
     shares. The waits only order the starts (they run beside the run's watch, which reports a worker that
     fails)."""
     async def built(name: str) -> None:
-        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good (given
-        up on, or left: a clean exit is not restarted), or half an hour after it was started."""
+        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good, or
+        ``ENGINE_BUILD_S`` after it was started."""
         with trio.move_on_after(ENGINE_BUILD_S):
             while True:
                 try:
@@ -226,9 +226,7 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
                 except TimeoutError:
                     return
                 except (PeerGone, LookupError):  # it died, or is not back yet
-                    last = next((e for e in reversed(job.events) if e.name == name), None)
-                    if not config.rollout.restart_rollouts or (last is not None and (
-                            last.what == "gave up" or (last.what == "died" and last.detail == "exited with code 0"))):
+                    if job.gone_for_good(name):
                         return
                     await trio.sleep(1.0)
 
