@@ -258,23 +258,28 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
 
 
 def run_in_child(args: argparse.Namespace, shape: str, backend: str, peak: float) -> dict[str, Any]:
-    """One row, computed in a fresh process (clean GPU memory; a crash or OOM is reported, not fatal)."""
+    """One row, computed in a fresh process."""
     command = [sys.executable, __file__, "--child", shape, backend, "--seq-len", str(args.seq_len),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak", str(peak)]
     if args.profile:
         command.append("--profile")
+    return row_from_child(command, args.timeout, dict(shape=shape, backend=backend, seq_len=args.seq_len))
+
+
+def row_from_child(command: list[str], timeout: float, identity: dict[str, Any]) -> dict[str, Any]:
+    """The row a child process prints (``RESULT {json}``), with its wall time. Each row runs in a fresh
+    process for clean GPU memory; a crash, running out of memory or the time-out becomes the row's
+    ``error``, beside ``identity``, instead of ending the bench."""
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return dict(shape=shape, backend=backend, seq_len=args.seq_len, error=f"timed out after {args.timeout} s")
+        return dict(identity, error=f"timed out after {timeout} s")
     rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not rows:
         tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
-        return dict(shape=shape, backend=backend, seq_len=args.seq_len, error="\n".join(tail))
-    row = json.loads(rows[-1])
-    row["wall_s"] = round(time.perf_counter() - started, 1)
-    return row
+        return dict(identity, error="\n".join(tail))
+    return json.loads(rows[-1]) | {"wall_s": round(time.perf_counter() - started, 1)}
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import torch
 from vime.backends.base import TensorBatch, collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import kernel_time_by_kind  # noqa: E402 -- bench/train.py, beside this file
+from train import kernel_time_by_kind, row_from_child  # noqa: E402 -- bench/train.py, beside this file
 
 
 def rl_batch(samples: int, prompt_len: tuple[int, int], response_len: int, vocab: int,
@@ -99,22 +98,13 @@ def run_one(args: argparse.Namespace, micro_batch_size: int) -> dict[str, Any]:
 
 
 def run_in_child(args: argparse.Namespace, micro_batch_size: int) -> dict[str, Any]:
-    """One row, computed in a fresh process (clean GPU memory; a crash or OOM is reported, not fatal)."""
+    """One row, computed in a fresh process."""
     command = [sys.executable, __file__, "--child", str(micro_batch_size), "--model-path", str(args.model_path),
                "--samples", str(args.samples), "--prompt-len", f"{args.prompt_len[0]}:{args.prompt_len[1]}",
                "--response-len", str(args.response_len), "--dtype", args.dtype, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--updates-per-step", str(args.updates_per_step)] + (
                   ["--profile"] if args.profile else [])
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return dict(micro_batch_size=micro_batch_size, error=f"timed out after {args.timeout} s")
-    rows = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not rows:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
-        return dict(micro_batch_size=micro_batch_size, error="\n".join(tail))
-    return json.loads(rows[-1]) | {"wall_s": round(time.perf_counter() - started, 1)}
+    return row_from_child(command, args.timeout, dict(micro_batch_size=micro_batch_size))
 
 
 def span(text: str) -> tuple[int, int]:
