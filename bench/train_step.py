@@ -60,8 +60,7 @@ def padded_tokens(batch: TensorBatch, micro_batch_size: int) -> int:
 
     lengths = batch.attention_mask.sum(-1)
     rows = torch.arange(len(lengths))
-    return sum(len(part) * int(lengths[part].max()) for part in micro_batches(rows, batch.attention_mask,
-                                                                              micro_batch_size))
+    return sum(len(part) * int(lengths[part].max()) for part in micro_batches(rows, lengths, micro_batch_size))
 
 
 def run_one(args: argparse.Namespace, micro_batch_size: int) -> dict[str, Any]:

@@ -428,8 +428,8 @@ def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
 def test_micro_batches_hold_samples_of_similar_length_longest_first():
     lengths = [3, 9, 5, 9, 1, 6]
     mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
-    assert [rows.tolist() for rows in micro_batches(torch.arange(6), mask, 2)] == [[1, 3], [5, 2], [0, 4]]
-    assert [rows.tolist() for rows in micro_batches(torch.tensor([4, 0, 5]), mask, 2)] == [[5, 0], [4]]
+    assert [rows.tolist() for rows in micro_batches(torch.arange(6), mask.sum(-1), 2)] == [[1, 3], [5, 2], [0, 4]]
+    assert [rows.tolist() for rows in micro_batches(torch.tensor([4, 0, 5]), mask.sum(-1), 2)] == [[5, 0], [4]]
 
 
 def test_scores_come_back_in_the_batchs_order(model):

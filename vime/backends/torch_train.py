@@ -176,10 +176,10 @@ class TorchTrainEngine(TrainEngine):
         """Everything computed once per step with the weights the batch will be trained from: the response
         tokens' log-probs (``old_logprobs``, the trainer side of ``train_rollout_logprob_abs_diff``) and
         entropies, and the reference log-probs and values where the algorithm has them."""
+        chunks = micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu(),
+                               self.optim.micro_batch_size)
         batch = batch.to(self.device)
-        everything = torch.arange(batch.input_ids.shape[0])
         scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
-        chunks = micro_batches(everything, batch.attention_mask, self.optim.micro_batch_size)
         for rows in chunks:
             logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
             scores["old_logprobs"].append(logprobs)
@@ -199,6 +199,7 @@ class TorchTrainEngine(TrainEngine):
         return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
+        lengths = batch.attention_mask.sum(-1).cpu()  # of every sample, for the micro-batches
         batch = batch.to(self.device)
         scored_in_training = (self.optim.updates_per_step == 1 and self.reference is None and self.critic is None
                               and not self._dropout())
@@ -224,7 +225,7 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
             value_normalizer = float(row_tokens[mini].sum())
             normalizer = value_normalizer if self.loss.loss_aggregation == "token" else float(mini.numel())
-            for rows in micro_batches(mini, batch.attention_mask, self.optim.micro_batch_size):
+            for rows in micro_batches(mini, lengths, self.optim.micro_batch_size):
                 tokens = float(row_tokens[rows].sum())
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training).items():
@@ -287,12 +288,11 @@ def _combine(key: str, pairs: list[tuple[float, float]], minis: int) -> float:
     return sum(value * tokens for value, tokens in pairs) / max(sum(tokens for _, tokens in pairs), 1.0)
 
 
-def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-    """``rows`` cut into micro-batches of ``size``, longest samples first: a micro-batch is padded to its
-    longest sample, so grouping samples of similar length wastes the least compute on padding, and the
-    largest one comes first (running out of memory shows at once)."""
-    lengths = attention_mask[rows].sum(-1).cpu()
-    return rows[torch.argsort(lengths, descending=True, stable=True)].split(size)
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """``rows`` cut into micro-batches of ``size``, longest samples first (``lengths``: of every sample of the
+    batch): a micro-batch is padded to its longest sample, so grouping samples of similar length wastes the
+    least compute on padding, and the largest one comes first (running out of memory shows at once)."""
+    return rows[torch.argsort(lengths[rows], descending=True, stable=True)].split(size)
 
 
 def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
