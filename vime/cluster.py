@@ -106,6 +106,12 @@ class _Driver(Actor):
             info.status = msg.status
 
 
+def new_join_token() -> str:
+    """A random join token that is safe on a command line: hex only, because a url-safe token starts
+    with '-' one time in 64 and ``--token -x...`` then reads as an option, and the join fails."""
+    return secrets.token_hex(16)
+
+
 class Cluster:
     """A running job: the driver actor plus the actors it spawned or let join."""
 
@@ -146,7 +152,7 @@ class Cluster:
         if transport not in ("ipc", "tcp", "tls+tcp"):
             raise ValueError(f"transport must be ipc, tcp or tls+tcp, not {transport!r}")
         if transport != "ipc" and token is None:
-            token = secrets.token_urlsafe(16)
+            token = new_join_token()
         cluster = cls(Path(run_dir), transport=transport, host=host, token=token, record=record,
                       dead_after_s=dead_after_s, tls=tls, job_config=job_config)
         cluster.run_dir.mkdir(parents=True, exist_ok=True)
