@@ -111,25 +111,27 @@ def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
 def policy_loss(config: PolicyLossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, *, entropy: torch.Tensor | None = None,
                 ref_logprobs: torch.Tensor | None = None, behaviour_logprobs: torch.Tensor | None = None,
-                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full policy loss with its optional correction, KL and entropy terms, and its statistics."""
+                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The full policy loss with its optional correction, KL and entropy terms, and its statistics: detached
+    scalar tensors, read once per step by the caller, because reading each one here would make the host
+    wait for the device on every micro-batch."""
     per_token, was_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, config.clip_low, config.clip_high,
                                                mask, config.ratio_level)
-    stats = {"pg_clipfrac": float(aggregate(was_clipped, mask, "token"))}
+    stats = {"pg_clipfrac": aggregate(was_clipped, mask, "token")}
     if config.off_policy_correction != "none":
         if behaviour_logprobs is None:
             raise ValueError(f"off_policy_correction={config.off_policy_correction} needs the rollout log-probs")
         weights, over = importance_weights(old_logprobs, behaviour_logprobs, config.off_policy_correction,
                                            config.tis_cap)
         per_token = per_token * weights
-        stats["tis"] = float(aggregate(weights, mask, "token"))
-        stats["tis_clipfrac"] = float(aggregate(over, mask, "token"))
+        stats["tis"] = aggregate(weights, mask, "token")
+        stats["tis_clipfrac"] = aggregate(over, mask, "token")
     if config.kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs the reference model's log-probs")
         kl = kl_divergence(logprobs, ref_logprobs, config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-        stats["kl"] = float(aggregate(kl.detach(), mask, "token"))
+        stats["kl"] = aggregate(kl.detach(), mask, "token")
     if config.entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")

@@ -74,11 +74,12 @@ def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: to
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               value_clip: float, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-averaged."""
+               value_clip: float, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-averaged; its clip fraction is a
+    scalar tensor, like the policy loss's statistics."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
     loss = 0.5 * (losses * mask).sum() / denominator
-    clipfrac = float((((clipped - returns) ** 2 > (values - returns) ** 2).float() * mask).sum() / mask.sum().clamp(min=1))
+    clipfrac = (((clipped - returns) ** 2 > (values - returns) ** 2).float() * mask).sum() / mask.sum().clamp(min=1)
     return loss, {"vf_clipfrac": clipfrac}

@@ -216,7 +216,7 @@ class TorchTrainEngine(TrainEngine):
         if "ref_logprobs" in scores:
             kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator)
             metrics["kl"] = float(aggregate(kl, mask, "token"))
-        totals: dict[str, list[float]] = {}
+        totals: dict[str, list[tuple[torch.Tensor, float]]] = {}
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
         minis = [mini for mini in order.tensor_split(self.optim.updates_per_step) if mini.numel()]
@@ -232,7 +232,7 @@ class TorchTrainEngine(TrainEngine):
                     totals.setdefault(key, []).append((value, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
-            totals.setdefault("grad_norm", []).append((float(norms[0]), 1.0))
+            totals.setdefault("grad_norm", []).append((norms[0], 1.0))
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.publish()
@@ -249,13 +249,13 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler.step()
         self.policy.eval()
         self.weight_version += 1
-        for key, pairs in totals.items():
+        for key, pairs in _read(totals).items():
             metrics.setdefault(key, _combine(key, pairs, len(minis)))  # kl was measured before the update: kept
         return metrics
 
     def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
                     advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
-                    value_normalizer: float, scored_here: bool) -> dict[str, float]:
+                    value_normalizer: float, scored_here: bool) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; gradients accumulate. ``scored_here``: this forward's
         log-probs and entropies are the step's scores (written into ``scores``)."""
         mask = batch.response_mask[rows]
@@ -267,16 +267,26 @@ class TorchTrainEngine(TrainEngine):
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None,
                                   behaviour_logprobs=batch.rollout_logprobs[rows], normalizer=normalizer)
-        stats["loss"] = loss.item()
+        stats["loss"] = loss.detach()
         if self.critic is not None:
             assert returns is not None
             values = self._values(batch, rows)
             value_loss, value_stats = ppo.value_loss(values, scores["values"][rows], returns[rows], mask,
                                                      self.ppo.value_clip, normalizer=value_normalizer)
             loss = loss + self.ppo.value_coef * value_loss
-            stats.update(value_stats, value_loss=value_loss.item())
+            stats.update(value_stats, value_loss=value_loss.detach())
         loss.backward()
         return stats
+
+
+def _read(totals: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, list[tuple[float, float]]]:
+    """The step's statistics copied to the host in one transfer at the end of the step: read one by one, each
+    micro-step would make the host wait for the device before it could queue the next one's work."""
+    flat = [value.detach().reshape(()).float() for pairs in totals.values() for value, _ in pairs]
+    if not flat:
+        return {}
+    values = iter(torch.stack([value.to(flat[0].device) for value in flat]).tolist())
+    return {key: [(next(values), tokens) for _, tokens in pairs] for key, pairs in totals.items()}
 
 
 def _combine(key: str, pairs: list[tuple[float, float]], minis: int) -> float:
