@@ -67,7 +67,7 @@ def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int,
 @pytest.mark.parametrize("weight_sync", ["auto", pytest.param("broadcast", marks=pytest.mark.slow)])
 async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path, weight_sync):
     run_dir = tmp_path / "run"
-    steps, batch = 12, 16
+    steps, batch = 24, 16  # the faults come at steps 1, 4 and 6: a fast run must not end before the third
     config = config_for(run_dir, steps=steps, rollout_workers=3, rollout_batch_size=batch, rollout_capacity=4,
                         max_staleness=1, max_new_tokens=12, off_policy_correction="tis", weight_sync=weight_sync)
     done: list[str] = []

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import threading
 import traceback
+from typing import Awaitable, Callable
 
 import pytest
 import trio
@@ -20,6 +21,21 @@ def bridge(request):
 async def wait_for(flag: threading.Event) -> None:
     """Block trio until a flag set on the loop thread is up; capped so a bug fails instead of hanging."""
     assert await trio.to_thread.run_sync(flag.wait, 1.0)
+
+
+async def cancelled_once_started(started: threading.Event, work: Callable[[], Awaitable[object]]) -> trio.CancelScope:
+    """Run ``work`` from trio and cancel it as soon as it has started on the loop thread: a fixed delay could
+    fire before the loop thread gets to it on a loaded machine, and then there is nothing to cancel."""
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+
+            async def cancel() -> None:
+                await wait_for(started)
+                scope.cancel()
+
+            nursery.start_soon(cancel)
+            await work()
+    return scope
 
 
 async def sleep_forever_on_loop(started: threading.Event) -> None:
@@ -66,10 +82,9 @@ async def test_trio_cancel_cancels_asyncio_task_and_waits_for_its_cleanup(bridge
             await asyncio.sleep(0.05)  # cleanup that takes time: the bridge must wait for it
             cleaned_up.set()
 
-    with trio.move_on_after(0.05) as scope:
-        await bridge.run(work)
+    scope = await cancelled_once_started(started, lambda: bridge.run(work))
     assert scope.cancelled_caught
-    assert started.is_set() and saw_cancel.is_set() and cleaned_up.is_set()
+    assert saw_cancel.is_set() and cleaned_up.is_set()
 
 
 async def test_trio_cancel_gives_up_after_cancel_grace():
@@ -82,10 +97,9 @@ async def test_trio_cancel_gives_up_after_cancel_grace():
                 await asyncio.sleep(10)
             await asyncio.sleep(10)
 
-        with trio.fail_after(0.5):
-            with trio.move_on_after(0.02) as scope:
-                await bridge.run(ignores_first_cancel)
-        assert scope.cancelled_caught and started.is_set()
+        with trio.fail_after(2):  # not the 10 s the task would keep it
+            scope = await cancelled_once_started(started, lambda: bridge.run(ignores_first_cancel))
+        assert scope.cancelled_caught
 
 
 async def test_asyncio_side_cancel_raises_bridge_cancelled(bridge):
@@ -284,11 +298,13 @@ async def test_stream_break_without_aclosing_closes_generator_when_collected(bri
 
 async def test_stream_trio_cancel_cancels_and_closes_generator(bridge):
     closed, saw_cancel, started = threading.Event(), threading.Event(), threading.Event()
-    with trio.move_on_after(0.05) as scope:
+    async def drain() -> None:
         async for _ in bridge.stream(generator_with_cleanup(closed, saw_cancel, started)):
             pass
+
+    scope = await cancelled_once_started(started, drain)
     assert scope.cancelled_caught
-    assert started.is_set() and saw_cancel.is_set() and closed.is_set()
+    assert saw_cancel.is_set() and closed.is_set()
 
 
 async def test_stream_asyncio_side_cancel_raises_bridge_cancelled(bridge):

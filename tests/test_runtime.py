@@ -141,9 +141,11 @@ async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
     async with open_job(tmp_path) as job:
         with contextlib.suppress(RuntimeError):  # it may fail before or after registering
             await job.spawn("echo", "broken", {"fail_on_start": True}, restart=True)
-        event = await job.wait_event("gave up", "broken", timeout=60)
+        event = await job.wait_event("gave up", "broken", timeout=180)  # three starts of Python and torch
         assert "3 times in a row" in event.detail and "told to fail as it starts" in event.detail
-        assert [e.what for e in job.events if e.name == "broken"].count("restarted") == 2
+        # each start registers before on_start fails; "restarted" is posted only when the driver saw the
+        # registration before the exit, so it is not counted
+        assert [e.what for e in job.events if e.name == "broken"].count("joined") == 3
         await trio.sleep(1)
         assert "broken" not in job.actors and job.gone_for_good("broken")
 
@@ -176,7 +178,7 @@ async def test_join_with_right_token_then_killed_is_noticed(tmp_path):
     async with open_job(tmp_path, "tcp", dead_after_s=3.0) as job:
         process = _join(job.address, "--token", job.token, "--name", "remote0")
         try:
-            await _wait_joined(job, process, "remote0")
+            await _wait_joined(job, process, "remote0", timeout=90)  # a loaded 2-core machine starts Python slowly
             assert await job.ask("remote0", Ping(payload=b"hi")) == Pong(payload=b"hi")
             assert job.actors["remote0"].joined
             started = time.monotonic()
@@ -285,11 +287,12 @@ async def test_a_flood_of_refused_frames_with_made_up_reply_addresses_opens_few_
         info = await job.spawn("echo", "echo0")
         peer = RawPeer(info.address, Inbox("tcp://127.0.0.1:0"))
         try:
-            for port in range(40_000, 40_200):
+            for port in range(20_000, 20_200):  # below the ephemeral range: never our own reply inbox's port
                 message = Encoded(header("Ping", {"payload": b"x"}, msg_id=port), [], 0, [])
                 peer.send(bytes(encode_frame(f"tcp://127.0.0.1:{port}", "guess", [message])))
             peer.send(peer.frame(header("Ping", {"payload": b"x"}, msg_id=1), token="guess"))
-            assert (await peer.reply()).payload.reason == "unauthorized"  # the latest stranger is still answered
+            reply = await peer.reply()
+            assert reply.reply_to == 1 and reply.payload.reason == "unauthorized"  # the latest stranger is answered
         finally:
             peer.close()
         status = await job.ask("echo0", StatusQuery())
@@ -422,7 +425,7 @@ async def test_spawned_actors_exit_when_their_driver_is_killed(tmp_path):
         echo_pid = int((await trio.to_thread.run_sync(driver.stdout.readline)).removeprefix("echo pid "))
         driver.kill()
         driver.wait()
-        with trio.fail_after(15):  # about 1.5 s when the machine is idle; CI once took over 8
+        with trio.fail_after(25):  # about 1.5 s when the machine is idle; CI once took over 8
             while os.path.exists(f"/proc/{echo_pid}") and "zombie" not in _proc_state(echo_pid):
                 await trio.sleep(0.1)
     finally:
@@ -450,7 +453,7 @@ async def test_an_actor_whose_driver_dies_before_it_is_registered_exits_at_once(
                                f"ipc://{tmp_path}/echo0", str(log), str(lives_s)], stdout=subprocess.PIPE, text=True)
     actor_pid = int(await trio.to_thread.run_sync(parent.stdout.readline))
     await trio.to_thread.run_sync(parent.wait)
-    with trio.fail_after(15):
+    with trio.fail_after(25):  # below the 30 s timeout; covers starting Python and torch (5-15 s on a loaded CI)
         while os.path.exists(f"/proc/{actor_pid}") and "zombie" not in _proc_state(actor_pid):
             await trio.sleep(0.1)
     assert "the driver that started this actor is gone" in log.read_text()
@@ -466,11 +469,11 @@ def _proc_state(pid: int) -> str:
 
 async def test_a_busy_conversation_does_not_starve_heartbeats(tmp_path):
     """Polling hands frames straight to the waiting task; timers must still run."""
-    async with open_job(tmp_path, "tcp", dead_after_s=1.5) as job:
+    async with open_job(tmp_path, "tcp", dead_after_s=2.5) as job:  # heartbeats every 1 s; a GC pause is not starving
         process = _join(job.address, "--token", job.token, "--name", "busy0")
         try:
             await _wait_joined(job, process, "busy0", timeout=90)  # a loaded 2-core machine starts Python slowly
-            deadline = time.monotonic() + 4.0
+            deadline = time.monotonic() + 6.0
             while time.monotonic() < deadline:
                 await job.ask("busy0", Ping(payload=b"p"))
             assert "busy0" in job.actors, "a busy joined actor was declared dead: its heartbeats starved"
