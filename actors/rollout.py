@@ -26,7 +26,9 @@ generation goes on), their results inserted as tool messages (loss mask 0),
 and the response's next turn queued; the group is scored once every
 response has ended (``vime.agent``).
 
-Joining: the worker tells the trainer it is ready (an ask); the trainer
+Joining: with ``--colocate`` the worker first asks the trainer for its turn
+to build the engine, which comes between two training steps (a restarted
+worker's too); once built, it tells the trainer it is ready (an ask); the trainer
 sends the current weights and answers with their version; only once those
 are applied does the worker tell the router to send it work. A worker
 started by hand on another host (``python -m vime.actor rollout --join``)
@@ -66,6 +68,7 @@ from vime.protocol import (
     EngineAsleep,
     GenerateGroup,
     GroupDone,
+    MayBuildEngine,
     RolloutGroup,
     Sample,
     SleepEngine,
@@ -127,6 +130,8 @@ class RolloutWorker(Actor):
         self.run = RunConfig.from_dict(self.config)
         if self.run.rollout.rollout_threads:  # several workers and a trainer share the CPU: do not oversubscribe
             torch.set_num_threads(self.run.rollout.rollout_threads)
+        if self.run.placement.colocate:
+            await self._wait_for_build_turn()
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
         self.engine = await trio.to_thread.run_sync(self._build_engine)
         self.tokenizer = load_tokenizer(self.run.model.model_path)
@@ -138,6 +143,13 @@ class RolloutWorker(Actor):
             await self._serve_agents(agent.openai_endpoint)
         self.start_soon(self._generate_loop)
         self.start_soon(self._join)
+
+    async def _wait_for_build_turn(self) -> None:
+        """On the trainer's GPU, build the engine only between its training steps (MayBuildEngine)."""
+        await self.wait_for_peer("trainer", timeout=600.0)
+        while not (await self.ask("trainer", MayBuildEngine(), timeout=60.0)).granted:
+            await trio.sleep(0.5)
+        self.log.info("building the engine: the trainer waits for it")
 
     async def _serve_agents(self, address: str) -> None:
         """Serve the OpenAI-compatible endpoint (``vime.agent.endpoint``); its URL goes to RUN_DIR/endpoints/NAME."""

@@ -37,13 +37,16 @@ each finishes its running responses, starts no new ones and gives its GPU
 memory back; the CUDA IPC weights after it wake them. Rollout and training
 then take turns on the GPU, each with all of its memory. With ``--colocate``
 the first step waits until the driver says every engine it starts is built
-(EnginesStarted), so that no engine profiles its memory beside a training step.
+(EnginesStarted), so that no engine profiles its memory beside a training step;
+an engine built later (a restarted worker) asks for its turn (MayBuildEngine)
+and gets it between two steps, the next of which waits until it is built.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
-batch, ``time_sleep_s`` waiting for colocated engines to go to sleep,
-``time_train_s``, ``time_weight_sync_s`` (waking them included), and of the
-sleep time ``time_drain_s``, the engines finishing responses; the batch
-brings ``time_generate_s`` and ``time_reward_s`` from the rollout side.
+batch (and for an engine being built on our GPU), ``time_sleep_s`` waiting for
+colocated engines to go to sleep, ``time_train_s``, ``time_weight_sync_s``
+(waking them included), and of the sleep time ``time_drain_s``, the engines
+finishing responses; the batch brings ``time_generate_s`` and
+``time_reward_s`` from the rollout side.
 """
 
 from __future__ import annotations
@@ -66,9 +69,12 @@ from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
 from vime.protocol import (
+    ENGINE_BUILD_S,
     BroadcastJoin,
+    BuildTurn,
     EnginesStarted,
     EvalResult,
+    MayBuildEngine,
     SleepEngine,
     SnapshotQuery,
     TrainBatch,
@@ -110,6 +116,8 @@ class Trainer(Actor):
         self.eval_results: dict[int, dict[str, float]] = {}
         self.first_step = 0
         self.engines_started = trio.Event()
+        self.training = False  # from the moment a step takes the GPU until its weights are published
+        self.building: dict[str, float] = {}  # colocated workers building (or waiting to build) -> deadline
         self.rows_written = 0  # steps whose row is in metrics.jsonl
         self._changed = trio.Event()  # set (and replaced) when a row is written or an eval result arrives
         resume = self.config.get("checkpoint")
@@ -134,6 +142,9 @@ class Trainer(Actor):
         self._forget(name)
 
     def _forget(self, worker: str) -> None:
+        """Drop what we hold for ``worker``, its build turn included: it is gone, or it said WorkerReady and
+        starts afresh (built)."""
+        self._built(worker)
         self.workers.discard(worker)
         self.sharing_gpu.discard(worker)
         self.paths.pop(worker, None)
@@ -181,6 +192,37 @@ class Trainer(Actor):
             return "nng"
         self.groups[worker] = group
         return "broadcast"
+
+    @handles(MayBuildEngine)
+    async def _on_may_build(self, msg: MayBuildEngine, envelope: Envelope) -> BuildTurn:
+        """Let a colocated worker build its engine now unless a step is training; refused, it is still counted,
+        so that the next step waits for it rather than leave it no moment between steps to start in."""
+        worker = envelope.sender
+        if self.training:
+            self.building.setdefault(worker, trio.current_time() + 60.0)  # it asks again within a second
+            return BuildTurn(granted=False)
+        self.building[worker] = trio.current_time() + ENGINE_BUILD_S
+        if torch.cuda.is_available():  # what the last step cached is free memory to the engine's profile
+            torch.cuda.empty_cache()
+        self.log.info("an engine is built on our GPU: training waits for it", worker=worker)
+        return BuildTurn(granted=True)
+
+    def _built(self, worker: str) -> None:
+        if self.building.pop(worker, None) is not None:
+            self._notify()
+
+    async def _take_the_gpu(self) -> None:
+        """Wait until no colocated engine is being built or waits to be, then mark the step as training; a
+        worker silent past its deadline is given up on (the driver reports a dead one)."""
+        while self.building:
+            now = trio.current_time()
+            for worker, deadline in list(self.building.items()):
+                if deadline < now:
+                    self.log.warning("an engine took too long to build: training beside it", worker=worker)
+                    self.building.pop(worker)
+            with trio.move_on_after(1.0):
+                await self._changed.wait()
+        self.training = True
 
     @handles(EnginesStarted)
     async def _on_engines_started(self, msg: EnginesStarted, envelope: Envelope) -> None:
@@ -232,15 +274,21 @@ class Trainer(Actor):
                               [s.logprobs for s in samples], [s.versions for s in samples],
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
                               [s.routed_experts for s in samples], [s.loss_mask for s in samples])
-            async with self.weights_lock:
-                slept = time.perf_counter()
-                drained = await self._put_engines_to_sleep()
-                train_started = time.perf_counter()
-                metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
-                if drained is not None:  # what training cached goes back to the engines about to wake
-                    torch.cuda.empty_cache()
-                trained = time.perf_counter()
-                await self._publish()
+            took = time.perf_counter()
+            await self._take_the_gpu()
+            waited += time.perf_counter() - took  # for an engine being built on our GPU
+            try:
+                async with self.weights_lock:
+                    slept = time.perf_counter()
+                    drained = await self._put_engines_to_sleep()
+                    train_started = time.perf_counter()
+                    metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
+                    if drained is not None:  # what training cached goes back to the engines about to wake
+                        torch.cuda.empty_cache()
+                    trained = time.perf_counter()
+                    await self._publish()
+            finally:
+                self.training = False
             synced = time.perf_counter()
             every = self.run.job.save_every
             if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:

@@ -129,7 +129,7 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
 async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autojump_clock, departure):
     """A worker that exited cleanly is not restarted (the job says it is gone for good), so nothing waits for it;
     one that never answers is waited for ENGINE_BUILD_S at most. The trainer hears either way."""
-    from vime.pipeline import ENGINE_BUILD_S
+    from vime.protocol import ENGINE_BUILD_S
     from vime.runtime import PeerGone
 
     calls = []
@@ -156,10 +156,10 @@ async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autoj
     assert calls[-1] == ("told", "trainer")
 
 
-@pytest.mark.parametrize("colocate", [True, False])
-async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are_built(tmp_path, colocate):
+def _trainer(tmp_path: Path, colocate: bool):
+    """A trainer actor outside any job (the arithmetic scenario's tiny model): what it sends is kept in the
+    returned list, and its handlers are called directly by ``deliver``."""
     from vime.actors.trainer import Trainer
-    from vime.protocol import EnginesStarted, WantBatch
     from vime.runtime import ActorSettings
     from vime.scenarios import arithmetic
     from vime.transports.codec import Envelope
@@ -174,6 +174,19 @@ async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are
 
     trainer.wait_for_peer = present
 
+    async def deliver(sender: str, payload):
+        envelope = Envelope(type(payload).__name__, sender, "trainer", 1, None, 0.0, None, True, payload)
+        return await getattr(trainer, trainer._handlers[envelope.kind])(payload, envelope)
+
+    return trainer, sent, deliver
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are_built(tmp_path, colocate):
+    from vime.protocol import EnginesStarted, WantBatch
+
+    trainer, sent, deliver = _trainer(tmp_path, colocate)
+
     def asked() -> list[WantBatch]:
         return [envelope.payload for envelope in sent if isinstance(envelope.payload, WantBatch)]
 
@@ -181,11 +194,91 @@ async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are
         nursery.start_soon(trainer._train_loop)
         await trio.sleep(0.5)
         assert asked() == ([] if colocate else [WantBatch(step=0)])
-        told = Envelope("EnginesStarted", "driver", "trainer", 1, None, 0.0, None, False, EnginesStarted())
-        await getattr(trainer, trainer._handlers[told.kind])(told.payload, told)
+        await deliver("driver", EnginesStarted())
         await trio.sleep(0.1)
         assert asked() == [WantBatch(step=0)]
         nursery.cancel_scope.cancel()
+
+
+def _one_group_batch(step: int):
+    from vime.protocol import Sample, TrainBatch
+
+    samples = [Sample(group_id=step, index=i, prompt_ids=[5, 6, 7], response_ids=[8, 9], logprobs=[-1.0, -1.0],
+                      versions=[0, 0], finish_reason="length", label="", metadata={}, reward=float(i))
+               for i in range(2)]
+    return TrainBatch(step=step, samples=samples, stats={"time_generate_s": 0.1, "time_reward_s": 0.0})
+
+
+@pytest.mark.parametrize("release", ["ready", "gone", "silent"])
+async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path, monkeypatch, release):
+    """A worker (a restarted one, say) asking to build its engine on the trainer's GPU while a step trains is
+    refused, and the next step then waits until it has asked again, been let build, and said WorkerReady (or
+    died, or stayed silent past ENGINE_BUILD_S): no engine profiles its memory beside training."""
+    from vime.protocol import BuildTurn, EnginesStarted, MayBuildEngine, WorkerReady
+
+    monkeypatch.setattr("vime.actors.trainer.ENGINE_BUILD_S", 3.0 if release == "silent" else 600.0)
+    trainer, _, deliver = _trainer(tmp_path, colocate=True)
+    await deliver("driver", EnginesStarted())
+
+    async def no_row_within(seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            row = await trainer.rows.receive()
+            pytest.fail(f"step {row['step']} trained while an engine was being built")
+
+    async with trio.open_nursery() as nursery:
+        trainer._nursery = nursery
+        trainer.training = True  # as during a step
+        assert await deliver("rollout-1", MayBuildEngine()) == BuildTurn(granted=False)
+        trainer.training = False  # the step is over; the next one has its batch at once
+        nursery.start_soon(trainer._train_loop)
+        await trainer._on_batch(_one_group_batch(0), None)
+        await no_row_within(2.0)  # held for the worker refused before: its turn comes first
+        assert await deliver("rollout-1", MayBuildEngine()) == BuildTurn(granted=True)
+        if release == "ready":
+            await no_row_within(1.0)  # it builds
+            await deliver("rollout-1", WorkerReady(capacity=4, weight_version=0, gpus=[]))
+        elif release == "gone":
+            await no_row_within(1.0)
+            await trainer.on_peer_gone("rollout-1")
+        with trio.fail_after(60):
+            assert (await trainer.rows.receive())["step"] == 0
+        assert not trainer.building and not trainer.training
+        await trainer._on_batch(_one_group_batch(1), None)
+        with trio.fail_after(60):
+            assert (await trainer.rows.receive())["step"] == 1  # nothing holds the steps now
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+async def test_a_colocated_worker_builds_its_engine_only_once_the_trainer_lets_it(tmp_path, colocate):
+    from vime.actors.rollout import RolloutWorker
+    from vime.protocol import BuildTurn
+    from vime.runtime import ActorSettings
+    from vime.scenarios import arithmetic
+
+    config = arithmetic.prepare(tmp_path, arithmetic.defaults().replace(colocate=colocate)).to_dict()
+    worker = RolloutWorker(ActorSettings(name="rollout-1", listen="ipc:///none", run_dir=str(tmp_path)), config)
+    calls: list[str] = []
+    turns = iter([False, False, True])
+
+    async def ask(name: str, payload, timeout: float) -> BuildTurn:
+        calls.append(f"{type(payload).__name__} to {name}")
+        return BuildTurn(granted=next(turns))
+
+    async def present(name: str, timeout: float) -> None:
+        return None
+
+    class Built(Exception):
+        """Stops on_start once the engine would be built."""
+
+    def build():
+        calls.append("build")
+        raise Built
+
+    worker.ask, worker.wait_for_peer, worker._build_engine = ask, present, build
+    with pytest.raises(Built):
+        await worker.on_start()
+    assert calls == ["MayBuildEngine to trainer"] * 3 + ["build"] if colocate else ["build"]
 
 
 def test_reference_engines_stay_on_cpu():

@@ -11,8 +11,10 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
+import json
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -346,3 +348,35 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
     if layout == "colocated-sleeping":  # the engine slept before every step (a bare lock wait is microseconds)
         assert all(row["time_sleep_s"] > 1e-3 for row in rows), [row["time_sleep_s"] for row in rows]
     print(layout, "weight sync s per step:", [round(row["time_weight_sync_s"], 4) for row in rows])
+
+
+@pytest.mark.gpu
+async def test_a_colocated_engine_restarted_mid_run_is_built_between_training_steps(tmp_path, cpu_environment):
+    """A colocated worker killed mid-run comes back: its new engine asks the trainer for its turn and is built
+    while no step trains (vLLM profiles the GPU's memory as at the start), and the run goes on with both."""
+    pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
+    from vime.metrics import MetricsFollower
+    from vime.pipeline import train
+
+    async def kill_rollout_1(job, row: dict) -> None:
+        if row["step"] != 1:
+            return
+        job.kill("buffer", signal.SIGSTOP)  # no more steps until the worker is back, or the run could end first
+        try:
+            job.kill("rollout-1")
+            await job.wait_event("restarted", "rollout-1", timeout=300)
+        finally:
+            job.kill("buffer", signal.SIGCONT)
+
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=6, rollout_batch_size=16, train_backend="megatron", rollout_backend="vllm", dtype="bf16",
+        vllm_args=ENGINE_ARGS, rollout_threads=0, weight_bucket_mb=1, actor_num_gpus_per_node=1, colocate=True,
+        rollout_workers=2, restart_rollouts=True))
+    await train(config, run_dir, on_step=kill_rollout_1, timeout_s=600)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == list(range(1, 7))
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"path": "ipc"') == 3  # rollout-0, rollout-1, and rollout-1 again
+    turns = [json.loads(line)["worker"] for line in trainer_log.splitlines() if "an engine is built on our GPU" in line]
+    assert turns.count("rollout-1") == 2, turns

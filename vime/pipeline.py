@@ -39,7 +39,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.runtime import PeerGone
 from vime.plugins import import_function
-from vime.protocol import EnginesStarted
+from vime.protocol import ENGINE_BUILD_S, EnginesStarted
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -203,9 +203,6 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
     return rows, arrived, counters, ready_s
-
-
-ENGINE_BUILD_S = 1800.0  # the longest the driver waits for one rollout worker to build its engine
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:

@@ -10,6 +10,7 @@ The flow (see DESIGN.md)::
     trainer --SleepEngine--> a colocated rollout worker --EngineAsleep--> trainer (before training, with sleep mode)
     buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
     driver --EnginesStarted--> trainer (once the rollout workers it starts have built their engines)
+    rollout --MayBuildEngine--> trainer --BuildTurn--> rollout (with --colocate, before it builds its engine)
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
 fp32 log-probs arrive bit-exact.
@@ -210,7 +211,26 @@ class EnginesStarted:
     """driver -> trainer: every rollout worker the driver starts has built its engine or is gone for good. With
     ``--colocate`` the trainer starts training only then: a vLLM engine sizes its KV cache from the GPU memory it
     sees in use while it profiles, which a training step on the same GPU would change under it. A worker
-    restarted later builds its engine beside training (not covered)."""
+    restarted later waits for its turn instead (MayBuildEngine)."""
+
+
+ENGINE_BUILD_S = 1800.0  # the longest anyone waits for one rollout worker to build its engine
+
+
+@message
+class MayBuildEngine:
+    """rollout worker -> trainer (ask, answered with BuildTurn), with ``--colocate``, before it builds its engine
+    (at start and after every restart): vLLM sizes its KV cache from the GPU memory it sees in use while it
+    profiles, so it must not profile beside a training step. Refused while the trainer trains, which then
+    starts no step until the worker, asking again, has been let build and has said WorkerReady (or is gone,
+    or ``ENGINE_BUILD_S`` has passed)."""
+
+
+@message
+class BuildTurn:
+    """trainer -> rollout worker: build now (``granted``), or ask again shortly (a step is training)."""
+
+    granted: bool
 
 
 @message
