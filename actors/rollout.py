@@ -63,7 +63,9 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
+from vime.placement import visible_gpus
 from vime.protocol import (
+    BUILD_TURN_RETRY_S,
     BroadcastJoin,
     EngineAsleep,
     GenerateGroup,
@@ -145,11 +147,12 @@ class RolloutWorker(Actor):
         self.start_soon(self._join)
 
     async def _wait_for_build_turn(self) -> None:
-        """On the trainer's GPU, build the engine only between its training steps (MayBuildEngine)."""
-        await self.wait_for_peer("trainer", timeout=600.0)
-        while not (await self.ask("trainer", MayBuildEngine(), timeout=60.0)).granted:
-            await trio.sleep(0.5)
-        self.log.info("building the engine: the trainer waits for it")
+        """Build the engine only once the trainer lets us (MayBuildEngine); with no trainer, nothing trains."""
+        ask = MayBuildEngine(host=os.uname().nodename, gpus=visible_gpus())
+        with contextlib.suppress(PeerGone, LookupError):
+            while not (await self.ask("trainer", ask, timeout=60.0)).granted:
+                await trio.sleep(BUILD_TURN_RETRY_S)
+        self.log.info("building the engine")
 
     async def _serve_agents(self, address: str) -> None:
         """Serve the OpenAI-compatible endpoint (``vime.agent.endpoint``); its URL goes to RUN_DIR/endpoints/NAME."""

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -68,7 +69,9 @@ from vime.backends.hf import DTYPES, checkpoint_names, load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
+from vime.placement import visible_gpus
 from vime.protocol import (
+    BUILD_TURN_KEPT_S,
     ENGINE_BUILD_S,
     BroadcastJoin,
     BuildTurn,
@@ -116,8 +119,10 @@ class Trainer(Actor):
         self.eval_results: dict[int, dict[str, float]] = {}
         self.first_step = 0
         self.engines_started = trio.Event()
-        self.training = False  # from the moment a step takes the GPU until its weights are published
-        self.building: dict[str, float] = {}  # colocated workers building (or waiting to build) -> deadline
+        self.gpu_busy = False  # a step trains, publishes, saves or exports: no engine may start building here
+        self.builds: dict[str, float] = {}  # workers building an engine on our GPU -> when we stop waiting
+        self.queued: dict[str, float] = {}  # workers refused a turn to build -> when we stop keeping their place
+        self.host, self.visible = os.uname().nodename, set(visible_gpus())
         self.rows_written = 0  # steps whose row is in metrics.jsonl
         self._changed = trio.Event()  # set (and replaced) when a row is written or an eval result arrives
         resume = self.config.get("checkpoint")
@@ -139,12 +144,10 @@ class Trainer(Actor):
         await trio.to_thread.run_sync(self.engine.close)
 
     async def on_peer_gone(self, name: str) -> None:
+        self._built(name)
         self._forget(name)
 
     def _forget(self, worker: str) -> None:
-        """Drop what we hold for ``worker``, its build turn included: it is gone, or it said WorkerReady and
-        starts afresh (built)."""
-        self._built(worker)
         self.workers.discard(worker)
         self.sharing_gpu.discard(worker)
         self.paths.pop(worker, None)
@@ -154,6 +157,7 @@ class Trainer(Actor):
     async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
         """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
         A path its placement does not allow is refused here, and the worker stops with the reason."""
+        self._built(envelope.sender)
         path = weight_path(self.run.job.weight_sync, self.gpu, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
@@ -195,34 +199,44 @@ class Trainer(Actor):
 
     @handles(MayBuildEngine)
     async def _on_may_build(self, msg: MayBuildEngine, envelope: Envelope) -> BuildTurn:
-        """Let a colocated worker build its engine now unless a step is training; refused, it is still counted,
-        so that the next step waits for it rather than leave it no moment between steps to start in."""
+        """Let a worker build its engine on our GPU only while no step uses the GPU, no weights are being handed
+        over and no other engine is being built (two profiling at once would each count the other's memory);
+        refused, it keeps its place, so that the next step waits for it instead of leaving it no moment
+        between steps to start in."""
         worker = envelope.sender
-        if self.training:
-            self.building.setdefault(worker, trio.current_time() + 60.0)  # it asks again within a second
+        if msg.host != self.host or not self.visible & set(msg.gpus):
+            return BuildTurn(granted=True)
+        now = trio.current_time()
+        if self.gpu_busy or self.weights_lock.locked() or set(self.builds) - {worker}:
+            self.queued[worker] = now + BUILD_TURN_KEPT_S
             return BuildTurn(granted=False)
-        self.building[worker] = trio.current_time() + ENGINE_BUILD_S
+        self.queued.pop(worker, None)
+        self.builds[worker] = now + ENGINE_BUILD_S
         if torch.cuda.is_available():  # what the last step cached is free memory to the engine's profile
             torch.cuda.empty_cache()
         self.log.info("an engine is built on our GPU: training waits for it", worker=worker)
         return BuildTurn(granted=True)
 
     def _built(self, worker: str) -> None:
-        if self.building.pop(worker, None) is not None:
+        """``worker`` no longer holds back training: its engine is built (WorkerReady), or it is gone."""
+        if (self.builds.pop(worker, None), self.queued.pop(worker, None)) != (None, None):
             self._notify()
 
     async def _take_the_gpu(self) -> None:
-        """Wait until no colocated engine is being built or waits to be, then mark the step as training; a
-        worker silent past its deadline is given up on (the driver reports a dead one)."""
-        while self.building:
+        """Wait until no engine is being built on our GPU or waits for its turn to be, then keep the GPU until
+        the step is over; a worker silent past its deadline is given up on (the driver reports a dead one)."""
+        while True:
             now = trio.current_time()
-            for worker, deadline in list(self.building.items()):
-                if deadline < now:
-                    self.log.warning("an engine took too long to build: training beside it", worker=worker)
-                    self.building.pop(worker)
+            for waiting in (self.builds, self.queued):
+                for worker, deadline in list(waiting.items()):
+                    if deadline < now:
+                        self.log.warning("an engine took too long to build: training beside it", worker=worker)
+                        del waiting[worker]
+            if not (self.builds or self.queued):
+                break
             with trio.move_on_after(1.0):
                 await self._changed.wait()
-        self.training = True
+        self.gpu_busy = True
 
     @handles(EnginesStarted)
     async def _on_engines_started(self, msg: EnginesStarted, envelope: Envelope) -> None:
@@ -265,6 +279,7 @@ class Trainer(Actor):
             self.log.info("training waits for the engines on this GPU to be built")
             await self.engines_started.wait()
         for step in range(self.first_step, self.run.job.steps):
+            self.gpu_busy = False  # until this step has its batch, an engine may be built on our GPU
             started = time.perf_counter()
             await self.tell("buffer", WantBatch(step=step))
             batch = await self.batches.receive()
@@ -274,21 +289,18 @@ class Trainer(Actor):
                               [s.logprobs for s in samples], [s.versions for s in samples],
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
                               [s.routed_experts for s in samples], [s.loss_mask for s in samples])
-            took = time.perf_counter()
+            held = time.perf_counter()
             await self._take_the_gpu()
-            waited += time.perf_counter() - took  # for an engine being built on our GPU
-            try:
-                async with self.weights_lock:
-                    slept = time.perf_counter()
-                    drained = await self._put_engines_to_sleep()
-                    train_started = time.perf_counter()
-                    metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
-                    if drained is not None:  # what training cached goes back to the engines about to wake
-                        torch.cuda.empty_cache()
-                    trained = time.perf_counter()
-                    await self._publish()
-            finally:
-                self.training = False
+            waited += time.perf_counter() - held  # for an engine being built on our GPU
+            async with self.weights_lock:
+                slept = time.perf_counter()
+                drained = await self._put_engines_to_sleep()
+                train_started = time.perf_counter()
+                metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
+                if drained is not None:  # what training cached goes back to the engines about to wake
+                    torch.cuda.empty_cache()
+                trained = time.perf_counter()
+                await self._publish()
             synced = time.perf_counter()
             every = self.run.job.save_every
             if every and (step + 1) % every == 0 and step + 1 < self.run.job.steps:

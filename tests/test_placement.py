@@ -211,41 +211,78 @@ def _one_group_batch(step: int):
 
 @pytest.mark.parametrize("release", ["ready", "gone", "silent"])
 async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path, monkeypatch, release):
-    """A worker (a restarted one, say) asking to build its engine on the trainer's GPU while a step trains is
-    refused, and the next step then waits until it has asked again, been let build, and said WorkerReady (or
-    died, or stayed silent past ENGINE_BUILD_S): no engine profiles its memory beside training."""
+    """A worker (a restarted one, say) asking to build its engine on the trainer's GPU during a long step is
+    refused but keeps its place; the next step then waits until it has been let build and has said WorkerReady
+    (or died, or stayed silent past ENGINE_BUILD_S): no engine profiles its memory beside training."""
+    import threading
+
     from vime.protocol import BuildTurn, EnginesStarted, MayBuildEngine, WorkerReady
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr("vime.actors.trainer.ENGINE_BUILD_S", 3.0 if release == "silent" else 600.0)
+    monkeypatch.setattr("vime.actors.trainer.BUILD_TURN_KEPT_S", 1.0)  # the step below lasts longer
     trainer, _, deliver = _trainer(tmp_path, colocate=True)
     await deliver("driver", EnginesStarted())
+    in_step, step_may_end, busy_in_steps = threading.Event(), threading.Event(), []
+    train_step = trainer.engine.train_step
 
-    async def no_row_within(seconds: float) -> None:
-        with trio.move_on_after(seconds):
-            row = await trainer.rows.receive()
-            pytest.fail(f"step {row['step']} trained while an engine was being built")
+    def long_step(batch):
+        busy_in_steps.append(trainer.gpu_busy)
+        in_step.set()
+        step_may_end.wait(60)
+        return train_step(batch)
+
+    trainer.engine.train_step = long_step
+    order: list[str] = []
+    ask = MayBuildEngine(host=os.uname().nodename, gpus=["0"])
+
+    async def worker() -> None:
+        while await deliver("rollout-1", ask) != BuildTurn(granted=True):
+            if order[-1:] != ["refused"]:
+                order.append("refused")
+            await trio.sleep(0.5)
+        order.append("granted")
+        if release != "silent":
+            await trio.sleep(1.0)  # it builds
+            order.append("released")
+            if release == "ready":
+                await deliver("rollout-1", WorkerReady(capacity=4, weight_version=0, gpus=["0"]))
+            else:
+                await trainer.on_peer_gone("rollout-1")
 
     async with trio.open_nursery() as nursery:
         trainer._nursery = nursery
-        trainer.training = True  # as during a step
-        assert await deliver("rollout-1", MayBuildEngine()) == BuildTurn(granted=False)
-        trainer.training = False  # the step is over; the next one has its batch at once
         nursery.start_soon(trainer._train_loop)
         await trainer._on_batch(_one_group_batch(0), None)
-        await no_row_within(2.0)  # held for the worker refused before: its turn comes first
-        assert await deliver("rollout-1", MayBuildEngine()) == BuildTurn(granted=True)
-        if release == "ready":
-            await no_row_within(1.0)  # it builds
-            await deliver("rollout-1", WorkerReady(capacity=4, weight_version=0, gpus=[]))
-        elif release == "gone":
-            await no_row_within(1.0)
-            await trainer.on_peer_gone("rollout-1")
-        with trio.fail_after(60):
-            assert (await trainer.rows.receive())["step"] == 0
-        assert not trainer.building and not trainer.training
+        await trio.to_thread.run_sync(in_step.wait, 60)
+        nursery.start_soon(worker)
+        await trio.sleep(2.0)  # refused for twice as long as a place is kept: asking again keeps it
         await trainer._on_batch(_one_group_batch(1), None)
+        step_may_end.set()
         with trio.fail_after(60):
-            assert (await trainer.rows.receive())["step"] == 1  # nothing holds the steps now
+            for _ in range(2):
+                order.append(f"row {(await trainer.rows.receive())['step']}")
+        nursery.cancel_scope.cancel()
+    assert order == ["refused", "row 0", "granted", *(["released"] if release != "silent" else []), "row 1"]
+    assert busy_in_steps == [True, True] and not trainer.builds and not trainer.queued
+
+
+async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at_once(tmp_path, monkeypatch):
+    from vime.protocol import BuildTurn, MayBuildEngine, WorkerReady
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    trainer, _, deliver = _trainer(tmp_path, colocate=True)
+    here = MayBuildEngine(host=os.uname().nodename, gpus=["0"])
+    async with trio.open_nursery() as nursery:
+        trainer._nursery = nursery
+        assert await deliver("rollout-0", here) == BuildTurn(granted=True)
+        assert await deliver("rollout-1", here) == BuildTurn(granted=False)  # two profiles would see each other
+        assert await deliver("elsewhere", MayBuildEngine(host="another-host", gpus=["0"])) == BuildTurn(granted=True)
+        assert await deliver("other-gpu", MayBuildEngine(host=here.host, gpus=["1"])) == BuildTurn(granted=True)
+        assert set(trainer.builds) == {"rollout-0"} and set(trainer.queued) == {"rollout-1"}
+        await deliver("rollout-0", WorkerReady(capacity=4, weight_version=0, gpus=["0"]))
+        assert await deliver("rollout-1", here) == BuildTurn(granted=True)
+        assert set(trainer.builds) == {"rollout-1"} and not trainer.queued
         nursery.cancel_scope.cancel()
 
 
@@ -278,7 +315,7 @@ async def test_a_colocated_worker_builds_its_engine_only_once_the_trainer_lets_i
     worker.ask, worker.wait_for_peer, worker._build_engine = ask, present, build
     with pytest.raises(Built):
         await worker.on_start()
-    assert calls == ["MayBuildEngine to trainer"] * 3 + ["build"] if colocate else ["build"]
+    assert calls == (["MayBuildEngine to trainer"] * 3 + ["build"] if colocate else ["build"])
 
 
 def test_reference_engines_stay_on_cpu():

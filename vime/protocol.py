@@ -215,20 +215,26 @@ class EnginesStarted:
 
 
 ENGINE_BUILD_S = 1800.0  # the longest anyone waits for one rollout worker to build its engine
+BUILD_TURN_RETRY_S = 0.5  # a refused worker asks for its turn again this often
+BUILD_TURN_KEPT_S = 30.0  # a refused worker's place is kept this long after it last asked
 
 
 @message
 class MayBuildEngine:
     """rollout worker -> trainer (ask, answered with BuildTurn), with ``--colocate``, before it builds its engine
-    (at start and after every restart): vLLM sizes its KV cache from the GPU memory it sees in use while it
-    profiles, so it must not profile beside a training step. Refused while the trainer trains, which then
-    starts no step until the worker, asking again, has been let build and has said WorkerReady (or is gone,
-    or ``ENGINE_BUILD_S`` has passed)."""
+    (at start and after every restart), saying where: vLLM sizes its KV cache from the GPU memory it sees in use
+    while it profiles, so it must not profile beside a training step or another engine's profile. Refused while
+    the trainer's GPU is busy, the worker keeps its place: the next step waits until it, asking again every
+    ``BUILD_TURN_RETRY_S``, has been let build and has said WorkerReady (or is gone, or ``ENGINE_BUILD_S`` has
+    passed). A worker on another host or other GPUs builds at once."""
+
+    host: str
+    gpus: list[str]  # CUDA_VISIBLE_DEVICES as the worker sees it (all of the host's when unset)
 
 
 @message
 class BuildTurn:
-    """trainer -> rollout worker: build now (``granted``), or ask again shortly (a step is training)."""
+    """trainer -> rollout worker: build now (``granted``), or ask again in ``BUILD_TURN_RETRY_S``."""
 
     granted: bool
 
