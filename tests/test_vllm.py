@@ -378,5 +378,10 @@ async def test_a_colocated_engine_restarted_mid_run_is_built_between_training_st
     assert [row["weight_version"] for row in rows] == list(range(1, 7))
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"path": "ipc"') == 3  # rollout-0, rollout-1, and rollout-1 again
-    turns = [json.loads(line)["worker"] for line in trainer_log.splitlines() if "an engine is built on our GPU" in line]
-    assert turns.count("rollout-1") == 2, turns
+    events = [json.loads(line) for line in trainer_log.splitlines() if line.startswith("{")]  # not library warnings
+    turns = [i for i, e in enumerate(events) if e["event"].startswith("an engine is built")
+             and e.get("worker") == "rollout-1"]
+    assert len(turns) == 2, turns
+    ready = next(i for i, e in enumerate(events) if i > turns[1] and e["event"] == "weight path"
+                 and e.get("worker") == "rollout-1")
+    assert not [e for e in events[turns[1]:ready] if e["event"] == "step"]  # no step ended while it was built
