@@ -158,6 +158,24 @@ async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path
     assert "must return a finite float" in (run_dir / "logs" / "reward.log").read_text()
 
 
+async def test_a_run_ends_with_its_steps_even_if_an_engine_never_reports_built(tmp_path, monkeypatch):
+    """The driver's wait for every engine to be built runs beside the run: once the steps are done it is
+    cancelled, not waited out, and the summary says no start-up time was measured."""
+    import vime.pipeline as pipeline
+
+    spawn_rollouts = pipeline._spawn_rollouts
+
+    async def never_done(*args) -> None:
+        await spawn_rollouts(*args)
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(pipeline, "_spawn_rollouts", never_done)
+    run_dir = tmp_path / "run"
+    with trio.fail_after(150):
+        summary = await train(config_for(run_dir, steps=3, rollout_batch_size=4), run_dir, timeout_s=120)
+    assert summary["steps"] == 3 and summary["startup_s"] is None
+
+
 def test_bad_settings_fail_before_any_actor_starts(tmp_path):
     import subprocess
 

@@ -81,6 +81,25 @@ async def test_backpressure_blocks_the_sender_and_loses_nothing(tmp_path):
         assert status.errors == {}
 
 
+async def test_a_job_closes_even_when_an_actor_does_not_read_its_inbox(tmp_path):
+    """Closing tells every actor to shut down; one that does not read (here, napping behind a full outbox)
+    must not hold the job open until it does: it is killed after a bounded wait."""
+    async with open_job(tmp_path) as job:
+        await job.spawn("echo", "echo0", settings={"inbox_capacity": 4})
+        await job.tell("echo0", Nap(seconds=60))
+
+        async def flood() -> None:
+            for seq in range(100_000):
+                await job.tell("echo0", Note(seq=seq, body=b"f" * 4000))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            await trio.sleep(1.0)  # the flood is stuck behind the napping actor: the outbox to it is full
+            nursery.cancel_scope.cancel()
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 30  # not the rest of the 60 s nap
+
+
 async def test_killed_actor_is_reported_within_5s_and_can_restart(tmp_path):
     async with open_job(tmp_path) as job:
         info = await job.spawn("echo", "echo0")

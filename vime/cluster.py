@@ -379,8 +379,9 @@ class Cluster:
         self._closing = True
         for entry in self._spawned.values():
             entry.restart = False
-        for name in list(self.actors):
-            await self._tell_quietly(name, Shutdown(reason="job finished"))
+        with trio.move_on_after(5.0):  # an actor not reading its inbox must not keep the job open: it is killed
+            for name in list(self.actors):
+                await self._tell_quietly(name, Shutdown(reason="job finished"))
         processes = [e.process for e in self._spawned.values() if e.process and e.process.returncode is None]
         with trio.move_on_after(5.0):
             for process in processes:

@@ -175,9 +175,10 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
                started: float, start: Path | None, host: str,
-               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]], float]:
+               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]],
+                                                    float | None]:
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
-    collect the counters; how long until every engine the driver starts was built."""
+    collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
     resumed = {**document, "checkpoint": str(start)} if start else document  # for trainer and buffer
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
@@ -191,7 +192,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
         await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
         await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
-        ready_s = 0.0
+        ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
             nonlocal ready_s
@@ -201,6 +202,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spawn_rollouts)
             rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
+            nursery.cancel_scope.cancel()  # the steps are done: an engine still starting is not waited for
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
     return rows, arrived, counters, ready_s
 
@@ -294,7 +296,7 @@ def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float | None], counters: dict[str, dict[str, int]],
-             ready_s: float, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
+             ready_s: float | None, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
     return {
