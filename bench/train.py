@@ -282,6 +282,17 @@ def row_from_child(command: list[str], timeout: float, identity: dict[str, Any])
     return json.loads(rows[-1]) | {"wall_s": round(time.perf_counter() - started, 1)}
 
 
+def keep_row(rows: list[dict[str, Any]], row: dict[str, Any], path: Path | None, **document: Any) -> None:
+    """Add a measured row, print it (without per-step losses), and rewrite the JSON (``document`` and the rows)
+    after every row, so that a run cut short keeps what it measured."""
+    rows.append(row)
+    print(json.dumps({key: value for key, value in row.items() if key != "losses"}), flush=True)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(document, torch=torch.__version__, command=" ".join(sys.argv), rows=rows),
+                                   indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny shape at seq 64 on any device: checks the plumbing")
@@ -317,15 +328,8 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         for backend in args.backends:
-            row = run_in_child(args, shape, backend, peak)
-            rows.append(row)
-            print(json.dumps({key: value for key, value in row.items() if key != "losses"}), flush=True)
-            if args.json:  # after every row, so a run cut short keeps what it measured
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(dict(
-                    peak_tflops_measured=round(peak, 1), matmul_tflops_by_size={size: round(rate, 1) for size, rate
-                                                                                 in rates.items()},
-                    torch=torch.__version__, command=" ".join(sys.argv), rows=rows), indent=2) + "\n")
+            keep_row(rows, run_in_child(args, shape, backend, peak), args.json, peak_tflops_measured=round(peak, 1),
+                     matmul_tflops_by_size={size: round(rate, 1) for size, rate in rates.items()})
     print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} {'mem GiB':>8}")
     for row in rows:
         if "error" in row:

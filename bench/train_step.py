@@ -39,7 +39,7 @@ import torch
 from vime.backends.base import TensorBatch, collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import kernel_time_by_kind, row_from_child  # noqa: E402 -- bench/train.py, beside this file
+from train import keep_row, kernel_time_by_kind, row_from_child  # noqa: E402 -- bench/train.py, beside this file
 
 
 def rl_batch(samples: int, prompt_len: tuple[int, int], response_len: int, vocab: int,
@@ -145,16 +145,10 @@ def main() -> None:
             args.dtype = "fp32"
         if args.model_path is None:
             parser.error("give --model-path (or --tiny)")
-        rows = []
+        rows: list[dict[str, Any]] = []
         for size in args.micro_batch_sizes:
-            rows.append(run_in_child(args, size))
-            print(json.dumps(rows[-1]), flush=True)
-            if args.json:  # after every row, so a run cut short keeps what it measured
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(dict(
-                    command=" ".join(sys.argv), torch=torch.__version__, samples=args.samples,
-                    prompt_len=list(args.prompt_len), response_len=args.response_len, dtype=args.dtype,
-                    rows=rows), indent=2) + "\n")
+            keep_row(rows, run_in_child(args, size), args.json, samples=args.samples, prompt_len=list(args.prompt_len),
+                     response_len=args.response_len, dtype=args.dtype)
     print(f"\n{'micro-batch':>11} {'step s':>7} {'tokens/s':>9} {'padded/real':>11} {'mem GiB':>8}")
     for row in rows:
         if "error" in row:
