@@ -282,7 +282,7 @@ class TorchTrainEngine(TrainEngine):
 def _read(totals: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, list[tuple[float, float]]]:
     """The step's statistics copied to the host in one transfer at the end of the step: read one by one, each
     micro-step would make the host wait for the device before it could queue the next one's work."""
-    flat = [value.detach().reshape(()).float() for pairs in totals.values() for value, _ in pairs]
+    flat = [value.float() for pairs in totals.values() for value, _ in pairs]  # detached scalars, of mixed dtypes
     if not flat:
         return {}
     values = iter(torch.stack([value.to(flat[0].device) for value in flat]).tolist())
