@@ -24,7 +24,7 @@ from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
-from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs
+from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
@@ -130,6 +130,25 @@ def test_trainer_recomputes_the_rollout_logprobs(model):
     # the figure really compares the tokens: logprobs off by 0.25 are reported as such
     shifted = train_engine(folder, temperature=temperature).train_step(batch(0.25))
     assert shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.25, abs=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # cuda: compiled
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_token_stats_are_the_log_softmax_s_in_value_and_gradient(device, entropy_grad):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 1000, device=device) * 4).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 1000, (3, 5), device=device)
+    weights = torch.randn(3, 5, device=device, dtype=torch.float64)
+    exact = logits.detach().double().requires_grad_()
+    logprobs = torch.log_softmax(exact / 0.7, dim=-1)
+    want_chosen, want_entropy = logprobs.gather(-1, targets[..., None]).squeeze(-1), -(logprobs.exp() * logprobs).sum(-1)
+    chosen, entropy = token_stats(logits, targets, 0.7, entropy_grad=entropy_grad)
+    assert chosen.dtype == entropy.dtype == torch.float32 and entropy.requires_grad == entropy_grad
+    torch.testing.assert_close(chosen.double(), want_chosen, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=0, atol=1e-4)
+    ((chosen * weights).sum() + (entropy.sum() if entropy_grad else 0)).backward()
+    ((want_chosen * weights).sum() + (want_entropy.sum() if entropy_grad else 0)).backward()
+    torch.testing.assert_close(logits.grad.double(), exact.grad, rtol=1e-2, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -7,8 +7,10 @@ the same model class, so that in fp32 they agree to float rounding
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,36 @@ def scaled_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor) -> 
     elif temperature == 1.0:
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     return torch.log_softmax(logits.to(torch.float32) / temperature, dim=-1)
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p(targets)`` and the entropy at every position of ``logits [..., vocab]`` under
+    ``softmax(logits / temperature)`` in fp32: what ``scaled_logprobs`` gives, without its ``[..., vocab]`` fp32
+    result. On a GPU it runs compiled, so the upcast, scaling, log-sum-exp and entropy read the logits in
+    one pass and their backward writes the logits' gradient in another, instead of an eager chain of
+    vocabulary-wide fp32 copies: a Qwen3-0.6B training step on an H200 takes 4-10 % less time and 14-16 %
+    less memory (bench/RESULTS.md). ``entropy_grad`` False: the entropy is a metric (no gradient)."""
+    if logits.is_cuda:
+        return _compiled_token_stats()(logits, targets, temperature, entropy_grad)
+    return _token_stats(logits, targets, temperature, entropy_grad)
+
+
+def _token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled = logits.float() / temperature
+    normalizer = torch.logsumexp(scaled, dim=-1)
+    chosen = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    if not entropy_grad:
+        scaled, normalizer = scaled.detach(), normalizer.detach()
+    entropy = normalizer - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return chosen, entropy
+
+
+@functools.cache
+def _compiled_token_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Compiled once per process, for any batch and sequence length."""
+    return torch.compile(_token_stats, dynamic=True)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergen
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
-from vime.backends.hf import load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.hf import load_causal_lm, position_ids, token_stats
 from vime.backends.master_weights import MasterWeights, to_bf16
 
 
@@ -156,14 +156,12 @@ class TorchTrainEngine(TrainEngine):
         experts = None if batch.routed_experts is None else batch.routed_experts[rows, :input_ids.shape[1]]
         with self._replaying(model, experts):
             logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        # every position's next token (the last wraps around, never a response's), then the response positions
+        logprobs, entropy = token_stats(logits, input_ids.roll(-1, dims=1), self.temperature,
+                                        entropy_grad=bool(self.loss.entropy_coef))
         index = _response_index(batch, rows, logits.shape[1])
-        logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        logprobs = scaled_logprobs(logits, self.temperature)
-        chosen = logprobs.gather(-1, batch.response_ids[rows].unsqueeze(-1)).squeeze(-1)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.loss.entropy_coef)):  # else a metric
-            entropy = -(logprobs.exp() * logprobs).sum(-1)
         response_mask = batch.response_mask[rows]
-        return chosen * response_mask, entropy * response_mask
+        return logprobs.gather(1, index) * response_mask, entropy.gather(1, index) * response_mask
 
     def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None
