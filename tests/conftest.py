@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -19,14 +18,6 @@ configure("warning")
 async def open_job(run_dir: Path, transport: str = "ipc", **kwargs: Any) -> AsyncIterator[Cluster]:
     async with Cluster.open(run_dir, transport=transport, **kwargs) as cluster:
         yield cluster
-
-
-@pytest.fixture
-def free_tcp_address() -> str:
-    """A loopback tcp:// address nothing listens on yet."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(params=["ipc", "tcp"])

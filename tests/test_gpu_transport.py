@@ -61,14 +61,13 @@ def test_a_group_needs_a_tcp_address_and_a_rank_inside_it() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_broadcast_in_buckets_reaches_another_process_bit_exact(device: str, free_tcp_address: str) -> None:
+def test_broadcast_in_buckets_reaches_another_process_bit_exact(device: str) -> None:
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL broadcast between two processes needs two GPUs (device kind nvidia-h200-x2)")
     tensors = _tensors(device)
-    address = free_tcp_address
+    group = BroadcastGroup("tcp://127.0.0.1:0", 0, 2, device=device, timeout_s=60)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        received = child.submit(_receive, address, specs(tensors), 512, device)
-        group = BroadcastGroup(address, 0, 2, device=device, timeout_s=60)
+        received = child.submit(_receive, group.address, specs(tensors), 512, device)
         group.send(tensors, bucket_bytes=512)
         result = received.result(timeout=120)
     assert result["buckets"] == 5

@@ -14,8 +14,10 @@ import itertools
 import json
 import multiprocessing
 import os
+import queue
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,19 +196,22 @@ def test_engine_flags_name_the_closest_valid_ones():
         engine_arguments({"seed": 3})
 
 
-def _broadcast(address: str, folder: str, bucket_bytes: int) -> None:
-    """A sender in a process (and, on GPUs, a GPU) of its own, as a trainer would be."""
+def _broadcast(addresses: Any, folder: str, bucket_bytes: int) -> None:
+    """A sender in a process (and, on GPUs, a GPU) of its own, as a trainer would be: it picks its port and
+    puts the group's address on the ``addresses`` queue."""
     from vime.transports.gpu import BroadcastGroup
 
     if GPU:
         torch.cuda.set_device(torch.cuda.device_count() - 1)
     weights = {name: p.detach().to("cuda" if GPU else "cpu") for name, p in load_causal_lm(folder, DTYPE).named_parameters()}
-    BroadcastGroup(address, 0, 2, timeout_s=120).send(checkpoint_names(weights), bucket_bytes)
+    group = BroadcastGroup("tcp://127.0.0.1:0", 0, 2, timeout_s=120)
+    addresses.put(group.address)
+    group.send(checkpoint_names(weights), bucket_bytes)
 
 
 @pytest.mark.skipif(GPU and torch.cuda.device_count() < 2, reason="on GPUs, a broadcast between two engines needs two "
                                                                   "GPUs (device kind nvidia-h200-x2)")
-def test_weights_arrive_by_broadcast_in_buckets(dense, tmp_path, free_tcp_address):
+def test_weights_arrive_by_broadcast_in_buckets(dense, tmp_path):
     """gloo on CPU, NCCL across two GPUs: many small buckets, each loaded as it arrives."""
     from vime.transports.gpu import specs
 
@@ -214,10 +219,16 @@ def test_weights_arrive_by_broadcast_in_buckets(dense, tmp_path, free_tcp_addres
     other = tmp_path / "other"
     arithmetic.build_model(other, seed=2)
     spec_list = specs(checkpoint_names(dict(load_causal_lm(other, DTYPE).named_parameters())))
-    address = free_tcp_address
     start = engine.weight_version
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        sent = child.submit(_broadcast, address, str(other), 64 << 10)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as child, spawn.Manager() as manager:
+        addresses = manager.Queue()
+        sent = child.submit(_broadcast, addresses, str(other), 64 << 10)
+        try:
+            address = addresses.get(timeout=120)
+        except queue.Empty:
+            sent.result(timeout=0)  # the sender's own error, if it failed before naming its port
+            raise
         engine.join_broadcast(address, 1, 2)
         engine.receive_broadcast(spec_list, 64 << 10, start + 1)
         sent.result(timeout=120)

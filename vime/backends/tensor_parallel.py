@@ -20,9 +20,9 @@ trainer's process (Linux's parent-death signal).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +39,7 @@ ORDERS = ("train_step", "named_weights", "save", "load", "save_hf", "stop")
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
 FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
 MAX_DIMS = 4
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 
 
 class LeadingEngine(TrainEngine):
@@ -46,13 +47,19 @@ class LeadingEngine(TrainEngine):
 
     def __init__(self, run: RunConfig, seed: int) -> None:
         size = run.job.tensor_model_parallel_size
-        shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size)}
-        os.environ.update(shared, RANK="0", LOCAL_RANK="0")
+        store = _store(0, size)
+        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(size), RANK="0", LOCAL_RANK="0")
         spec = json.dumps({"config": run.to_dict(), "seed": seed})
         self.followers = [subprocess.Popen([sys.executable, "-m", __name__, spec], preexec_fn=_die_with_parent,
                                            env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                           for rank in range(1, size)]
-        self.engine = _engine(run, seed)
+        try:
+            _join(store, 0, size)
+            self.engine = _engine(run, seed)
+        except BaseException:
+            for follower in self.followers:  # else they wait in the group for its timeout
+                follower.kill()
+            raise
         self._lock = threading.Lock()
 
     @property
@@ -114,8 +121,27 @@ def _engine(run: RunConfig, seed: int) -> Any:
     return MegatronTrainEngine(**run.train_engine_arguments(seed), tensor_parallel=run.job.tensor_model_parallel_size)
 
 
+def _store(rank: int, size: int) -> dist.TCPStore:
+    """The group's meeting point. Rank 0 binds a port the kernel picks and holds it until the group has
+    formed (a port found free, released and bound again later could be taken in between); the other
+    ranks connect to the port it exported as ``MASTER_PORT``."""
+    port = 0 if rank == 0 else int(os.environ["MASTER_PORT"])
+    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+
+
+def _join(store: dist.TCPStore, rank: int, size: int) -> None:
+    """Every rank forms the default group the same way, over ``store`` as it is (``init_parallel`` then finds
+    it formed); torch's ``env://`` would add a key prefix that a group over a given store lacks."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                            world_size=size, timeout=GROUP_TIMEOUT)
+
+
 def follow(spec: dict[str, Any]) -> None:
-    """A follower rank: build the engine, then carry out rank 0's orders until it says stop."""
+    """A follower rank: join the group, build the engine, then carry out rank 0's orders until it says stop."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _join(_store(rank, size), rank, size)
     engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
     while True:
         header = _broadcast(torch.zeros(2, dtype=torch.int64), engine.device)
@@ -170,12 +196,6 @@ def _die_with_parent() -> None:
     import signal
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":
