@@ -152,22 +152,24 @@ class TorchTrainEngine(TrainEngine):
     def _response_logprobs(self, model: torch.nn.Module, batch: TensorBatch,
                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
-        input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
-        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :input_ids.shape[1]]
+        first, width = _span(batch, rows)
+        input_ids, mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
+        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :width]
         with self._replaying(model, experts):
             logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-        # every position's next token (the last wraps around, never a response's), then the response positions
-        logprobs, entropy = token_stats(logits, input_ids.roll(-1, dims=1), self.temperature,
+        # each position from the first that predicts a response token, with its next token (the last wraps
+        # around, never a response's); then the response positions
+        logprobs, entropy = token_stats(logits[:, first:], input_ids.roll(-1, dims=1)[:, first:], self.temperature,
                                         entropy_grad=bool(self.loss.entropy_coef))
-        index = _response_index(batch, rows, logits.shape[1])
+        index = _response_index(batch, rows, width) - first
         response_mask = batch.response_mask[rows]
         return logprobs.gather(1, index) * response_mask, entropy.gather(1, index) * response_mask
 
     def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None
-        input_ids, mask = _trim(batch.input_ids[rows], batch.attention_mask[rows])
-        values = self.critic(input_ids, mask)
-        return values.gather(1, _response_index(batch, rows, values.shape[1])) * batch.response_mask[rows]
+        _, width = _span(batch, rows)
+        values = self.critic(batch.input_ids[rows, :width], batch.attention_mask[rows, :width])
+        return values.gather(1, _response_index(batch, rows, width)) * batch.response_mask[rows]
 
     @torch.no_grad()
     def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
@@ -303,10 +305,13 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple
     return rows[torch.argsort(lengths[rows], descending=True, stable=True)].split(size)
 
 
-def _trim(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop the columns that are padding in every row (batches are right-padded)."""
-    width = int(mask.sum(-1).max())
-    return input_ids[:, :width], mask[:, :width]
+def _span(batch: TensorBatch, rows: torch.Tensor) -> tuple[int, int]:
+    """``(first, width)`` of ``rows``: the first position whose output predicts a response token, and the
+    columns short of those that are padding in every row (batches are right-padded). One host read, taken
+    before the forward is queued: the vocabulary-wide work skips the positions before ``first``, which
+    with long prompts and short responses are most of them."""
+    first, width = torch.stack([batch.response_start[rows].min() - 1, batch.attention_mask[rows].sum(-1).max()]).tolist()
+    return first, width
 
 
 def _response_index(batch: TensorBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
