@@ -203,6 +203,24 @@ def test_replaying_bf16_rollout_experts_brings_fp32_logprobs_closer(hf_models, c
     assert diff_r3 < 0.9 * diff_free
 
 
+def test_padding_for_sequence_parallelism_gets_distinct_experts(hf_models, monkeypatch):
+    """Under sequence parallelism a batch is right-padded to a multiple of the ranks and each rank's routers
+    replay their share of the positions: here rank 1 of 2, whose share of 3 positions padded to 4 is position
+    2 and the padding. megatron-core's alltoall dispatcher counts exactly top_k experts per token, so the
+    padding must name top_k distinct ones, never one expert twice."""
+    policy = _megatron_model(hf_models, "qwen3_moe", routing_replay=True)
+    config = hf_models["qwen3_moe"][0].config
+    monkeypatch.setattr(megatron, "_sequence_ranks", lambda model: (1, 2))
+    generator = torch.Generator().manual_seed(0)
+    experts = torch.rand(2, 3, config.num_hidden_layers, config.num_experts, generator=generator).argsort(-1)
+    experts = experts[..., :config.num_experts_per_tok]
+    with megatron._routing(policy, (2, 3), 4, experts, record=False) as handles:
+        targets = [handle.target_topk_idx.clone() for handle in handles]
+    for layer, target in enumerate(targets):
+        assert torch.equal(target[:2], experts[:, 2, layer])  # position 2 of both rows, sequence-major
+        assert [len(set(row)) for row in target[2:].tolist()] == [config.num_experts_per_tok] * 2
+
+
 def test_replay_needs_experts_for_every_token_and_moe_layer(hf_models):
     policy = _megatron_model(hf_models, "qwen3_moe", routing_replay=True)
     input_ids, _ = _right_padded_batch(seed=7)
@@ -233,8 +251,6 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     glm.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         megatron.transformer_config(glm)
-    with pytest.raises(NotImplementedError, match="--tensor-model-parallel-size 1"):
-        megatron.build_model(tiny_config("qwen3_moe", VOCAB), tensor_parallel=2)
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2: launch with torchrun "
                                          "--nproc-per-node 2"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2)
@@ -249,14 +265,21 @@ def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", **loss):
                temperature=TEMPERATURE, total_steps=4, dtype=dtype)
 
 
-def _batch(seed: int) -> TensorBatch:
-    """Two groups of three made-up responses of different lengths, with rollout log-probs near the truth."""
+def _batch(seed: int, config: transformers.PretrainedConfig | None = None) -> TensorBatch:
+    """Two groups of three made-up responses of different lengths, with rollout log-probs near the truth; for
+    an MoE ``config``, random experts (not those its routers would choose) to replay at every token fed in."""
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (5, 5, 5, 8, 8, 8)]
     responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (6, 3, 9, 4, 7, 2)]
     logprobs = [(-5.0 + torch.randn(len(r), generator=generator)).tolist() for r in responses]
+    experts = None
+    if config is not None and any(megatron.moe_layer_pattern(config)):
+        layers, count = sum(megatron.moe_layer_pattern(config)), megatron.transformer_config(config).num_moe_experts
+        experts = [torch.rand(len(p) + len(r) - 1, layers, count, generator=generator).argsort(-1)
+                   [..., :config.num_experts_per_tok].to(torch.int16) for p, r in zip(prompts, responses)]
     return collate(prompts, responses, logprobs, [[0] * len(r) for r in responses],
-                   rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0], group_ids=[0, 0, 0, 1, 1, 1], pad_token_id=0)
+                   rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0], group_ids=[0, 0, 0, 1, 1, 1], pad_token_id=0,
+                   routed_experts=experts)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
@@ -424,18 +447,20 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["qwen3", pytest.param("qwen3-tied", marks=pytest.mark.slow)])  # CI time
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", *(pytest.param(case, marks=pytest.mark.slow)
+                                                        for case in ("qwen3-tied", "glm4_moe"))])  # CI time
 def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tmp_path):
     """Two ranks under torchrun, each holding half of every split tensor (q/k/v by key/value group, gate and up
-    each halved, the vocabulary halved): the gathered weights are the checkpoint's bit for bit, and the
-    log-probs, the step's metrics (the gradient norm over both ranks' shards among them) and the updated
-    weights are those of one process; a checkpoint of both ranks resumes exactly."""
+    each halved, every expert's too, the vocabulary halved) and norming and routing half of the positions
+    (sequence parallelism; an MoE model replays given experts): the gathered weights are the checkpoint's
+    bit for bit, and the log-probs, the step's metrics (the gradient norm over both ranks' shards among
+    them) and the updated weights are those of one process; a checkpoint of both ranks resumes exactly."""
     import dataclasses
     import subprocess
     import sys
 
-    _, checkpoint, folder = hf_models[case]
-    batch = _batch(seed=0)
+    model, checkpoint, folder = hf_models[case]
+    batch = _batch(seed=0, config=model.config)
     torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
     worker = Path(__file__).with_name("megatron_tp_worker.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

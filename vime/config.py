@@ -214,7 +214,8 @@ class JobConfig:
     save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
     tensor_model_parallel_size: int = setting(1, "Megatron tensor parallelism: the trainer runs this many ranks "
-                                                 "(one per trainer GPU; gloo on CPU), dense models only so far")
+                                                 "(one per trainer GPU; gloo on CPU), with sequence parallelism; an "
+                                                 "MoE model's experts are split the same way")
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):

@@ -21,10 +21,14 @@ its flash kernel) with fp32 masters for the optimizer
 Tensor parallelism: under ``torchrun`` each rank holds its shard of every
 split tensor, cut from the whole checkpoint on load and gathered back for
 weight sync and ``save_hf`` (``_shard``/``_unshard``; the conversions
-themselves work on whole tensors). What is deliberately not here yet:
-tensor parallelism for MoE models, pipeline, expert and data parallelism,
-sequence parallelism, Megatron's distributed optimizer, sequence packing,
-activation recomputation, and PPO's value model.
+themselves work on whole tensors). It always comes with sequence
+parallelism, which megatron-core requires of MoE layers under tensor
+parallelism: each rank norms, routes and holds activations for its slice of
+the sequence, so a batch is right-padded to a multiple of the ranks. An MoE
+model's experts are split like its dense MLPs (expert tensor parallelism
+equal to the tensor-parallel size). What is deliberately not here yet:
+pipeline, expert and data parallelism, Megatron's distributed optimizer,
+sequence packing, activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -41,7 +45,7 @@ Layout conventions that the conversion relies on:
   then sits after every real token and, under causal attention, cannot change
   a real token's output.
 
-On CPU (tests only) ``vime.backends.cpu_compat`` patches the one CUDA query
+On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
 megatron-core cannot do without, and MoE layers use the ``allgather``
 token dispatcher.
 """
@@ -109,7 +113,8 @@ def init_parallel(tensor_parallel: int = 1) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                                  pipeline_model_parallel_size=1)
         if torch.cuda.is_available():
-            # Megatron's layers consult the CUDA RNG tracker for dropout and recomputation; it must be seeded
+            # Megatron forks the CUDA RNG tracker's state around dropout, and under sequence parallelism around
+            # every layer, dropout or not: it must be seeded
             model_parallel_cuda_manual_seed(0)
     elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
         raise ValueError("this process already holds a model of another tensor-parallel size")
@@ -152,6 +157,22 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in place of megatron-core's ``WrappedTorchNorm``, allowed under sequence parallelism.
+
+    megatron-core refuses sequence parallelism with its torch norms (it expects
+    Transformer Engine's), but a norm acts on each token alone, so it gives
+    the same result on a rank's slice of the sequence. Its weight's gradient
+    is then each rank's part of the whole; the ``sequence_parallel`` mark, as
+    megatron-core sets it on its own norms and routers, tells the trainer to
+    sum it over the ranks.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 def _check_family(hf_config: Any) -> None:
     family = hf_config.model_type
     if family not in FAMILIES:
@@ -185,7 +206,7 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
-                       routing_replay: bool = False) -> TransformerConfig:
+                       routing_replay: bool = False, tensor_parallel: int = 1) -> TransformerConfig:
     """The megatron-core config equivalent to ``hf_config``.
 
     Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
@@ -208,6 +229,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         qk_layernorm=hf_config.use_qk_norm if family == "glm4_moe" else True,
         hidden_dropout=0.0, attention_dropout=hf_config.attention_dropout,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
@@ -241,14 +263,18 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     this process holds its rank's shard, and the logits come out whole (the
     log-probs need the whole vocabulary).
     """
-    if tensor_parallel > 1 and any(moe_layer_pattern(hf_config)):
-        raise NotImplementedError("tensor parallelism covers dense models so far; train a MoE model with "
-                                  "--tensor-model-parallel-size 1")
     init_parallel(tensor_parallel)
-    config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay)
+    config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
+                                tensor_parallel=tensor_parallel)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    block.layer_norm = SequenceParallelRMSNorm
     for layer_spec in block.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        layers = layer_spec.submodules
+        layers.input_layernorm = layers.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layers.self_attention.submodules
+        attention.core_attention = SDPAttention
+        if config.qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     rope = hf_config.rope_parameters
     model = GPTModel(
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
@@ -480,20 +506,39 @@ def _replay_handles(model: GPTModel) -> list[RouterReplay]:
     return handles
 
 
+def _sequence_ranks(model: GPTModel) -> tuple[int, int]:
+    """``(rank, ranks)`` among which sequence parallelism splits ``model``'s tokens; ``(0, 1)`` without it."""
+    if not model.config.sequence_parallel:
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _route_free_tokens(experts: torch.Tensor) -> torch.Tensor:
+    """``experts`` with each free token (-1 in every slot) sent to experts ``0..top_k-1``: megatron-core's
+    routers need top_k distinct experts for every token they see (its alltoall dispatcher counts exactly
+    top_k per token), and free tokens are ones no kept log-prob depends on."""
+    ids = torch.arange(experts.shape[-1], dtype=experts.dtype, device=experts.device)
+    return torch.where(experts < 0, ids, experts)
+
+
 @contextlib.contextmanager
-def _routing(model: GPTModel, input_ids: torch.Tensor, experts: torch.Tensor | None,
+def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch.Tensor | None,
              record: bool) -> Iterator[list[RouterReplay]]:
+    """Record or replay experts for a ``shape`` batch padded to ``width`` positions (padding is routed like a
+    free token). Megatron's routers see tokens sequence-major, token (position p, row r) as number
+    ``p * batch + r``, and under sequence parallelism each rank's routers see only its share of those."""
     if experts is None and not record:
         yield []
         return
     handles = _replay_handles(model)
     if experts is not None:
-        batch, seq = input_ids.shape
+        batch, seq = shape
         if experts.shape[:3] != (batch, seq, len(handles)):
             raise ValueError(f"experts of shape {tuple(experts.shape)} do not fit a batch of {batch} x {seq} tokens "
                              f"through {len(handles)} MoE layers: pass [batch, seq, moe_layers, top_k]")
-        # Megatron's router sees tokens sequence-major: token (position p, row r) is number p * batch + r
-        per_layer = experts.to(torch.long).permute(2, 1, 0, 3).reshape(len(handles), seq * batch, -1)
+        experts = _route_free_tokens(F.pad(experts.to(torch.long), (0, 0, 0, 0, 0, width - seq), value=-1))
+        rank, ranks = _sequence_ranks(model)
+        per_layer = experts.permute(2, 1, 0, 3).reshape(len(handles), width * batch, -1).chunk(ranks, dim=1)[rank]
     try:
         for layer, handle in enumerate(handles):
             handle.clear_indices()
@@ -515,20 +560,32 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
     layer send each token to those experts; the gate weights are the router's
     live scores at them, so the router still learns. Positions past a row's
-    last real token may hold any valid expert ids. ``record_experts`` returns
+    last real token may hold any top_k distinct expert ids. ``record_experts`` returns
     the experts the routers chose, in that same layout.
     """
     batch, seq = input_ids.shape
-    positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-    with _routing(model, input_ids, replay_experts, record_experts) as handles:
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)
+    _, ranks = _sequence_ranks(model)
+    width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
+    input_ids = F.pad(input_ids, (0, width - seq))
+    positions = torch.arange(width, device=input_ids.device).expand(batch, width)
+    with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles:
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)[:, :seq]
         experts = None
         if record_experts:
-            recorded = torch.stack([handle.get_recorded_indices() for handle in handles])  # [layers, seq*batch, k]
-            experts = recorded.reshape(len(handles), seq, batch, -1).permute(2, 1, 0, 3).contiguous()
+            recorded = _gather_sequence(torch.stack([handle.get_recorded_indices() for handle in handles]), ranks)
+            experts = recorded.reshape(len(handles), width, batch, -1).permute(2, 1, 0, 3)[:, :seq].contiguous()
         for handle in handles:
             handle.clear_indices()
     return ForwardOutput(logits=logits, experts=experts)
+
+
+def _gather_sequence(local: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``[layers, tokens, k]`` of every rank's share of the tokens, joined in rank order (a collective)."""
+    if ranks == 1:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(ranks)]
+    dist.all_gather(pieces, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(pieces, dim=1)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -602,13 +659,14 @@ class MegatronTrainEngine(TorchTrainEngine):
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
         del self._checkpoint
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
-        # the whole ones whose gradient each rank sees only part of: q/k norms act on the rank's own heads
+        # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms and
+        # routers act on the rank's share of the tokens, q/k norms on its own heads
         trained = [(name, param) for name, param in self.policy.named_parameters() if param.requires_grad]
         tensors = self.optimizer.param_groups[0]["params"]  # the trainable parameters' (or masters'), in order
         self._split = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
                        if getattr(param, "tensor_model_parallel", False)}
-        self._partial = {id(tensor) for tensor, (name, _) in zip(tensors, trained)
-                         if name.endswith(("q_layernorm.weight", "k_layernorm.weight"))}
+        self._partial = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
+                         if getattr(param, "sequence_parallel", False)}
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -627,8 +685,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         if not torch.equal(unrouted, tail) or not first.all():
             raise ValueError("replayed experts must cover every position of a row but its last and the padding; "
                              "a sample without recorded experts cannot be replayed by the Megatron trainer")
-        model.replay_experts = torch.where(free, torch.arange(experts.shape[-1], dtype=experts.dtype,
-                                                              device=experts.device), experts).to(self.device)
+        model.replay_experts = _route_free_tokens(experts).to(self.device)
         try:
             yield
         finally:
@@ -641,9 +698,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         return _AsCausalLM(model, self.hf_config).eval()
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Under tensor parallelism, first complete the q/k norms' gradients (summed over the ranks), then take
-        the norm over the whole model: shards' squares summed over the ranks, whole tensors counted once,
-        since every rank now holds the same gradient of them."""
+        """Under tensor parallelism, first complete the norms' and routers' gradients (summed over the ranks),
+        then take the norm over the whole model: shards' squares summed over the ranks, whole tensors counted
+        once, since every rank now holds the same gradient of them."""
         if self.tensor_parallel == 1:
             return super()._clip_gradients(params, max_norm)
         group = parallel_state.get_tensor_model_parallel_group()

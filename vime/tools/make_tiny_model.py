@@ -11,12 +11,16 @@ of 64 rows, as the real checkpoints pad theirs::
     python -m vime.tools.make_tiny_model --arch qwen3 --tokenizer ../shared/data/qwen3-tokenizer --out tiny-qwen3
 
 ``--shape`` writes a real model's full shape instead (``qwen3-0.6b``,
-``qwen3-4b``: their published configs, vocabulary of 151,936 included), for
-benchmarks where the real weights cannot be had; build it on a GPU in bf16
-(``--device cuda --dtype bf16``), as the real checkpoints are stored::
+``qwen3-4b``, ``qwen3-30b-a3b``: their published configs, vocabulary of
+151,936 included), for benchmarks where the real weights cannot be had;
+build it on a GPU in bf16 (``--device cuda --dtype bf16``), as the real
+checkpoints are stored. ``--layers`` with ``--shape`` keeps the real width
+and cuts the depth, to try a big model's layout on fewer GPUs::
 
     python -m vime.tools.make_tiny_model --arch qwen3 --shape qwen3-4b --device cuda --dtype bf16 \
         --tokenizer qwen3-tokenizer --out qwen3-4b-random
+    python -m vime.tools.make_tiny_model --arch qwen3_moe --shape qwen3-30b-a3b --layers 4 --device cuda \
+        --dtype bf16 --tokenizer qwen3-tokenizer --out qwen3-30b-a3b-4-layers
 """
 
 from __future__ import annotations
@@ -27,10 +31,17 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("qwen3", "qwen3_moe", "glm4_moe")
-# The published Qwen3 configs (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B): what --shape builds, random weights aside.
+# The published configs (Qwen/Qwen3-0.6B, Qwen/Qwen3-4B, Qwen/Qwen3-30B-A3B): what --shape builds, random weights
+# aside, as (family, the settings that differ between them)
 SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, tie_word_embeddings=True)),
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, tie_word_embeddings=True)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
 }
 
 
@@ -55,36 +66,43 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, layers: in
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
 
 
-def full_config(shape: str, **token_ids: Any) -> Any:
-    """The transformers config of a real model's shape (``SHAPES``); ``token_ids`` are pad/bos/eos ids."""
+def full_config(shape: str, layers: int | None = None, **token_ids: Any) -> Any:
+    """The transformers config of a real model's shape (``SHAPES``), with ``layers`` decoder layers if given;
+    ``token_ids`` are pad/bos/eos ids."""
     import transformers
 
     if shape not in SHAPES:
         raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, not {shape!r}")
-    return transformers.Qwen3Config(**SHAPES[shape], vocab_size=151936, num_key_value_heads=8, head_dim=128,
-                                    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                                    tie_word_embeddings=True, **token_ids)
+    arch, settings = SHAPES[shape]
+    config_class = transformers.Qwen3Config if arch == "qwen3" else transformers.Qwen3MoeConfig
+    return config_class(**{**settings, **({} if layers is None else {"num_hidden_layers": layers})}, vocab_size=151936,
+                        head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                        **token_ids)
 
 
 def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: int = 0, hidden_size: int = 64,
-                    layers: int = 2, shape: str = "", dtype: str = "fp32", device: str = "cpu") -> Path:
+                    layers: int | None = None, shape: str = "", dtype: str = "fp32", device: str = "cpu") -> Path:
     """Write the random checkpoint and the tokenizer to ``out``; returns it. With ``shape``, a real model's full
-    shape (``arch`` must be its family), built on ``device`` in ``dtype`` (fp32 or bf16)."""
+    shape (``arch`` must be its family; ``layers``, if given, its depth), built on ``device`` in ``dtype``
+    (fp32 or bf16); without, a tiny one of ``layers`` (default 2)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from vime.backends.hf import DTYPES
 
-    if shape and arch != "qwen3":
-        raise ValueError(f"--shape {shape} is a qwen3 model: pass --arch qwen3")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be at least 1, not {layers}")
+    if shape in SHAPES and arch != SHAPES[shape][0]:
+        raise ValueError(f"--shape {shape} is a {SHAPES[shape][0]} model: pass --arch {SHAPES[shape][0]}")
     folder = Path(out)
     tokens = AutoTokenizer.from_pretrained(str(tokenizer))
     eos = tokens.eos_token_id
     token_ids = dict(eos_token_id=eos, pad_token_id=tokens.pad_token_id if tokens.pad_token_id is not None else eos,
                      bos_token_id=tokens.bos_token_id)
-    config = full_config(shape, **token_ids) if shape else \
-        tiny_config(arch, -(-len(tokens) // 64) * 64, hidden_size=hidden_size, layers=layers, **token_ids)
+    config = full_config(shape, layers, **token_ids) if shape else \
+        tiny_config(arch, -(-len(tokens) // 64) * 64, hidden_size=hidden_size,
+                    layers=2 if layers is None else layers, **token_ids)
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
     with torch.device(device):
@@ -103,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the folder to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: 2, or the --shape's own number)")
     parser.add_argument("--shape", default="", choices=["", *SHAPES],
-                        help="a real model's full shape instead of a tiny one (--hidden-size, --layers ignored)")
+                        help="a real model's shape instead of a tiny one (--hidden-size ignored)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype")
     parser.add_argument("--device", default="cpu", help="where to build the model (cuda: much faster at full size)")
     args = parser.parse_args(argv)
