@@ -5,7 +5,10 @@ vime trains (``qwen3``, ``qwen3_moe``, ``glm4_moe``) to a megatron-core
 ``TransformerConfig`` and layer spec; the conversion of Hugging Face
 safetensors weights to Megatron's layout and back (bit-exact both ways); a
 core attention on ``torch.nn.functional.scaled_dot_product_attention``, the
-one attention path on CPU and GPU (no Transformer Engine); per-token
+one attention path on CPU and GPU (no Transformer Engine); an MoE layer's
+routed experts as two stacked weights in grouped matmuls
+(:class:`GroupedExperts`, in place of megatron-core's one-by-one
+``SequentialMLP``; ``bench/experts.py``); per-token
 log-probs under the sampling temperature, computed exactly as the rollout
 reports them (``vime.backends.hf.scaled_logprobs``); R3 -- recording the
 experts each token is routed to, and replaying given experts, through
@@ -38,7 +41,8 @@ Layout conventions that the conversion relies on:
 - ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` stacked on the output dim.
 - Hugging Face checkpoints store experts one by one
   (``mlp.experts.{e}.gate_proj.weight``), as ``save_pretrained`` writes them
-  and vLLM reads them; GLM's ``e_score_correction_bias`` is Megatron's
+  and vLLM reads them; :class:`GroupedExperts` stacks them on a new first
+  dim, each expert's ``[gate; up]`` as in a dense MLP; GLM's ``e_score_correction_bias`` is Megatron's
   ``router.expert_bias``.
 - The rotary embedding uses positions ``0..seq-1`` of each row, so batches
   are right-padded (as ``vime.backends.base.collate`` pads them): padding
@@ -70,6 +74,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -171,6 +176,46 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+class _Weight(torch.nn.Module):
+    """A module holding one parameter, so that it is named ``<module>.weight`` like a linear layer's."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, partition_dim: int) -> None:
+        super().__init__()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.weight.tensor_model_parallel, self.weight.partition_dim = True, partition_dim
+
+
+class GroupedExperts(MegatronModule):
+    """An MoE layer's routed experts as two stacked weights, computed in two grouped matmuls.
+
+    The experts megatron-core offers without Transformer Engine (``SequentialMLP``) run one small MLP per
+    expert after reading the token counts on the host: with 128 experts, hundreds of small kernels and a
+    device sync per layer, and the GPU mostly idle (``bench/RESULTS.md``). Here ``linear_fc1.weight
+    [experts, 2 * ffn, hidden]`` (each expert's ``[gate; up]``, as in a dense MLP) and ``linear_fc2.weight
+    [experts, hidden, ffn]`` go through ``torch.nn.functional.grouped_mm`` with the group offsets on the
+    device. The arithmetic is megatron-core's MLP's: SwiGLU, then the router's probability, then fc2.
+    Under tensor parallelism each rank holds every expert's share of ``ffn``, fc1 split on its rows and
+    fc2 on its columns, as in a dense MLP; the token dispatcher gathers and reduces, as for SequentialMLP.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection: Any = None,
+                 name: str | None = None) -> None:
+        super().__init__(config=config)
+        ffn = config.moe_ffn_hidden_size // pg_collection.expt_tp.size()
+        self.linear_fc1 = _Weight((num_local_experts, 2 * ffn, config.hidden_size), config.params_dtype, 1)
+        self.linear_fc2 = _Weight((num_local_experts, config.hidden_size, ffn), config.params_dtype, 2)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
+                probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``tokens [routed, hidden]`` sorted by expert, ``tokens_per_expert [experts]``, ``probs [routed]``."""
+        ends = torch.cumsum(tokens_per_expert.to(tokens.device), 0, dtype=torch.int32)
+        gate, up = F.grouped_mm(tokens, self.linear_fc1.weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=ends), None
 
 
 def _check_family(hf_config: Any) -> None:
@@ -275,6 +320,9 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         attention.core_attention = SDPAttention
         if config.qk_layernorm:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+        mlp = getattr(layers.mlp, "keywords", {}).get("submodules")
+        if isinstance(mlp, MoESubmodules):
+            mlp.experts = GroupedExperts
     rope = hf_config.rope_parameters
     model = GPTModel(
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
@@ -326,6 +374,21 @@ def _qkv_map(hf_names: tuple[str, ...], megatron_name: str, hf_config: Any) -> _
     return _TensorMap(hf_names, megatron_name, fuse, split)
 
 
+def _experts_maps(hf: str, megatron: str, experts: int) -> list[_TensorMap]:
+    """The routed experts, one by one in the checkpoint, stacked in :class:`GroupedExperts`."""
+    gate_up = tuple(f"{hf}{expert}.{proj}_proj.weight" for expert in range(experts) for proj in ("gate", "up"))
+
+    def fuse_fc1(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.cat(parts[2 * expert:2 * expert + 2]) for expert in range(experts)])
+
+    def split_fc1(fc1: torch.Tensor) -> list[torch.Tensor]:
+        return [half for expert in fc1 for half in expert.chunk(2)]
+
+    return [_TensorMap(gate_up, megatron + "linear_fc1.weight", fuse_fc1, split_fc1),
+            _TensorMap(tuple(f"{hf}{expert}.down_proj.weight" for expert in range(experts)),
+                       megatron + "linear_fc2.weight", torch.stack, torch.unbind)]
+
+
 def _tensor_maps(hf_config: Any) -> list[_TensorMap]:
     """Every tensor of the GPTModel, and where it comes from in a Hugging Face checkpoint."""
     maps = [_TensorMap(("model.embed_tokens.weight",), "embedding.word_embeddings.weight"),
@@ -344,10 +407,10 @@ def _tensor_maps(hf_config: Any) -> list[_TensorMap]:
         mlps = [("mlp.", "mlp.")]
         if moe:
             pairs.append(("mlp.gate.weight", "mlp.router.weight"))
-            mlps = [(f"mlp.experts.{expert}.", f"mlp.experts.local_experts.{expert}.") for expert in range(experts)]
+            mlps = [("mlp.shared_experts.", "mlp.shared_experts.")] if hf_config.model_type == "glm4_moe" else []
+            maps += _experts_maps(hf + "mlp.experts.", megatron + "mlp.experts.", experts)
             if hf_config.model_type == "glm4_moe":
                 pairs.append(("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
-                mlps.append(("mlp.shared_experts.", "mlp.shared_experts."))
         maps += [_TensorMap((hf + hf_name,), megatron + megatron_name) for hf_name, megatron_name in pairs]
         for kind in ("weight", "bias") if hf_config.attention_bias else ("weight",):
             maps.append(_qkv_map(tuple(f"{hf}self_attn.{proj}_proj.{kind}" for proj in "qkv"),
