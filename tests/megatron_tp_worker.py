@@ -25,13 +25,13 @@ from vime.backends.megatron import MegatronTrainEngine
 from vime.config import OptimConfig
 
 
-def main(folder: str, batch_file: str, out: str, tensor_parallel: int) -> None:
+def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int) -> None:
     def build() -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
                                                                           micro_batch_size=2),
                                    loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(),
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                   tensor_parallel=tensor_parallel)
+                                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
 
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
@@ -71,4 +71,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "lose-a-follower":
         lead_and_lose_a_follower(sys.argv[2])
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

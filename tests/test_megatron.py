@@ -254,6 +254,10 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2: launch with torchrun "
                                          "--nproc-per-node 2"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2)
+    with pytest.raises(ValueError, match="this qwen3 model has none: leave it at 1"):
+        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, expert_parallel=2)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2: .* pass 1 or 4"):
+        megatron.init_parallel(4, 2)
 
 
 # -- the train engine -------------------------------------------------------------------------------------------
@@ -453,14 +457,16 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", *(pytest.param(case, marks=pytest.mark.slow)
-                                                        for case in ("qwen3-tied", "glm4_moe"))])  # CI time
-def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tmp_path):
+@pytest.mark.parametrize("case,expert_parallel", [
+    ("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (("qwen3-tied", 1), ("glm4_moe", 1), ("glm4_moe", 2)))])
+def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, expert_parallel, tmp_path):
     """Two ranks under torchrun, each holding half of every split tensor (q/k/v by key/value group, gate and up
-    each halved, every expert's too, the vocabulary halved) and norming and routing half of the positions
-    (sequence parallelism; an MoE model replays given experts): the gathered weights are the checkpoint's
-    bit for bit, and the log-probs, the step's metrics (the gradient norm over both ranks' shards among
-    them) and the updated weights are those of one process; a checkpoint of both ranks resumes exactly."""
+    each halved, every expert's too or, with expert parallelism, half of the experts whole, the vocabulary
+    halved) and norming and routing half of the positions (sequence parallelism; an MoE model replays given
+    experts): the gathered weights are the checkpoint's bit for bit, and the log-probs, the step's metrics
+    (the gradient norm over both ranks' shards among them) and the updated weights are those of one
+    process; a checkpoint of both ranks resumes exactly."""
     import dataclasses
     import subprocess
     import sys
@@ -470,7 +476,8 @@ def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tm
     torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
     worker = Path(__file__).with_name("megatron_tp_worker.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(folder), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), "2"],
+                           str(worker), str(folder), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), "2",
+                           str(expert_parallel)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")

@@ -216,6 +216,9 @@ class JobConfig:
     tensor_model_parallel_size: int = setting(1, "Megatron tensor parallelism: the trainer runs this many ranks "
                                                  "(one per trainer GPU; gloo on CPU), with sequence parallelism; an "
                                                  "MoE model's experts are split the same way")
+    expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
+                                                 "divided among this many of the tensor-parallel ranks, each "
+                                                 "holding its experts whole (1 or --tensor-model-parallel-size)")
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
@@ -228,6 +231,10 @@ class JobConfig:
             raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
         if self.tensor_model_parallel_size > 1 and self.train_backend != "megatron":
             raise ValueError("--tensor-model-parallel-size needs --train-backend megatron")
+        if self.expert_model_parallel_size not in (1, self.tensor_model_parallel_size):
+            raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: the experts are "
+                             "divided among the tensor-parallel ranks, so pass 1 or --tensor-model-parallel-size "
+                             f"({self.tensor_model_parallel_size})")
         _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
                   tensor_model_parallel_size=1)
 

@@ -29,8 +29,9 @@ parallelism, which megatron-core requires of MoE layers under tensor
 parallelism: each rank norms, routes and holds activations for its slice of
 the sequence, so a batch is right-padded to a multiple of the ranks. An MoE
 model's experts are split like its dense MLPs (expert tensor parallelism
-equal to the tensor-parallel size). What is deliberately not here yet:
-pipeline, expert and data parallelism, Megatron's distributed optimizer,
+equal to the tensor-parallel size) or, with expert parallelism over the
+same ranks, divided among them whole. What is deliberately not here yet:
+pipeline and data parallelism, Megatron's distributed optimizer,
 sequence packing, activation recomputation, and PPO's value model.
 
 Layout conventions that the conversion relies on:
@@ -90,16 +91,22 @@ from vime.config import OptimConfig
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
 
-def init_parallel(tensor_parallel: int = 1) -> None:
+def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
     """Set up torch.distributed and megatron-core's process groups, once per process.
 
     Megatron's layers look up their tensor/pipeline/expert groups globally, so
     even a single-process model needs them. Under ``torchrun`` the world is the
     launcher's (NCCL on GPUs, one per local rank; gloo on CPU) and must be
     exactly one tensor-parallel group; with no launcher around, it is a world
-    of one over an in-memory store (no port). Without CUDA (tests),
-    megatron-core is first patched to place tensors on the CPU.
+    of one over an in-memory store (no port). ``expert_parallel`` (1 or
+    ``tensor_parallel``) divides the routed experts among the same ranks,
+    each holding its experts whole; otherwise each rank holds a share of
+    every expert. Without CUDA (tests), megatron-core is first patched to
+    place tensors on the CPU.
     """
+    if expert_parallel not in (1, tensor_parallel):
+        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the "
+                         f"tensor-parallel ranks, so pass 1 or {tensor_parallel}")
     cpu_compat.apply()
     launched = "LOCAL_RANK" in os.environ
     if torch.cuda.is_available():
@@ -116,13 +123,20 @@ def init_parallel(tensor_parallel: int = 1) -> None:
                          "are not supported yet)")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=1)
+                                                 pipeline_model_parallel_size=1,
+                                                 expert_model_parallel_size=expert_parallel,
+                                                 expert_tensor_parallel_size=tensor_parallel // expert_parallel)
         if torch.cuda.is_available():
             # Megatron forks the CUDA RNG tracker's state around dropout, and under sequence parallelism around
             # every layer, dropout or not: it must be seeded
             model_parallel_cuda_manual_seed(0)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
-        raise ValueError("this process already holds a model of another tensor-parallel size")
+    elif (parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_expert_model_parallel_world_size()) != (tensor_parallel, expert_parallel):
+        raise ValueError("this process already holds a model of another tensor- or expert-parallel size")
+    if expert_parallel > 1 and \
+            parallel_state.get_expert_model_parallel_rank() != parallel_state.get_tensor_model_parallel_rank():
+        raise RuntimeError("megatron-core numbered the expert-parallel ranks unlike the tensor-parallel ones; "
+                           "vime's weight split assumes the same order")
 
 
 class SDPAttention(MegatronModule):
@@ -179,13 +193,16 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 class _Weight(torch.nn.Module):
-    """A module holding one parameter, so that it is named ``<module>.weight`` like a linear layer's."""
+    """A module holding one parameter, so that it is named ``<module>.weight`` like a linear layer's; the
+    parameter is split among the ranks on ``partition_dim`` into ``partition_parts`` parts, each cut
+    evenly (see :func:`_split_rule`)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, partition_dim: int) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, partition_dim: int, partition_parts: int) -> None:
         super().__init__()
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        self.weight.tensor_model_parallel, self.weight.partition_dim = True, partition_dim
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim, self.weight.partition_parts = partition_dim, partition_parts
 
 
 class GroupedExperts(MegatronModule):
@@ -197,16 +214,20 @@ class GroupedExperts(MegatronModule):
     [experts, 2 * ffn, hidden]`` (each expert's ``[gate; up]``, as in a dense MLP) and ``linear_fc2.weight
     [experts, hidden, ffn]`` go through ``torch.nn.functional.grouped_mm`` with the group offsets on the
     device. The arithmetic is megatron-core's MLP's: SwiGLU, then the router's probability, then fc2.
-    Under tensor parallelism each rank holds every expert's share of ``ffn``, fc1 split on its rows and
-    fc2 on its columns, as in a dense MLP; the token dispatcher gathers and reduces, as for SequentialMLP.
+    Under tensor parallelism each rank holds either its experts whole (expert parallelism: the weights
+    split on the first dim) or every expert's share of ``ffn``, fc1 split on its rows and fc2 on its
+    columns, as in a dense MLP; the token dispatcher moves the tokens, as for SequentialMLP.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection: Any = None,
                  name: str | None = None) -> None:
         super().__init__(config=config)
         ffn = config.moe_ffn_hidden_size // pg_collection.expt_tp.size()
-        self.linear_fc1 = _Weight((num_local_experts, 2 * ffn, config.hidden_size), config.params_dtype, 1)
-        self.linear_fc2 = _Weight((num_local_experts, config.hidden_size, ffn), config.params_dtype, 2)
+        whole = pg_collection.ep.size() > 1
+        self.linear_fc1 = _Weight((num_local_experts, 2 * ffn, config.hidden_size), config.params_dtype,
+                                  *((0, 1) if whole else (1, 2)))
+        self.linear_fc2 = _Weight((num_local_experts, config.hidden_size, ffn), config.params_dtype,
+                                  *((0, 1) if whole else (2, 1)))
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -250,8 +271,8 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return [0] * layers
 
 
-def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32,
-                       routing_replay: bool = False, tensor_parallel: int = 1) -> TransformerConfig:
+def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
+                       tensor_parallel: int = 1, expert_parallel: int = 1) -> TransformerConfig:
     """The megatron-core config equivalent to ``hf_config``.
 
     Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
@@ -275,6 +296,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         hidden_dropout=0.0, attention_dropout=hf_config.attention_dropout,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
+        expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=tensor_parallel // expert_parallel,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
@@ -300,17 +322,21 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                tensor_parallel: int = 1) -> GPTModel:
+                tensor_parallel: int = 1, expert_parallel: int = 1) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
     :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
     this process holds its rank's shard, and the logits come out whole (the
-    log-probs need the whole vocabulary).
+    log-probs need the whole vocabulary); ``expert_parallel`` (see
+    :func:`init_parallel`) decides how an MoE model's experts are shared.
     """
-    init_parallel(tensor_parallel)
+    if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
+        raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
+                         f"{hf_config.model_type} model has none: leave it at 1")
+    init_parallel(tensor_parallel, expert_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
-                                tensor_parallel=tensor_parallel)
+                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = SequenceParallelRMSNorm
     for layer_spec in block.layer_specs:
@@ -473,10 +499,11 @@ def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
 
 def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int] | None:
     """How a whole tensor divides among the tensor-parallel ranks: ``(dim, parts)``, or None when every rank
-    holds it whole. A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``."""
+    holds it whole. A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``;
+    :class:`GroupedExperts`' weights say their own rule."""
     if not getattr(live, "tensor_model_parallel", False):
         return None
-    return live.partition_dim, 2 if name.endswith("linear_fc1.weight") else 1
+    return live.partition_dim, getattr(live, "partition_parts", 2 if name.endswith("linear_fc1.weight") else 1)
 
 
 def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -701,7 +728,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     With ``tensor_parallel`` > 1 every rank (of a ``torchrun`` launch, or
     led by ``vime.backends.tensor_parallel`` in the pipeline) builds this
     engine and makes the same calls with the same batches: each holds its
-    shard of the weights, masters and optimizer state, the gradient norm is
+    shard of the weights (with ``expert_parallel``, whole experts of its
+    own), masters and optimizer state, the gradient norm is
     taken over the whole model, and ``named_weights`` gathers whole tensors
     on every rank. Rank 0 writes the Hugging Face folder; each rank
     writes its own trainer state.
@@ -711,12 +739,12 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
-                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1) -> None:
+                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
         if algo != "grpo":
             raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
                                       "use the torch trainer for ppo")
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -756,7 +784,7 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
         model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
-                            tensor_parallel=self.tensor_parallel)
+                            tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model, self.hf_config).eval()
 
