@@ -1,5 +1,6 @@
-"""Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, or a leader
-(``lose-a-follower``) that starts its own follower and loses it.
+"""Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, a leader
+(``lose-a-follower``) that starts its own follower and loses it, or two ranks passing a batch as the
+leader orders a step (``relay-a-batch``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote); rank 0
@@ -67,8 +68,23 @@ def lead_and_lose_a_follower(folder: str) -> None:
         print("REFUSED", error, flush=True)
 
 
+def relay_a_batch(batch_file: str, out: str) -> None:
+    """Rank 0 sends the batch as it orders a training step; rank 1 receives it and writes what it got."""
+    from vime.backends.tensor_parallel import _receive_batch, _send_batch
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        _send_batch(TensorBatch(**torch.load(batch_file, weights_only=True)), "cpu")
+    else:
+        received = _receive_batch("cpu")
+        torch.save({name: getattr(received, name) for name in received.__dataclass_fields__}, out)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "lose-a-follower":
         lead_and_lose_a_follower(sys.argv[2])
+    elif sys.argv[1] == "relay-a-batch":
+        relay_a_batch(sys.argv[2], sys.argv[3])
     else:
         main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -494,6 +494,27 @@ def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, ex
     assert ranks["resumed_alike"]
 
 
+def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models, tmp_path):
+    """The follower ranks get the batch the trainer actor trains on, routed experts (int16, a dtype neither
+    gloo nor NCCL sends) included, bit for bit."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    batch = _batch(seed=0, config=hf_models["qwen3_moe"][0].config)
+    sent = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    torch.save(sent, tmp_path / "batch.pt")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("megatron_tp_worker.py")), "relay-a-batch",
+                           str(tmp_path / "batch.pt"), str(tmp_path / "received.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    received = torch.load(tmp_path / "received.pt", weights_only=True)
+    assert sent["routed_experts"].dtype == torch.int16
+    assert all(received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+               for name, tensor in sent.items())
+
+
 def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_models):
     """The trainer actor's engine (rank 0) checks its followers before every order: a killed rank is
     reported by number and exit code instead of a collective waiting forever."""

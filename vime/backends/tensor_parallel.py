@@ -161,9 +161,10 @@ def follow(spec: dict[str, Any]) -> None:
 
 
 def _broadcast(tensor: torch.Tensor, device: str) -> torch.Tensor:
-    """``tensor`` from rank 0 to every rank, through ``device`` (NCCL moves only GPU tensors); on the CPU after."""
-    moved = tensor.to(device)
-    dist.broadcast(moved, src=0)
+    """``tensor`` from rank 0 to every rank, through ``device`` (NCCL moves only GPU tensors); on the CPU after.
+    It travels as its bytes: neither gloo nor NCCL reduces or sends int16 (routed experts) as such."""
+    moved = tensor.to(device).contiguous()
+    dist.broadcast(moved.view(torch.uint8), src=0)
     return moved.cpu()
 
 
