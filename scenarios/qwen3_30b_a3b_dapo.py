@@ -17,6 +17,15 @@ also requires a closed ``</think>``; rollout routing replay (R3) is on
 (``--use-rollout-routing-replay``; the script leaves it off): the rollout's
 experts are replayed by the trainer, which keeps an MoE's train/rollout
 log-prob gap small. ``--no-use-rollout-routing-replay`` turns it off.
+
+On one host of 8 GPUs, colocated (slime's script trains with tensor
+parallelism 4 and expert parallelism 8 over two data-parallel replicas;
+vime has no data parallelism yet): ``--train-backend megatron
+--rollout-backend vllm --dtype bf16 --actor-num-gpus-per-node 8
+--tensor-model-parallel-size 8 --expert-model-parallel-size 8 --colocate
+--rollout-num-gpus-per-engine 8`` (the trainer's 8 ranks split attention
+and the vocabulary 8 ways and hold 16 whole experts each; one vLLM engine
+of tensor-parallel size 8 shares their GPUs).
 """
 
 from __future__ import annotations
