@@ -2,8 +2,8 @@ r"""One MoE layer's routed experts, forward and backward: megatron-core's Sequen
 
 Both hold the same weights (copied from one to the other) and get the same
 routed tokens: ``--tokens`` tokens, each sent to ``num_experts_per_tok``
-distinct experts drawn at random, sorted by expert as the token dispatcher
-hands them over. Per implementation, over ``--steps`` timed steps after a
+distinct experts drawn at random, sorted by expert, with the counts per
+expert on the host, as megatron-core's token dispatchers hand them over. Per implementation, over ``--steps`` timed steps after a
 warm-up: the median time of forward plus backward, and the matmul TFLOP/s
 it reaches (forward 2 x rows x 3 x hidden x ffn FLOPs, backward twice
 that). The outputs of the two are compared as a check. On a GPU the weights
@@ -40,7 +40,7 @@ def routed_tokens(tokens: int, experts: int, top_k: int, hidden: int, dtype: tor
     per_expert = torch.bincount(chosen, minlength=experts)
     states = torch.randn(chosen.numel(), hidden, generator=generator).to(dtype=dtype, device=device)
     probs = torch.rand(chosen.numel(), generator=generator).to(device)
-    return states, per_expert.to(device), probs
+    return states, per_expert.pin_memory() if device == "cuda" else per_expert, probs  # on the host, as dispatched
 
 
 def timed(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], steps: int, warmup: int) -> tuple[list[float],

@@ -254,6 +254,10 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2: launch with torchrun "
                                          "--nproc-per-node 2"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2)
+    odd = tiny_config("qwen3_moe", VOCAB)
+    odd.moe_intermediate_size = 6
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(6 / 1\) to be whole multiples of 4"):
+        megatron.build_model(odd)
     with pytest.raises(ValueError, match="this qwen3 model has none: leave it at 1"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, expert_parallel=2)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2: .* pass 1 or 4"):

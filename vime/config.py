@@ -215,7 +215,8 @@ class JobConfig:
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
     tensor_model_parallel_size: int = setting(1, "Megatron tensor parallelism: the trainer runs this many ranks "
                                                  "(one per trainer GPU; gloo on CPU), with sequence parallelism; an "
-                                                 "MoE model's experts are split the same way")
+                                                 "MoE model's experts are split like its MLPs unless "
+                                                 "--expert-model-parallel-size divides them whole")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many of the tensor-parallel ranks, each "
                                                  "holding its experts whole (1 or --tensor-model-parallel-size)")

@@ -209,21 +209,28 @@ class GroupedExperts(MegatronModule):
     """An MoE layer's routed experts as two stacked weights, computed in two grouped matmuls.
 
     The experts megatron-core offers without Transformer Engine (``SequentialMLP``) run one small MLP per
-    expert after reading the token counts on the host: with 128 experts, hundreds of small kernels and a
-    device sync per layer, and the GPU mostly idle (``bench/RESULTS.md``). Here ``linear_fc1.weight
-    [experts, 2 * ffn, hidden]`` (each expert's ``[gate; up]``, as in a dense MLP) and ``linear_fc2.weight
-    [experts, hidden, ffn]`` go through ``torch.nn.functional.grouped_mm`` with the group offsets on the
-    device. The arithmetic is megatron-core's MLP's: SwiGLU, then the router's probability, then fc2.
+    expert: with 128 experts, hundreds of small kernels per layer and the GPU mostly idle
+    (``bench/RESULTS.md``). Here ``linear_fc1.weight [experts, 2 * ffn, hidden]`` (each expert's ``[gate;
+    up]``, as in a dense MLP) and ``linear_fc2.weight [experts, hidden, ffn]`` go through
+    ``torch.nn.functional.grouped_mm``: two kernels per layer. The arithmetic is megatron-core's MLP's
+    (vime's configs: SwiGLU without biases), then the router's probability, then fc2.
     Under tensor parallelism each rank holds either its experts whole (expert parallelism: the weights
     split on the first dim) or every expert's share of ``ffn``, fc1 split on its rows and fc2 on its
     columns, as in a dense MLP; the token dispatcher moves the tokens, as for SequentialMLP.
     """
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection: Any = None,
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection: Any,
                  name: str | None = None) -> None:
+        """As megatron-core's MoE layer builds its experts (``name`` is not used)."""
         super().__init__(config=config)
-        ffn = config.moe_ffn_hidden_size // pg_collection.expt_tp.size()
-        whole = pg_collection.ep.size() > 1
+        shares = pg_collection.expt_tp.size()
+        ffn, whole = config.moe_ffn_hidden_size // shares, pg_collection.ep.size() > 1
+        align = 16 // config.params_dtype.itemsize  # grouped_mm wants rows of whole 16-byte units
+        if ffn * shares != config.moe_ffn_hidden_size or ffn % align or config.hidden_size % align:
+            raise ValueError(f"grouped experts need the hidden size ({config.hidden_size}) and each rank's share of "
+                             f"moe_intermediate_size ({config.moe_ffn_hidden_size} / {shares}) to be whole multiples "
+                             f"of {align} in {config.params_dtype}: change the model's sizes or the tensor-parallel "
+                             "size, or use expert parallelism")
         self.linear_fc1 = _Weight((num_local_experts, 2 * ffn, config.hidden_size), config.params_dtype,
                                   *((0, 1) if whole else (1, 2)))
         self.linear_fc2 = _Weight((num_local_experts, config.hidden_size, ffn), config.params_dtype,
@@ -232,7 +239,8 @@ class GroupedExperts(MegatronModule):
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``tokens [routed, hidden]`` sorted by expert, ``tokens_per_expert [experts]``, ``probs [routed]``."""
-        ends = torch.cumsum(tokens_per_expert.to(tokens.device), 0, dtype=torch.int32)
+        # the dispatchers hand the counts over on the host, once they have synchronised for them
+        ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(tokens.device, non_blocking=True)
         gate, up = F.grouped_mm(tokens, self.linear_fc1.weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         hidden = F.silu(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
@@ -339,6 +347,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
                                 tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = SequenceParallelRMSNorm
+    replaced = 0
     for layer_spec in block.layer_specs:
         layers = layer_spec.submodules
         layers.input_layernorm = layers.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -349,6 +358,10 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         mlp = getattr(layers.mlp, "keywords", {}).get("submodules")
         if isinstance(mlp, MoESubmodules):
             mlp.experts = GroupedExperts
+            replaced += 1
+    if replaced != sum(moe_layer_pattern(hf_config)):
+        raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
+                           "its GroupedExperts; install megatron-core 0.19.2")
     rope = hf_config.rope_parameters
     model = GPTModel(
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
