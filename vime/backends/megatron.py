@@ -470,21 +470,26 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict
     tied model's ``lm_head.weight`` if the checkpoint stores it. Any other
     tensor that has no place in the model is an error.
     """
+    return dict(_converted(hf_state, hf_config))
+
+
+def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`hf_to_megatron` one Megatron tensor at a time, once the names are checked: the checkpoint's
+    tensors are read only as they are converted (a lazy ``hf_state`` then never holds the whole model)."""
     _check_family(hf_config)
-    state = dict(hf_state)
     maps = _tensor_maps(hf_config)
-    missing = [name for tensor_map in maps for name in tensor_map.hf_names if name not in state]
+    missing = [name for tensor_map in maps for name in tensor_map.hf_names if name not in hf_state]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors its config.json implies, e.g. {missing[:3]}; "
                          "is it a complete Hugging Face folder of this model?")
-    out = {tensor_map.megatron_name: tensor_map.fuse([state.pop(name) for name in tensor_map.hf_names])
-           for tensor_map in maps}
+    used = {name for tensor_map in maps for name in tensor_map.hf_names}
     extra_layers = f"model.layers.{hf_config.num_hidden_layers}."
-    unknown = sorted(name for name in state if not name.startswith(extra_layers)
+    unknown = sorted(name for name in hf_state if name not in used and not name.startswith(extra_layers)
                      and not (hf_config.tie_word_embeddings and name == "lm_head.weight"))
     if unknown:
         raise ValueError(f"checkpoint tensors with no place in a {hf_config.model_type} model: {unknown[:5]}")
-    return out
+    for tensor_map in maps:
+        yield tensor_map.megatron_name, tensor_map.fuse([hf_state[name] for name in tensor_map.hf_names])
 
 
 def megatron_to_hf(megatron_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
@@ -545,13 +550,13 @@ def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
     """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid);
-    under tensor parallelism each rank takes its shard of the whole checkpoint."""
-    converted = hf_to_megatron(hf_state, hf_config)
+    under tensor parallelism each rank takes its shard of the whole checkpoint, one tensor at a time."""
     live = model_tensors(model)
-    if set(converted) != set(live):
-        raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - set(converted))[:5]},"
-                         f" unknown {sorted(set(converted) - set(live))[:5]}")
-    for name, tensor in converted.items():
+    names = {tensor_map.megatron_name for tensor_map in _tensor_maps(hf_config)}
+    if names != set(live):
+        raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - names)[:5]},"
+                         f" unknown {sorted(names - set(live))[:5]}")
+    for name, tensor in _converted(hf_state, hf_config):
         live[name].copy_(_shard(name, tensor, live[name]))
 
 
@@ -562,16 +567,34 @@ def hf_weights(model: GPTModel, hf_config: Any) -> dict[str, torch.Tensor]:
                           hf_config)
 
 
-def read_hf_folder(folder: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The config and every safetensors tensor of a Hugging Face model folder."""
-    from safetensors.torch import load_file
+class CheckpointFiles(Mapping[str, torch.Tensor]):
+    """A Hugging Face folder's safetensors tensors by name, each read from its file when asked for.
+
+    Every trainer rank loads the checkpoint to keep its share; read whole, it would sit in each rank's host
+    memory at once (Qwen3-30B-A3B: 61 GB, eight times over on an 8-GPU host)."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where = {name: handle for handle in (safe_open(str(file), framework="pt") for file in files)
+                       for name in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_hf_folder(folder: str | Path) -> tuple[Any, CheckpointFiles]:
+    """The config and the safetensors tensors of a Hugging Face model folder (read as they are used)."""
     from transformers import AutoConfig
 
     folder = check_model_folder(folder, tokenizer=False)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
-    return AutoConfig.from_pretrained(folder), state
+    return AutoConfig.from_pretrained(folder), CheckpointFiles(sorted(folder.glob("*.safetensors")))
 
 
 def write_hf_folder(folder: str | Path, hf_config: Any, hf_state: Mapping[str, torch.Tensor]) -> None:
