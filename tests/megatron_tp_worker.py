@@ -3,7 +3,8 @@
 leader orders a step (``relay-a-batch``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
-same calls with the same batch (read from a file the test wrote); rank 0
+same calls with the same batch (read from a file the test wrote; the other
+ranks join rank 0's weight gathers as followers do); rank 0
 writes what the test compares with a single-process trainer: the weights as
 loaded (gathered back to Hugging Face names), the recomputed log-probs, the
 step's metrics, the weights after the step, and whether a trainer resumed
@@ -34,12 +35,19 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
                                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
 
+    def weights() -> dict[str, torch.Tensor]:
+        """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
+        if dist.get_rank() == 0:
+            return {name: tensor.clone() for name, tensor in engine.named_weights().items()}  # some alias the weights
+        engine.join_weight_gather()
+        return {}
+
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
-    loaded = {name: tensor.clone() for name, tensor in engine.named_weights().items()}  # some alias the weights
+    loaded = weights()
     logprobs = engine.score(batch)["old_logprobs"]
     metrics = engine.train_step(batch)
-    trained = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+    trained = weights()
     checkpoint = Path(out).with_name("checkpoint")
     engine.save(checkpoint)  # every rank its own optimizer state, rank 0 the model
     resumed = build()

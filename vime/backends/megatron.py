@@ -562,9 +562,15 @@ def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_co
 
 def hf_weights(model: GPTModel, hf_config: Any) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
-    whole on every rank: under tensor parallelism every rank must call this."""
-    return megatron_to_hf({name: _unshard(name, tensor).detach() for name, tensor in model_tensors(model).items()},
-                          hf_config)
+    whole: under tensor parallelism every rank must call this or :func:`unsharded_weights`."""
+    return megatron_to_hf(dict(unsharded_weights(model)), hf_config)
+
+
+def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of the model's tensors whole, by Megatron name, one gather at a time: a rank that only takes part
+    in the gathers and drops each tensor holds one whole tensor at a time, not the whole model."""
+    for name, tensor in model_tensors(model).items():
+        yield name, _unshard(name, tensor).detach()
 
 
 class CheckpointFiles(Mapping[str, torch.Tensor]):
@@ -847,8 +853,13 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
-        whole tensors, so under tensor parallelism every rank must call this."""
+        whole tensors, so under tensor parallelism every rank must call this or :meth:`join_weight_gather`."""
         return hf_weights(self.policy.model, self.hf_config)
+
+    def join_weight_gather(self) -> None:
+        """A follower rank's part of the leader's :meth:`named_weights`: the same gathers, nothing kept."""
+        for _ in unsharded_weights(self.policy.model):
+            pass
 
     def save_hf(self, folder: Path) -> None:
         weights = self.named_weights()
@@ -864,7 +875,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _state_file(self, folder: Path) -> Path:
         if self.tensor_parallel == 1:
             return super()._state_file(folder)
-        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
+        experts = "-ep" if self.expert_parallel > 1 else ""  # its optimizer state holds other tensors
+        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{experts}.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:
         load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)

@@ -154,7 +154,7 @@ def follow(spec: dict[str, Any]) -> None:
         if name == "train_step":
             engine.train_step(_receive_batch(engine.device))
         elif name == "named_weights":
-            engine.named_weights()
+            engine.join_weight_gather()
         else:
             getattr(engine, name)(Path(argument))
     dist.destroy_process_group()

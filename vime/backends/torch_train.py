@@ -109,7 +109,8 @@ class TorchTrainEngine(TrainEngine):
         path = self._state_file(folder)
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
-                                    "layout (--tensor-model-parallel-size); resume with that layout")
+                                    "layout (--tensor-model-parallel-size, --expert-model-parallel-size); "
+                                    "resume with that layout")
         state = torch.load(path, weights_only=True)
         if self.masters is not None and state.get("masters") is None:
             raise ValueError(f"{folder} holds no fp32 master weights (an fp32 run, or vime before they were saved): "
