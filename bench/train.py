@@ -4,7 +4,10 @@ A step is forward + backward over ``--micro-batches`` micro-batches of random
 tokens, gradient clipping and an AdamW update, with the loss the RL trainer
 uses (mean of ``token_logprobs``, fp32 log-softmax over the vocabulary).
 Weights are random, built from a Qwen3 config of the named shape: nothing is
-downloaded. Each (shape, backend) runs in its own process, so one running out
+downloaded. The MoE shapes (``tiny-moe``; ``30b-a3b-4l``, Qwen3-30B-A3B's
+width at 4 of its 48 layers, which one GPU holds with its optimizer state)
+count only the experts a token is routed to as its FLOPs, and routing is
+whatever the random router weights decide. Each (shape, backend) runs in its own process, so one running out
 of memory or failing to compile costs only its own row.
 
 Backends:
@@ -31,6 +34,7 @@ Usage::
     python bench/train.py --tiny                          # CPU check of the plumbing, seconds
     python bench/train.py --json bench/results/train-h200.json   # on the GPU: 0.6B and 4B at 4096
     python bench/train.py --shapes 4b --backends megatron hf --steps 6
+    python bench/train.py --shapes 30b-a3b-4l --backends megatron hf --json bench/results/train-moe-h200.json
     python bench/train.py --profile ...                   # + GPU kernel time by kind (matmul, attention, ...)
 
 It measures; it decides nothing (the exit status does not depend on the figures).
@@ -61,24 +65,36 @@ SHAPES: dict[str, dict[str, Any]] = {
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
 }
+MOE_SHAPES = {"tiny-moe": None, "30b-a3b-4l": 4}  # Qwen3-MoE: layers of Qwen3-30B-A3B (None: a toy model)
 # micro-batch size x micro-batches per step at the full sequence length: 16k tokens per optimizer step
-BATCHING = {"tiny": (2, 2), "0.6b": (4, 1), "4b": (1, 4)}
+BATCHING = {"tiny": (2, 2), "0.6b": (4, 1), "4b": (1, 4), "tiny-moe": (2, 2), "30b-a3b-4l": (1, 4)}
 BACKENDS = ("megatron", "megatron-compile", "hf")
 
 
 def qwen3_config(shape: str, seq_len: int) -> Any:
     from transformers import Qwen3Config
 
+    from vime.tools.make_tiny_model import full_config, tiny_config
+
+    if shape in MOE_SHAPES:
+        layers = MOE_SHAPES[shape]
+        config = tiny_config("qwen3_moe", 512) if layers is None else full_config("qwen3-30b-a3b", layers)
+        config.max_position_embeddings, config.use_cache = max(seq_len, config.max_position_embeddings), False
+        return config
     return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 40960), rms_norm_eps=1e-6,
                        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_dropout=0.0,
                        use_cache=False)
 
 
 def model_flops_per_token(config: Any, seq_len: int) -> tuple[int, float]:
-    """Matmul parameters and model FLOPs per token (6 x matmul params + causal attention)."""
+    """Matmul parameters a token goes through and model FLOPs per token (6 x those + causal attention)."""
     hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                        config.head_dim)
-    per_layer = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
+    if config.model_type == "qwen3_moe":  # every layer MoE in the shapes here; the router counts too
+        mlp = config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size + hidden * config.num_experts
+    else:
+        mlp = 3 * hidden * config.intermediate_size
+    per_layer = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden + mlp
     matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * hidden
     attention = 6 * config.num_hidden_layers * seq_len * heads * head_dim
     return matmul_params, 6 * matmul_params + attention
@@ -157,11 +173,12 @@ def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[to
 
 
 def hf_trainer(config: Any, device: str) -> tuple[torch.nn.Module, Any, Any]:
-    """Qwen3ForCausalLM in bf16, SDPA attention, gradient checkpointing: a TRL-style trainer."""
-    from transformers import Qwen3ForCausalLM
+    """The transformers model (Qwen3 or Qwen3-MoE) in bf16, SDPA attention, gradient checkpointing: a
+    TRL-style trainer."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
     model.gradient_checkpointing_enable()
     model.train()
 
@@ -296,7 +313,7 @@ def keep_row(rows: list[dict[str, Any]], row: dict[str, Any], path: Path | None,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny shape at seq 64 on any device: checks the plumbing")
-    parser.add_argument("--shapes", nargs="+", default=["0.6b", "4b"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["0.6b", "4b"], choices=sorted([*SHAPES, *MOE_SHAPES]))
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=4, help="timed steps, after the warm-up")
@@ -315,7 +332,7 @@ def main() -> None:
               flush=True)
         return
     if args.tiny:
-        args.shapes, args.seq_len, args.steps, args.warmup = ["tiny"], 64, 2, 1
+        args.shapes, args.seq_len, args.steps, args.warmup = ["tiny", "tiny-moe"], 64, 2, 1
         if not torch.cuda.is_available():
             args.backends = [backend for backend in args.backends if "compile" not in backend]
     device = "cuda" if torch.cuda.is_available() else "cpu"
