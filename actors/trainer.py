@@ -174,7 +174,7 @@ class Trainer(Actor):
             async with self.weights_lock:
                 self.paths[worker] = path
                 if version < self.version_out:
-                    await self._deliver(worker, self._outgoing())
+                    await self._deliver(worker, self._outgoing([path]))
                 self.workers.add(worker)
                 if self.gpu in gpus:
                     self.sharing_gpu.add(worker)
@@ -382,11 +382,15 @@ class Trainer(Actor):
         self.engine.save_hf(folder)
         self.tokenizer.save_pretrained(folder)
 
-    def _outgoing(self) -> dict[str, torch.Tensor]:
-        """The weights as rollout engines load them: checkpoint names, the rollout's dtype, on our device.
-        Views of the live parameters where no conversion copies them: send before training goes on."""
+    def _outgoing(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        """The weights as rollout engines load them: checkpoint names, the rollout's dtype. On our device
+        (views of the live parameters where no conversion copies them: send before training goes on), or
+        on the host when every path to serve (``paths``) goes through it: a tensor-parallel trainer, which
+        gathers each tensor whole, then holds one at a time on its GPU instead of the whole model."""
         dtype = DTYPES[self.run.model.dtype]
-        return {name: tensor.to(dtype) for name, tensor in checkpoint_names(self.engine.named_weights()).items()}
+        host = bool(paths) and all(path == "nng" for path in paths)
+        weights = self.engine.named_weights("cpu" if host else None)
+        return {name: tensor.to(dtype) for name, tensor in checkpoint_names(weights).items()}
 
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
         """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
@@ -459,7 +463,7 @@ class Trainer(Actor):
 
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        tensors = self._outgoing()
+        tensors = self._outgoing([self.paths[worker] for worker in self.workers])
         shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
         for worker in sorted(self.workers):
             try:

@@ -35,10 +35,10 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
                                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
 
-    def weights() -> dict[str, torch.Tensor]:
+    def weights(device: str | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
-        if dist.get_rank() == 0:
-            return {name: tensor.clone() for name, tensor in engine.named_weights().items()}  # some alias the weights
+        if dist.get_rank() == 0:  # some alias the weights
+            return {name: tensor.clone() for name, tensor in engine.named_weights(device).items()}
         engine.join_weight_gather()
         return {}
 
@@ -47,7 +47,7 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     loaded = weights()
     logprobs = engine.score(batch)["old_logprobs"]
     metrics = engine.train_step(batch)
-    trained = weights()
+    trained = weights("cpu")  # as sent over nng: gathered and moved one tensor at a time
     checkpoint = Path(out).with_name("checkpoint")
     engine.save(checkpoint)  # every rank its own optimizer state, rank 0 the model
     resumed = build()

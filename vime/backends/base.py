@@ -199,9 +199,10 @@ class TrainEngine(abc.ABC):
         """One training step on ``batch``: recompute log-probs, loss, update. Returns metrics."""
 
     @abc.abstractmethod
-    def named_weights(self) -> dict[str, torch.Tensor]:
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         """The policy's live weights as the rollout engines name them (not a copy: copy
-        before another thread may step the optimizer)."""
+        before another thread may step the optimizer), on ``device`` (None: the policy's; a
+        copy only where they move)."""
 
     @abc.abstractmethod
     def save_hf(self, folder: Path) -> None:

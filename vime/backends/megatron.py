@@ -501,12 +501,17 @@ def megatron_to_hf(megatron_state: Mapping[str, torch.Tensor], hf_config: Any) -
     state = dict(megatron_state)
     out: dict[str, torch.Tensor] = {}
     for tensor_map in _tensor_maps(hf_config):
-        for name, tensor in zip(tensor_map.hf_names, tensor_map.split(state.pop(tensor_map.megatron_name)),
-                                strict=True):
-            out[name] = tensor.contiguous()
+        out.update(_split_to_hf(tensor_map, state.pop(tensor_map.megatron_name)))
     if state:
         raise ValueError(f"Megatron tensors with no Hugging Face counterpart: {sorted(state)[:5]}")
     return out
+
+
+def _split_to_hf(tensor_map: _TensorMap, tensor: torch.Tensor,
+                 device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One Megatron tensor as its Hugging Face tensors, contiguous, on ``device`` (None: where it is)."""
+    for name, part in zip(tensor_map.hf_names, tensor_map.split(tensor), strict=True):
+        yield name, part.contiguous() if device is None else part.to(device, memory_format=torch.contiguous_format)
 
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -560,10 +565,16 @@ def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_co
         live[name].copy_(_shard(name, tensor, live[name]))
 
 
-def hf_weights(model: GPTModel, hf_config: Any) -> dict[str, torch.Tensor]:
+def hf_weights(model: GPTModel, hf_config: Any, device: str | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
-    whole: under tensor parallelism every rank must call this or :func:`unsharded_weights`."""
-    return megatron_to_hf(dict(unsharded_weights(model)), hf_config)
+    whole, on ``device`` (None: the model's): under tensor parallelism every rank must call this or
+    :func:`unsharded_weights`. Each tensor is gathered, converted and moved before the next, so on another
+    device the model's own holds one whole tensor at a time."""
+    maps = {tensor_map.megatron_name: tensor_map for tensor_map in _tensor_maps(hf_config)}
+    out: dict[str, torch.Tensor] = {}
+    for name, whole in unsharded_weights(model):
+        out.update(_split_to_hf(maps[name], whole, device))
+    return out
 
 
 def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -851,10 +862,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
         whole tensors, so under tensor parallelism every rank must call this or :meth:`join_weight_gather`."""
-        return hf_weights(self.policy.model, self.hf_config)
+        return hf_weights(self.policy.model, self.hf_config, device)
 
     def join_weight_gather(self) -> None:
         """A follower rank's part of the leader's :meth:`named_weights`: the same gathers, nothing kept."""

@@ -76,10 +76,10 @@ class LeadingEngine(TrainEngine):
             _send_batch(batch, self.device)
             return self.engine.train_step(batch)
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         with self._lock:
             self._order("named_weights")
-            return self.engine.named_weights()
+            return self.engine.named_weights(device)
 
     def save_hf(self, folder: Path) -> None:
         with self._lock:

@@ -91,8 +91,8 @@ class TorchTrainEngine(TrainEngine):
         again for the frozen KL reference)."""
         return load_causal_lm(model_path, "fp32")
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: param.detach() for name, param in self.policy.named_parameters()}
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
+        return {name: param.detach().to(device) for name, param in self.policy.named_parameters()}
 
     def save_hf(self, folder: Path) -> None:
         self.policy.save_pretrained(folder)
