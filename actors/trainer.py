@@ -394,7 +394,8 @@ class Trainer(Actor):
 
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
         """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
-        version: the outbox may still be sending them while the optimizer writes the next version."""
+        version: the outbox may still be sending them while the optimizer writes the next version. Host
+        tensors of a GPU trainer are such copies already (:meth:`_outgoing`); a CPU trainer's are its own."""
         version = self.engine.weight_version
         if self.chunks and self.chunks[0].version == version:
             return self.chunks
@@ -405,7 +406,7 @@ class Trainer(Actor):
             if parts[-1] and size + tensor.nbytes > limit:
                 parts.append({})
                 size = 0
-            parts[-1][name] = tensor.to("cpu", copy=True)
+            parts[-1][name] = tensor.to("cpu", copy=self.engine.device == "cpu")
             size += tensor.nbytes
         self.chunks = [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
         return self.chunks
@@ -463,13 +464,14 @@ class Trainer(Actor):
 
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        tensors = self._outgoing([self.paths[worker] for worker in self.workers])
-        shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
-        for worker in sorted(self.workers):
-            try:
-                await self._deliver(worker, tensors, shared)
-            except (PeerGone, LookupError):
-                self._forget(worker)
+        if self.workers:  # else nobody needs them: a tensor-parallel trainer's gathers are not free
+            tensors = self._outgoing([self.paths[worker] for worker in self.workers])
+            shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
+            for worker in sorted(self.workers):
+                try:
+                    await self._deliver(worker, tensors, shared)
+                except (PeerGone, LookupError):
+                    self._forget(worker)
         self.version_out = self.engine.weight_version
         await self.tell("buffer", WeightsPublished(version=self.version_out))
 

@@ -241,6 +241,11 @@ def test_hf_folder_written_from_megatron_loads_in_transformers(hf_models, tmp_pa
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=input_ids).logits, model(input_ids=input_ids).logits)
     assert config.model_type == "glm4_moe" and sorted(state) == sorted(hf_models["glm4_moe"][1])
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.ones(64)}, tmp_path / "model-stale.safetensors")
+    with pytest.raises(ValueError, match="model.norm.weight is in two safetensors files .* remove the stale one"):
+        megatron.read_hf_folder(tmp_path)
 
 
 def test_unsupported_models_and_layouts_are_refused_with_the_reason():

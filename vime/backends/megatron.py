@@ -511,7 +511,7 @@ def _split_to_hf(tensor_map: _TensorMap, tensor: torch.Tensor,
                  device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One Megatron tensor as its Hugging Face tensors, contiguous, on ``device`` (None: where it is)."""
     for name, part in zip(tensor_map.hf_names, tensor_map.split(tensor), strict=True):
-        yield name, part.contiguous() if device is None else part.to(device, memory_format=torch.contiguous_format)
+        yield name, part.to(device).contiguous()
 
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -593,11 +593,20 @@ class CheckpointFiles(Mapping[str, torch.Tensor]):
     def __init__(self, files: Sequence[Path]) -> None:
         from safetensors import safe_open
 
-        self._where = {name: handle for handle in (safe_open(str(file), framework="pt") for file in files)
-                       for name in handle.keys()}
+        self._where: dict[str, Any] = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            for name in handle.keys():
+                if name in self._where:
+                    raise ValueError(f"{name} is in two safetensors files of {file.parent} (the second: {file.name}); "
+                                     "remove the stale one")
+                self._where[name] = handle
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -873,9 +882,11 @@ class MegatronTrainEngine(TorchTrainEngine):
             pass
 
     def save_hf(self, folder: Path) -> None:
-        weights = self.named_weights()
+        """Rank 0 writes the folder from host copies, one tensor gathered at a time; the others join."""
         if dist.get_rank() == 0:
-            write_hf_folder(folder, self.hf_config, weights)
+            write_hf_folder(folder, self.hf_config, self.named_weights("cpu"))
+        else:
+            self.join_weight_gather()
         dist.barrier()
 
     def save(self, folder: Path) -> None:
