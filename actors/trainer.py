@@ -174,7 +174,7 @@ class Trainer(Actor):
             async with self.weights_lock:
                 self.paths[worker] = path
                 if version < self.version_out:
-                    await self._deliver(worker, await trio.to_thread.run_sync(self._outgoing, [path]))
+                    await self._deliver(worker, self._outgoing([path]))
                 self.workers.add(worker)
                 if self.gpu in gpus:
                     self.sharing_gpu.add(worker)
@@ -386,8 +386,7 @@ class Trainer(Actor):
         """The weights as rollout engines load them: checkpoint names, the rollout's dtype. On our device
         (views of the live parameters where no conversion copies them: send before training goes on), or
         on the host when every path to serve (``paths``) goes through it: a tensor-parallel trainer, which
-        gathers each tensor whole, then holds one at a time on its GPU instead of the whole model. Called in
-        a thread: gathering and copying a big model takes seconds the actor's loop must not stop for."""
+        gathers each tensor whole, then holds one at a time on its GPU instead of the whole model."""
         dtype = DTYPES[self.run.model.dtype]
         host = bool(paths) and all(path == "nng" for path in paths)
         weights = self.engine.named_weights("cpu" if host else None)
@@ -396,8 +395,7 @@ class Trainer(Actor):
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
         """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
         version: the outbox may still be sending them while the optimizer writes the next version. Host
-        tensors of a GPU trainer are such copies already (:meth:`_outgoing`); a CPU trainer's are its own.
-        Called in a thread, as :meth:`_outgoing` is."""
+        tensors of a GPU trainer are such copies already (:meth:`_outgoing`); a CPU trainer's are its own."""
         version = self.engine.weight_version
         if self.chunks and self.chunks[0].version == version:
             return self.chunks
@@ -420,7 +418,7 @@ class Trainer(Actor):
         version = self.engine.weight_version
         path = self.paths[worker]
         if path == "nng":
-            for chunk in await trio.to_thread.run_sync(self._nng_chunks, tensors):
+            for chunk in self._nng_chunks(tensors):
                 await self.tell(worker, chunk, weight_version=version)
         elif path == "ipc":
             await self.ask(worker, WeightsShared(version=version, tensors=shared or share(tensors)), timeout=600.0)
@@ -467,7 +465,7 @@ class Trainer(Actor):
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
         if self.workers:  # else nobody needs them: a tensor-parallel trainer's gathers are not free
-            tensors = await trio.to_thread.run_sync(self._outgoing, [self.paths[worker] for worker in self.workers])
+            tensors = self._outgoing([self.paths[worker] for worker in self.workers])
             shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
             for worker in sorted(self.workers):
                 try:
