@@ -388,7 +388,7 @@ class Trainer(Actor):
         on the host when every path to serve (``paths``) goes through it: a tensor-parallel trainer, which
         gathers each tensor whole, then holds one at a time on its GPU instead of the whole model."""
         dtype = DTYPES[self.run.model.dtype]
-        host = bool(paths) and all(path == "nng" for path in paths)
+        host = all(path == "nng" for path in paths)  # paths: never empty (no publication without workers)
         weights = self.engine.named_weights("cpu" if host else None)
         return {name: tensor.to(dtype) for name, tensor in checkpoint_names(weights).items()}
 
