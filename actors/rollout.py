@@ -6,10 +6,11 @@ groups whose ``min_weight_version`` it now holds, and sends each finished
 group to the reward actor (and tells the router it is done). Weights arrive
 from the trainer over nng in chunks; a version is applied only once all of its
 chunks are in, and a newer complete version supersedes an older one.
-By the GPU paths (CUDA IPC on the trainer's GPU, a broadcast group across
+By the GPU paths (CUDA IPC on the trainer's GPUs, a broadcast group across
 GPUs; the trainer picks from the GPUs the worker names in WorkerReady), the
 trainer asks, and the worker answers once the engine has loaded the weights
-between two steps.
+between two steps; over CUDA IPC they come a bucket per ask, and the engine
+generates nothing from the first bucket to the last.
 
 A weight update that lands while sequences are running does not restart
 them: they continue under the new weights (a partial rollout), and every
@@ -126,6 +127,7 @@ class RolloutWorker(Actor):
         self.wake = trio.Event()
         self.applied = trio.lowlevel.ParkingLot()  # woken whenever a weight version is applied
         self.draining = False  # finishing the running responses before the engine sleeps (SleepEngine)
+        self.loading: int | None = None  # the version whose buckets are arriving over CUDA IPC: do not step
         self.leaving = False
 
     async def on_start(self) -> None:
@@ -251,7 +253,13 @@ class RolloutWorker(Actor):
 
     @handles(WeightsShared)
     async def _on_shared(self, msg: WeightsShared, envelope: Envelope) -> WeightsLoaded:
-        await self._between_steps(self.engine.load_shared, msg.tensors, msg.version)
+        """A bucket of weights over CUDA IPC. From the first to the last the engine holds a mix of two versions,
+        and generates nothing; if a bucket fails, it stays so until a full set arrives another way."""
+        if not msg.last:
+            self.loading = msg.version
+        await self._between_steps(self.engine.load_shared, msg.specs, msg.buffers, msg.version, msg.index, msg.last)
+        if msg.last:
+            self.loading = None
         return WeightsLoaded(version=msg.version)
 
     @handles(SleepEngine)
@@ -316,7 +324,7 @@ class RolloutWorker(Actor):
             await self._run_engine_calls()
             self._apply_weights()
             self._admit()
-            if not self.engine.busy:
+            if not self.engine.busy or self.loading is not None:
                 await self.wake.wait()
                 self.wake = trio.Event()
                 continue
@@ -329,7 +337,7 @@ class RolloutWorker(Actor):
         if self.complete is None:
             return
         version, tensors = self.complete
-        self.complete = None
+        self.complete = self.loading = None
         self.engine.load_weights(tensors, version)
         self._weights_applied()
 
@@ -341,8 +349,8 @@ class RolloutWorker(Actor):
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        if self.draining or self.engine.asleep:  # the GPU is the colocated trainer's until the next weights
-            return
+        if self.draining or self.engine.asleep or self.loading is not None:  # the GPU is the colocated trainer's
+            return  # until the next weights, or they are arriving
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []

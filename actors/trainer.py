@@ -9,10 +9,13 @@ later gets the latest published weights as soon as it says WorkerReady.
 
 Weights travel by the path the worker's placement allows (``--weight-sync
 auto``), chosen when it says WorkerReady from the GPUs it names: CUDA IPC
-when its engine is on the trainer's own GPU (only descriptors cross the
-socket), a broadcast group of their own (NCCL, in buckets) when it is on
-other GPUs, and nng chunks otherwise (CPU, or an engine that spans the
-trainer's GPU and others). Names are the checkpoint's and the dtype the
+when its engine is on the trainer's own GPUs (only descriptors cross the
+socket), a broadcast group of their own (NCCL) when it is on other GPUs, and
+nng chunks otherwise (CPU, or an engine that spans the trainer's GPUs and
+others). Both GPU paths go in buckets of ``--weight-bucket-mb``: over CUDA
+IPC every tensor-parallel rank gathers each bucket on its own GPU, and each
+GPU of an engine copies from the rank beside it, so no GPU holds more than
+a bucket beside the model. Names are the checkpoint's and the dtype the
 rollout's (``--dtype``).
 After the last step the policy is saved to RUN_DIR/checkpoint, and every
 ``save_hf_every`` steps to RUN_DIR/hf/step_N: Hugging Face folders, usable
@@ -32,7 +35,7 @@ arrives. A checkpoint is written only once the rows before it are, so a
 resumed run neither loses nor repeats a row.
 
 With vLLM's sleep mode on (``--vllm-enable-sleep-mode true``), the engines
-on the trainer's own GPU sleep through every training step: asked before it,
+on the trainer's own GPUs sleep through every training step: asked before it,
 each finishes its running responses, starts no new ones and gives its GPU
 memory back; the CUDA IPC weights after it wake them. Rollout and training
 then take turns on the GPU, each with all of its memory. With ``--colocate``
@@ -51,6 +54,7 @@ finishing responses; the batch brings ``time_generate_s`` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -90,7 +94,7 @@ from vime.protocol import (
 )
 from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
-from vime.transports.gpu import BroadcastGroup, gpu_uuid, share, specs
+from vime.transports.gpu import BroadcastGroup, specs
 
 
 class Trainer(Actor):
@@ -132,8 +136,7 @@ class Trainer(Actor):
             self.rows_written = self.first_step
             self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
         self.version_out = self.engine.weight_version  # the newest version sent to the workers
-        device = torch.device(self.engine.device)
-        self.gpu = gpu_uuid(device.index) if device.type == "cuda" else None
+        self.gpus = self.engine.gpus()  # every rank's
 
     async def on_start(self) -> None:
         self.start_soon(self._train_loop)
@@ -158,7 +161,7 @@ class Trainer(Actor):
         """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         self._built(envelope.sender)
-        path = weight_path(self.run.job.weight_sync, self.gpu, msg.gpus)
+        path = weight_path(self.run.job.weight_sync, self.gpus, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
         return WeightsPublished(version=self.version_out)
@@ -174,9 +177,11 @@ class Trainer(Actor):
             async with self.weights_lock:
                 self.paths[worker] = path
                 if version < self.version_out:
-                    await self._deliver(worker, self._outgoing([path]))
+                    await self._send_version([worker])
+                    if worker not in self.paths:  # gone meanwhile
+                        return
                 self.workers.add(worker)
-                if self.gpu in gpus:
+                if set(gpus) & set(self.gpus):
                     self.sharing_gpu.add(worker)
         except (PeerGone, LookupError):
             self._forget(worker)
@@ -212,8 +217,7 @@ class Trainer(Actor):
             return BuildTurn(granted=False)
         self.queued.pop(worker, None)
         self.builds[worker] = now + ENGINE_BUILD_S
-        if torch.cuda.is_available():  # what the last step cached is free memory to the engine's profile
-            torch.cuda.empty_cache()
+        self.engine.release_memory()  # what the last step cached is free memory to the engine's profile
         self.log.info("an engine is built on our GPU: training waits for it", worker=worker)
         return BuildTurn(granted=True)
 
@@ -298,7 +302,7 @@ class Trainer(Actor):
                 train_started = time.perf_counter()
                 metrics = await trio.to_thread.run_sync(self.engine.train_step, tensors)
                 if drained is not None:  # what training cached goes back to the engines about to wake
-                    torch.cuda.empty_cache()
+                    await trio.to_thread.run_sync(self.engine.release_memory)
                 trained = time.perf_counter()
                 await self._publish()
             synced = time.perf_counter()
@@ -411,40 +415,76 @@ class Trainer(Actor):
         self.chunks = [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
         return self.chunks
 
-    async def _send_weights(self, worker: str, tensors: dict[str, torch.Tensor],
-                            shared: list[dict[str, Any]] | None = None) -> None:
-        """The current version to one worker by its path; returns once it holds them (IPC, broadcast) or they
-        are queued (nng). ``shared``: IPC descriptors of ``tensors`` already made for another worker."""
+    async def _send_weights(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
+        """The current version to one worker by nng or broadcast; returns once it holds them (broadcast) or they
+        are queued (nng)."""
         version = self.engine.weight_version
-        path = self.paths[worker]
-        if path == "nng":
+        if self.paths[worker] == "nng":
             for chunk in self._nng_chunks(tensors):
                 await self.tell(worker, chunk, weight_version=version)
-        elif path == "ipc":
-            await self.ask(worker, WeightsShared(version=version, tensors=shared or share(tensors)), timeout=600.0)
-        else:
-            bucket_bytes = self.run.job.weight_bucket_mb << 20
-            message = WeightsBroadcast(version=version, specs=[list(s) for s in specs(tensors)],
-                                       bucket_bytes=bucket_bytes)
-            failure: Exception | None = None
-            group = self.groups[worker]
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_buckets, group, tensors, bucket_bytes)
-                try:
-                    await self.ask(worker, message, timeout=600.0)
-                except (PeerGone, LookupError, RemoteError, TimeoutError) as err:
-                    failure = err
-                    group.abort()  # a collective stuck on a dead peer must not hold our GPU stream
-                    nursery.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
+            return
+        bucket_bytes = self.run.job.weight_bucket_mb << 20
+        message = WeightsBroadcast(version=version, specs=[list(s) for s in specs(tensors)], bucket_bytes=bucket_bytes)
+        failure: Exception | None = None
+        group = self.groups[worker]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_buckets, group, tensors, bucket_bytes)
+            try:
+                await self.ask(worker, message, timeout=600.0)
+            except (PeerGone, LookupError, RemoteError, TimeoutError) as err:
+                failure = err
+                group.abort()  # a collective stuck on a dead peer must not hold our GPU stream
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
-    async def _deliver(self, worker: str, tensors: dict[str, torch.Tensor],
-                       shared: list[dict[str, Any]] | None = None) -> None:
-        """:meth:`_send_weights`; a worker whose GPU path fails (its load raised, or it did not answer)
-        gets them over nng instead, from now on."""
+    async def _share(self, workers: list[str]) -> list[str]:
+        """The current version over CUDA IPC to ``workers`` (engines on our GPUs), a bucket at a time, each
+        bucket to all of them at once: every rank packs it on its GPU, each engine copies from its own GPU's,
+        and the memory is reused for the next. Returns those whose load failed or did not answer."""
+        version, failed, gone = self.engine.weight_version, [], set()
+
+        async def load(worker: str, message: WeightsShared) -> None:
+            try:
+                await self.ask(worker, message, timeout=600.0)
+            except (PeerGone, LookupError):
+                gone.add(worker)
+                self._forget(worker)
+            except (RemoteError, TimeoutError) as err:
+                self.log.warning("weights over CUDA IPC failed", worker=worker, error=str(err))
+                failed.append(worker)
+
+        buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
+        with contextlib.closing(buckets):
+            for index, (bucket, buffers, last) in enumerate(buckets):
+                message = WeightsShared(version=version, specs=[list(spec) for spec in bucket], buffers=buffers,
+                                        index=index, last=last)
+                async with trio.open_nursery() as nursery:
+                    for worker in workers:
+                        if worker not in failed and worker not in gone:
+                            nursery.start_soon(load, worker, message)
+        return failed
+
+    async def _send_version(self, workers: list[str]) -> None:
+        """The current version to each of ``workers`` by its path; one whose GPU path fails (its load raised, or
+        it did not answer) gets it over nng instead, from now on."""
+        shared = [worker for worker in workers if self.paths[worker] == "ipc"]
+        rest = [worker for worker in workers if self.paths[worker] != "ipc"]
+        failed = await self._share(shared) if shared else []
+        for worker in failed:
+            self.paths[worker] = "nng"
+            rest.append(worker)
+        tensors = self._outgoing([self.paths[worker] for worker in rest]) if rest else {}
+        for worker in rest:
+            try:
+                await self._deliver(worker, tensors)
+            except (PeerGone, LookupError):
+                self._forget(worker)
+
+    async def _deliver(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`_send_weights`; a worker whose broadcast fails gets the weights over nng instead, from now on."""
         try:
-            await self._send_weights(worker, tensors, shared)
+            await self._send_weights(worker, tensors)
         except (RemoteError, TimeoutError) as err:
             if self.paths[worker] == "nng":
                 raise
@@ -464,34 +504,26 @@ class Trainer(Actor):
 
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        if self.workers:  # else nobody needs them: a tensor-parallel trainer's gathers are not free
-            tensors = self._outgoing([self.paths[worker] for worker in self.workers])
-            shared = share(tensors) if any(self.paths[w] == "ipc" for w in self.workers) else None
-            for worker in sorted(self.workers):
-                try:
-                    await self._deliver(worker, tensors, shared)
-                except (PeerGone, LookupError):
-                    self._forget(worker)
+        await self._send_version(sorted(self.workers))  # none: nothing gathered, nothing converted
         self.version_out = self.engine.weight_version
         await self.tell("buffer", WeightsPublished(version=self.version_out))
 
 
-def weight_path(mode: str, trainer_gpu: str | None, worker_gpus: list[str]) -> str:
-    """The path weights take to a worker whose engine is on ``worker_gpus`` (UUIDs; empty: CPU), from a
-    trainer on ``trainer_gpu`` (None: CPU), under ``--weight-sync mode``; a ValueError says what to pass
-    when the placement does not allow the mode asked for."""
-    on_trainer_gpu = trainer_gpu is not None and trainer_gpu in worker_gpus
+def weight_path(mode: str, trainer_gpus: list[str], worker_gpus: list[str]) -> str:
+    """The path weights take to a worker whose engine is on ``worker_gpus``, from a trainer on ``trainer_gpus``
+    (UUIDs; empty: CPU), under ``--weight-sync mode``; a ValueError says what to pass when the placement does not
+    allow the mode asked for."""
+    ours, theirs = set(trainer_gpus), set(worker_gpus)
+    on_ours = bool(theirs) and theirs <= ours  # every GPU of the engine has a trainer rank on it
+    apart = bool(ours) and bool(theirs) and not ours & theirs
     if mode == "auto":
-        if trainer_gpu is None or not worker_gpus or (on_trainer_gpu and len(worker_gpus) > 1):
-            return "nng"
-        return "ipc" if on_trainer_gpu else "broadcast"
-    if mode == "ipc" and worker_gpus != [trainer_gpu]:
-        raise ValueError(f"--weight-sync ipc needs the rollout engine on the trainer's GPU and on no other "
-                         f"(trainer: {trainer_gpu or 'CPU'}, engine: {worker_gpus or 'CPU'}); use --weight-sync auto")
-    if mode == "broadcast" and (on_trainer_gpu or (trainer_gpu is None) != (not worker_gpus)):
+        return "ipc" if on_ours else "broadcast" if apart else "nng"
+    where = f"(trainer: {trainer_gpus or 'CPU'}, engine: {worker_gpus or 'CPU'}); use --weight-sync auto"
+    if mode == "ipc" and not on_ours:
+        raise ValueError(f"--weight-sync ipc needs the rollout engine on the trainer's GPUs and on no other {where}")
+    if mode == "broadcast" and not (apart or not (ours or theirs)):
         raise ValueError(f"--weight-sync broadcast needs the rollout engine on GPUs other than the trainer's (NCCL) "
-                         f"or both on CPU (gloo) (trainer: {trainer_gpu or 'CPU'}, engine: {worker_gpus or 'CPU'}); "
-                         "use --weight-sync auto")
+                         f"or both on CPU (gloo) {where}")
     return mode
 
 

@@ -140,12 +140,13 @@ def _producer(shape: str, mode: str, args: argparse.Namespace) -> dict:
     import msgpack
     import torch
 
-    from vime.transports.gpu import BroadcastGroup, share
+    from vime.transports.gpu import BroadcastGroup, packed, share
 
     if mode == "ipc":
         weights = _random_weights(shape)
+        buffers = [(flat.clone(), bucket) for flat, bucket, _ in packed(weights.items(), args.bucket_mb << 20)]
         staged = Path(args.address + ".part")
-        staged.write_bytes(msgpack.packb(share(weights)))
+        staged.write_bytes(msgpack.packb([(bucket, share(flat)) for flat, bucket in buffers]))
         staged.rename(args.address)  # appears whole
         sys.stdin.read()
         return {}
@@ -168,23 +169,32 @@ def _start_producer(shape: str, mode: str, address: str, args: argparse.Namespac
 
 
 def _ipc_update(engine, shape: str, args: argparse.Namespace, versions) -> dict:
-    """Weights from another process on this GPU: vime's ``load_shared`` against open + copy."""
+    """Weights from another process on this GPU, in buckets of ``--bucket-mb``: vime's ``load_shared`` against
+    open + copy."""
     import msgpack
     import torch
 
-    from vime.transports.gpu import open_shared
+    from vime.transports.gpu import open_shared, unpack
 
     path = Path(tempfile.mkdtemp(prefix="vime-ipc-"), "descriptors")
     producer = _start_producer(shape, "ipc", str(path), args)
     while not path.exists():
         time.sleep(0.1)
-    descriptors = msgpack.unpackb(path.read_bytes())
-    result = {"ipc_update_s": _median_time(lambda: engine.load_shared(descriptors, next(versions)), args.rounds)}
-    targets = [torch.empty(d["shape"], dtype=torch.bfloat16, device="cuda") for d in descriptors]
+    shared = msgpack.unpackb(path.read_bytes())
+
+    def update() -> None:
+        version = next(versions)
+        for index, (bucket, descriptor) in enumerate(shared):
+            engine.load_shared(bucket, [descriptor], version, index, index == len(shared) - 1)
+
+    result = {"ipc_update_s": _median_time(update, args.rounds)}
+    targets = [[torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _, shape, _ in bucket]
+               for bucket, _ in shared]
 
     def bare() -> None:
-        for target, (_, source) in zip(targets, open_shared(descriptors)):
-            target.copy_(source)
+        for into, (bucket, descriptor) in zip(targets, shared):
+            for target, (_, source) in zip(into, unpack(open_shared([descriptor]), bucket)):
+                target.copy_(source)
 
     result["bare_ipc_s"] = _median_time(bare, args.rounds)
     producer.stdin.close()

@@ -23,9 +23,12 @@ parallelism 4 and expert parallelism 8 over two data-parallel replicas;
 vime has no data parallelism yet): ``--train-backend megatron
 --rollout-backend vllm --dtype bf16 --actor-num-gpus-per-node 8
 --tensor-model-parallel-size 8 --expert-model-parallel-size 8 --colocate
---rollout-num-gpus-per-engine 8`` (the trainer's 8 ranks split attention
-and the vocabulary 8 ways and hold 16 whole experts each; one vLLM engine
-of tensor-parallel size 8 shares their GPUs).
+--rollout-num-gpus-per-engine 8 --vllm-enable-sleep-mode true`` (the
+trainer's 8 ranks split attention and the vocabulary 8 ways and hold 16
+whole experts each; one vLLM engine of tensor-parallel size 8 shares their
+GPUs and sleeps while they train; after each step every rank gathers the
+new weights a bucket at a time, ``--weight-bucket-mb``, and the engine's
+worker on the same GPU copies from it over CUDA IPC).
 """
 
 from __future__ import annotations

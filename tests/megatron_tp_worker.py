@@ -1,6 +1,6 @@
 """Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, a leader
-(``lose-a-follower``) that starts its own follower and loses it, or two ranks passing a batch as the
-leader orders a step (``relay-a-batch``).
+(``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
+leader orders a step (``relay-a-batch``), or two ranks offering weight buckets (``share-buckets``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -13,6 +13,7 @@ from a checkpoint of all ranks takes the next step exactly as the original.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
     loaded = weights()
+    streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
     logprobs = engine.score(batch)["old_logprobs"]
     metrics = engine.train_step(batch)
     trained = weights("cpu")  # as sent over nng: gathered and moved one tensor at a time
@@ -54,8 +56,8 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     resumed.load(checkpoint)
     resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
     if dist.get_rank() == 0:
-        torch.save({"loaded": loaded, "logprobs": logprobs, "metrics": metrics, "trained": trained,
-                    "resumed_alike": resumed_alike}, out)
+        torch.save({"loaded": loaded, "streamed": streamed, "logprobs": logprobs, "metrics": metrics,
+                    "trained": trained, "resumed_alike": resumed_alike}, out)
     dist.destroy_process_group()
 
 
@@ -89,10 +91,50 @@ def relay_a_batch(batch_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+class _Buckets:
+    """Stands in for a rank's engine in :func:`share_buckets`: three buckets, each "offered" as a descriptor
+    naming the rank and the bucket (a CPU has nothing to share over CUDA IPC); it counts what it made."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+
+    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype):
+        for index in range(3):
+            self.made.append(index)
+            yield [[f"w{index}", [bucket_bytes], str(dtype)]], [{"rank": dist.get_rank(), "bucket": index}], index == 2
+
+
+def share_buckets(out: str) -> None:
+    """Two ranks share buckets as a tensor-parallel trainer does: rank 0 takes all three, then stops after the
+    first, then takes all three again; each rank writes what it got and made."""
+    from vime.backends.tensor_parallel import _shared_in_step
+
+    dist.init_process_group("gloo")
+    engine = _Buckets()
+    runs = []
+    for stop_after in (None, 1, None):
+        got = []
+        steps = _shared_in_step(engine, 64, torch.bfloat16)
+        for specs, offered, last in steps:
+            got.append([specs, offered, last])
+            if len(got) == stop_after:
+                steps.close()
+                break
+        runs.append({"got": got, "made": engine.made})
+        engine.made = []
+    with open(f"{out}.{dist.get_rank()}", "w") as file:
+        json.dump(runs, file)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "lose-a-follower":
         lead_and_lose_a_follower(sys.argv[2])
     elif sys.argv[1] == "relay-a-batch":
         relay_a_batch(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "share-buckets":
+        share_buckets(sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

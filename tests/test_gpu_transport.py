@@ -1,5 +1,5 @@
-"""Tensors by the GPU's paths (transports/gpu.py): bucketed broadcast between real processes (gloo on
-CPU, NCCL on GPUs) and CUDA IPC descriptors (GPU only)."""
+"""Tensors by the GPU's paths (transports/gpu.py): buckets packed and unpacked, bucketed broadcast between
+real processes (gloo on CPU, NCCL on GPUs) and CUDA IPC descriptors (GPU only)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from vime.transports.gpu import BroadcastGroup, buckets, dtype_named, open_shared, share, specs
+from vime.transports.gpu import BroadcastGroup, buckets, dtype_named, open_shared, packed, share, specs, unpack
 
 
 def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -38,12 +38,41 @@ def _receive(address: str, spec_list: list, bucket_bytes: int, device: str) -> d
     return {"tensors": got, "buckets": count}
 
 
-def test_buckets_split_at_dtype_changes_and_size() -> None:
-    spec_list = specs(_tensors())
-    grouped = buckets(spec_list, bucket_bytes=512)
-    assert [[name for name, _, _ in bucket] for bucket in grouped] == [["a"], ["b", "c"], ["big"], ["ids"], ["scalar"]]
+def test_buckets_cut_by_size_and_a_larger_tensor_goes_alone() -> None:
+    spec_list = specs(_tensors())  # 140, 400, 48, 4000, 88 and 4 bytes: 256-byte slots, 4096 for "big"
+    grouped = buckets(spec_list, bucket_bytes=1024)
+    assert [[name for name, _, _ in bucket] for bucket in grouped] == [["a", "b", "c"], ["big"], ["ids", "scalar"]]
     assert [spec for bucket in grouped for spec in bucket] == spec_list
     assert len(buckets(spec_list, 1)) == len(spec_list)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 1024, 1 << 20])
+def test_packed_buckets_unpack_bit_exact_where_the_receiver_cuts_them(bucket_bytes: int) -> None:
+    """Mixed dtypes, a non-contiguous tensor and a scalar go through one byte buffer, reused bucket after
+    bucket; the receiver's cut (from the specs alone) is the sender's."""
+    tensors = _tensors()
+    got, cut, ends, buffers = {}, [], [], set()
+    for flat, bucket, last in packed(tensors.items(), bucket_bytes):
+        got |= {name: view.clone() for name, view in unpack(flat, bucket)}  # before the next bucket overwrites it
+        cut.append(bucket)
+        ends.append(last)
+        buffers.add(flat.untyped_storage().data_ptr())
+    assert cut == buckets(specs(tensors), bucket_bytes)
+    assert ends == [False] * (len(cut) - 1) + [True]
+    for name, tensor in tensors.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    if bucket_bytes > 4096:  # every tensor fits the first buffer: later buckets reuse its memory
+        assert len(buffers) == 1
+
+
+def test_a_bucket_that_does_not_match_its_specs_is_refused() -> None:
+    flat, bucket, _ = next(packed(_tensors().items(), 1 << 20))
+    with pytest.raises(ValueError, match="sender and receiver disagree"):
+        unpack(flat, bucket[:-1])
+
+
+def test_nothing_is_packed_from_nothing() -> None:
+    assert list(packed({}.items(), 1024)) == []
 
 
 def test_dtype_names_are_checked_not_looked_up_freely() -> None:
@@ -67,19 +96,19 @@ def test_broadcast_in_buckets_reaches_another_process_bit_exact(device: str) -> 
     tensors = _tensors(device)
     group = BroadcastGroup("tcp://127.0.0.1:0", 0, 2, device=device, timeout_s=60)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        received = child.submit(_receive, group.address, specs(tensors), 512, device)
-        group.send(tensors, bucket_bytes=512)
+        received = child.submit(_receive, group.address, specs(tensors), 1024, device)
+        group.send(tensors, bucket_bytes=1024)
         result = received.result(timeout=120)
-    assert result["buckets"] == 5
+    assert result["buckets"] == 3
     for name, tensor in tensors.items():
         values, dtype = result["tensors"][name]
         assert dtype == str(tensor.dtype)
         assert torch.equal(torch.tensor(values, dtype=tensor.dtype), tensor.cpu()), name
 
 
-def _open_and_sum(descriptors: bytes) -> dict:
-    """A process on the same GPU: open the shared tensors, report their sums, and write into one."""
-    opened = dict(open_shared(msgpack.unpackb(descriptors)))
+def _open_and_sum(descriptors: bytes, bucket: list) -> dict:
+    """A process on the same GPU: open the shared bucket, report its tensors' sums, and write into one."""
+    opened = dict(unpack(open_shared(msgpack.unpackb(descriptors)), bucket))
     sums = {name: float(t.double().sum()) for name, t in opened.items()}
     opened["a"].fill_(7.0)
     torch.cuda.synchronize()
@@ -87,26 +116,29 @@ def _open_and_sum(descriptors: bytes) -> dict:
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_descriptors_open_in_another_process_without_a_copy() -> None:
+def test_a_bucket_shared_over_cuda_ipc_opens_in_another_process_without_a_copy() -> None:
+    """The receiver takes, among the buffers offered on several GPUs, the one on its own."""
     tensors = _tensors("cuda")
-    descriptors = share(tensors)
-    wire = msgpack.packb(descriptors)  # plain data: it crosses a socket as it is
+    flat, bucket, _ = next(packed(tensors.items(), 1 << 20))
+    mine = share(flat)
+    elsewhere = dict(mine, gpu="GPU-00000000-0000-0000-0000-000000000000")
+    wire = msgpack.packb([elsewhere, mine])  # plain data: it crosses a socket as it is
     expected = {name: float(tensor.double().sum()) for name, tensor in tensors.items()}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        sums = child.submit(_open_and_sum, wire).result(timeout=120)
+        sums = child.submit(_open_and_sum, wire, bucket).result(timeout=120)
     for name, tensor in tensors.items():
         assert sums[name] == pytest.approx(expected[name], rel=1e-6), name
-    assert bool((tensors["a"] == 7.0).all()), "the receiver's views are the sender's memory"
+    assert bool((dict(unpack(flat, bucket))["a"] == 7.0).all()), "the receiver's views are the sender's memory"
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_refuses_a_descriptor_from_another_gpu() -> None:
-    descriptors = share({"a": torch.ones(3, device="cuda")})
-    descriptors[0]["gpu"] = "GPU-00000000-0000-0000-0000-000000000000"
-    with pytest.raises(ValueError, match="same GPU"):
-        open_shared(descriptors)
+def test_cuda_ipc_refuses_a_bucket_offered_only_on_another_gpu() -> None:
+    descriptor = share(torch.ones(3, device="cuda"))
+    descriptor["gpu"] = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(ValueError, match="nothing was shared on this process's GPU"):
+        open_shared([descriptor])
 
 
 def test_sharing_a_cpu_tensor_says_what_ipc_shares() -> None:
     with pytest.raises(ValueError, match="CUDA tensors only"):
-        share({"a": torch.ones(2)})
+        share(torch.ones(2))

@@ -11,6 +11,7 @@ on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 from pathlib import Path
 
@@ -492,6 +493,8 @@ def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, ex
     ranks = torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")
     assert sorted(ranks["loaded"]) == sorted(checkpoint)
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
+    assert list(ranks["streamed"]) == list(ranks["loaded"])  # the order rollout engines get them, bucket by bucket
+    assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
     single = _engine(megatron.MegatronTrainEngine, folder, updates=1, kl_coef=0.1)
     assert (ranks["logprobs"] - single.score(batch)["old_logprobs"].cpu()).abs().max() <= 1e-5
     expected = single.train_step(batch)
@@ -522,6 +525,24 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     assert sent["routed_experts"].dtype == torch.int16
     assert all(received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
                for name, tensor in sent.items())
+
+
+def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_path):
+    """Rank 0 gets every rank's descriptor of each weight bucket; the others keep pace, bucket by bucket, and
+    when rank 0 stops early they stop after the same bucket, so the next publication starts in step."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("megatron_tp_worker.py")), "share-buckets",
+                           str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    leader, follower = (json.loads((tmp_path / f"runs.{rank}").read_text()) for rank in (0, 1))
+    whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": 0, "bucket": i}, {"rank": 1, "bucket": i}], i == 2]
+             for i in range(3)]
+    assert [run["got"] for run in leader] == [whole, whole[:1], whole]
+    assert [run["got"] for run in follower] == [[], [], []]
+    assert [run["made"] for run in follower] == [[0, 1, 2], [0], [0, 1, 2]]
 
 
 def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_models):

@@ -118,18 +118,21 @@ async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):
 
 
 @pytest.mark.parametrize("mode, trainer, engine, path", [
-    ("auto", None, [], "nng"), ("auto", "GPU-a", [], "nng"), ("auto", None, ["GPU-a"], "nng"),
-    ("auto", "GPU-a", ["GPU-a"], "ipc"), ("auto", "GPU-a", ["GPU-b"], "broadcast"),
-    ("auto", "GPU-a", ["GPU-b", "GPU-c"], "broadcast"), ("auto", "GPU-a", ["GPU-a", "GPU-b"], "nng"),
-    ("nng", "GPU-a", ["GPU-a"], "nng"), ("broadcast", None, [], "broadcast"), ("ipc", "GPU-a", ["GPU-a"], "ipc"),
+    ("auto", [], [], "nng"), ("auto", ["GPU-a"], [], "nng"), ("auto", [], ["GPU-a"], "nng"),
+    ("auto", ["GPU-a"], ["GPU-a"], "ipc"), ("auto", ["GPU-a"], ["GPU-b"], "broadcast"),
+    ("auto", ["GPU-a"], ["GPU-b", "GPU-c"], "broadcast"), ("auto", ["GPU-a"], ["GPU-a", "GPU-b"], "nng"),
+    ("auto", ["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"], "ipc"),  # an engine of two beside two tensor-parallel ranks
+    ("auto", ["GPU-a", "GPU-b"], ["GPU-b"], "ipc"), ("auto", ["GPU-a", "GPU-b"], ["GPU-b", "GPU-c"], "nng"),
+    ("nng", ["GPU-a"], ["GPU-a"], "nng"), ("broadcast", [], [], "broadcast"), ("ipc", ["GPU-a"], ["GPU-a"], "ipc"),
 ])
 def test_the_weight_path_follows_placement(mode, trainer, engine, path):
     assert weight_path(mode, trainer, engine) == path
 
 
 @pytest.mark.parametrize("mode, trainer, engine", [
-    ("ipc", None, []), ("ipc", "GPU-a", ["GPU-b"]), ("ipc", "GPU-a", ["GPU-a", "GPU-b"]),
-    ("broadcast", "GPU-a", ["GPU-a"]), ("broadcast", None, ["GPU-a"]), ("broadcast", "GPU-a", []),
+    ("ipc", [], []), ("ipc", ["GPU-a"], ["GPU-b"]), ("ipc", ["GPU-a"], ["GPU-a", "GPU-b"]),
+    ("broadcast", ["GPU-a"], ["GPU-a"]), ("broadcast", [], ["GPU-a"]), ("broadcast", ["GPU-a"], []),
+    ("broadcast", ["GPU-a", "GPU-b"], ["GPU-b", "GPU-c"]),
 ])
 def test_a_weight_path_the_placement_cannot_take_is_refused_with_what_to_pass(mode, trainer, engine):
     with pytest.raises(ValueError, match=f"--weight-sync {mode} needs .* use --weight-sync auto"):

@@ -43,6 +43,8 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 8, "expert_model_parallel_size": 8,
       "colocate": True, "rollout_num_gpus_per_engine": 8}, [str(gpu) for gpu in range(8)], "0,1,2,3,4,5,6,7",
      ["0,1,2,3,4,5,6,7"]),  # qwen3_30b_a3b_dapo's 8-GPU layout: one vLLM engine of 8 beside 8 trainer ranks
+    ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
+      "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "0,1", ["0", "1"]),  # engines sleep beside both ranks
 ])
 def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
@@ -65,8 +67,6 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
      "2 engines share each rollout GPU.*pass at most 0.45"),
     ({"actor_num_gpus_per_node": 1, "colocate": True, "rollout_workers": 3,
       "vllm_args": {"gpu_memory_utilization": 0.4}}, ["0"], "3 engines share .* at most 0.30"),
-    ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
-      "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "sleep-mode with a tensor-parallel trainer is not supported yet"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 8, "expert_model_parallel_size": 4}, ["0"] * 8,
      r"--expert-model-parallel-size 4: .* pass 1 or --tensor-model-parallel-size \(8\)"),
 ])

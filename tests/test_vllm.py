@@ -163,7 +163,7 @@ def test_a_sequence_ending_in_a_batch_launched_ahead_is_reported_once():
                               step=lambda: [ending] if launched and launched.pop() else [])
     sequence = Sequence(7, [1, 2], SamplingParams(max_new_tokens=1))
     engine.weight_version, engine._running, engine._finished = 0, {"7": sequence}, []
-    engine.load_shared([], version=1)
+    engine.load_weights({}, version=1)
     assert engine.step() == [sequence] and engine.step() == [] and not engine.busy
     assert sequence.response_ids == [5] and sequence.versions == [0] and sequence.finish_reason == "length"
 
@@ -239,35 +239,40 @@ def test_weights_arrive_by_broadcast_in_buckets(dense, tmp_path):
     engine.load_weights(dict(load_causal_lm(folder).named_parameters()), start + 2)
 
 
-def _sleep_share_wake(folder: str, descriptors: list, prompt: list[int]) -> dict:
+def _sleep_share_wake(folder: str, shared: list, prompt: list[int]) -> dict:
     """A colocated rollout engine: generate, sleep while 'training' happens, wake, take the weights
-    over CUDA IPC, generate again."""
+    over CUDA IPC in buckets, generate again."""
     engine = VllmRolloutEngine(folder, dtype=DTYPE, seed=0, engine_args=dict(ENGINE_ARGS, enable_sleep_mode=True))
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
     run(engine, [Sequence(0, prompt, params)])
     awake = torch.cuda.mem_get_info()[0]
     engine.sleep(level=2)
     asleep = torch.cuda.mem_get_info()[0]
-    engine.load_shared(descriptors, 1)  # wakes the engine: its weights' memory, then the KV cache
+    for index, (specs, descriptor) in enumerate(shared):  # wakes the engine: its weights' memory, then the KV cache
+        engine.load_shared(specs, [descriptor], 1, index, index == len(shared) - 1)
     woken = torch.cuda.mem_get_info()[0]
     after = Sequence(1, prompt, params)
     run(engine, [after])
     return {"freed": asleep - awake, "taken_back": asleep - woken, "response": after.response_ids,
-            "logprobs": after.logprobs, "versions": after.versions}
+            "logprobs": after.logprobs, "versions": after.versions, "buckets": len(shared)}
 
 
 @pytest.mark.gpu
 def test_colocated_engine_sleeps_and_takes_weights_over_cuda_ipc(dense, tmp_path):
-    """Only descriptors cross to the engine's process; its memory is given back while asleep."""
-    from vime.transports.gpu import share
+    """Only descriptors cross to the engine's process, a bucket at a time; its memory is given back while
+    asleep."""
+    from vime.transports.gpu import packed, share
 
     engine, folder, eos, prompts = dense
     other = tmp_path / "other"
     arithmetic.build_model(other, seed=3)
     weights = {name: p.detach().cuda() for name, p in load_causal_lm(other, DTYPE).named_parameters()}
+    buffers = [(flat.clone(), bucket) for flat, bucket, _ in packed(checkpoint_names(weights).items(), 1 << 16)]
+    shared = [(bucket, share(flat)) for flat, bucket in buffers]  # each its own memory: all offered at once
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        got = child.submit(_sleep_share_wake, str(folder), share(checkpoint_names(weights)), prompts[1]).result(600)
+        got = child.submit(_sleep_share_wake, str(folder), shared, prompts[1]).result(600)
     budget = ENGINE_ARGS["gpu_memory_utilization"] * torch.cuda.mem_get_info()[1]
+    assert got["buckets"] > 2
     assert got["freed"] > 0.5 * budget and got["taken_back"] > 0.5 * budget, got
     assert got["versions"] == [1] * 10
     after = Sequence(0, prompts[1], SamplingParams(temperature=1.0, max_new_tokens=10))
@@ -326,25 +331,31 @@ async def test_pipeline_trains_on_vllm_rollouts(tmp_path, cpu_environment):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, path", [("colocated", "ipc"), ("colocated-sleeping", "ipc"),
-                                          ("colocated-two-engines", "ipc"), ("separate", "broadcast")])
+                                          ("colocated-two-engines", "ipc"), ("separate", "broadcast"),
+                                          ("colocated-tp2-sleeping", "ipc"), ("colocated-tp2-two-engines", "ipc")])
 async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environment, layout, path):
-    """Megatron trains on the first GPU; vLLM generates on the same GPU (colocated: weights by CUDA IPC)
-    or on the next (separate: NCCL broadcast in buckets), placed by flags alone. Colocated with sleep mode
-    and one step of staleness allowed, the engine finishes its running responses, sleeps through every
-    training step and wakes with the new weights. Two engines can share the GPU (started in turn)."""
+    """Megatron trains on the first GPU; vLLM generates on the same GPU (colocated: weights by CUDA IPC,
+    in buckets) or on the next (separate: NCCL broadcast in buckets), placed by flags alone. Colocated with
+    sleep mode and one step of staleness allowed, the engine finishes its running responses, sleeps through
+    every training step and wakes with the new weights. Two engines can share the GPU (started in turn).
+    On two GPUs, two tensor-parallel trainer ranks each offer every bucket on their own GPU, to one engine
+    of two GPUs or to an engine on each."""
     pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
-    if layout == "separate" and torch.cuda.device_count() < 2:
+    if (layout == "separate" or "tp2" in layout) and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
 
+    sleeping = dict(max_staleness=1, vllm_args=dict(ENGINE_ARGS, enable_sleep_mode=True),
+                    forced_response_lengths="uniform:2", max_new_tokens=8)
+    tp2 = dict(actor_num_gpus_per_node=2, tensor_model_parallel_size=2, colocate=True)
     flags = {"colocated": dict(actor_num_gpus_per_node=1, colocate=True),
-             "colocated-sleeping": dict(actor_num_gpus_per_node=1, colocate=True, max_staleness=1,
-                                        vllm_args=dict(ENGINE_ARGS, enable_sleep_mode=True),
-                                        forced_response_lengths="uniform:2", max_new_tokens=8),
+             "colocated-sleeping": dict(actor_num_gpus_per_node=1, colocate=True, **sleeping),
              "colocated-two-engines": dict(actor_num_gpus_per_node=1, colocate=True, rollout_workers=2,
                                            restart_rollouts=False),  # an engine failing as they start fails
-             "separate": dict(actor_num_gpus_per_node=1, rollout_num_gpus=1)}[layout]
+             "separate": dict(actor_num_gpus_per_node=1, rollout_num_gpus=1),
+             "colocated-tp2-sleeping": dict(tp2, rollout_num_gpus_per_engine=2, **sleeping),
+             "colocated-tp2-two-engines": dict(tp2, restart_rollouts=False)}[layout]
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
         "steps": 4, "rollout_batch_size": 16, "train_backend": "megatron", "rollout_backend": "vllm", "dtype": "bf16",
@@ -354,9 +365,9 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
     fresh = [row["train_rollout_logprob_abs_diff"] for row in rows]  # null on a step of only older tokens
     assert fresh[0] is not None and max(gap for gap in fresh if gap is not None) < 0.02
-    engines = flags.get("rollout_workers", 1)
+    engines = flags.get("rollout_workers", 1) if layout != "colocated-tp2-two-engines" else 2
     assert (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{path}"') == engines
-    if layout == "colocated-sleeping":  # the engine slept before every step (a bare lock wait is microseconds)
+    if "sleeping" in layout:  # the engine slept before every step (a bare lock wait is microseconds)
         assert all(row["time_sleep_s"] > 1e-3 for row in rows), [row["time_sleep_s"] for row in rows]
     print(layout, "weight sync s per step:", [round(row["time_weight_sync_s"], 4) for row in rows])
 

@@ -1,27 +1,29 @@
 """Named tensors between processes by the GPU's own paths: CUDA IPC on one GPU, bucketed broadcast across GPUs.
 
 Only plain data describes the tensors (msgpack-safe: names, shapes, dtype names, handle bytes); the
-bytes themselves never cross an nng socket.
+bytes themselves never cross an nng socket. Both paths move weights in buckets: :func:`packed` copies
+consecutive tensors into one flat byte buffer of about ``bucket_bytes``, and the receiver cuts the same
+buffer back into tensors (:func:`unpack`) from their specs. A bucket at a time bounds what either side
+holds beside the model to one bucket, and a transfer is one operation per bucket, not one per tensor.
 
-* CUDA IPC (sender and receiver on the same GPU): :func:`share` turns CUDA tensors into
-  descriptors of their memory; :func:`open_shared` maps them in the receiving process, no copy.
+* CUDA IPC (sender and receiver on the same GPU): :func:`share` turns a CUDA tensor into a
+  descriptor of its memory; :func:`open_shared` maps it in the receiving process, no copy.
   torch's IPC reference counts keep the sender's memory alive until the receiver drops its views,
   and its event makes the receiver wait for the sender's pending writes. A descriptor names its
   GPU by UUID, because device indices differ between processes with different
-  ``CUDA_VISIBLE_DEVICES``.
+  ``CUDA_VISIBLE_DEVICES``; a tensor-parallel trainer offers each bucket on every one of its GPUs,
+  and each receiver opens the one on its own.
 * Broadcast (different GPUs or hosts): :class:`BroadcastGroup` is a process group of its own
   (NCCL on GPUs, gloo on CPU), independent of any ``torch.distributed`` world the trainer or the
-  inference engine already runs. One sender (rank 0) packs tensors into buckets of about
-  ``bucket_bytes``: one collective per bucket instead of one per tensor, and receivers hold at
-  most a bucket at a time. Both sides derive the same buckets from the same specs
-  (:func:`specs`), which the sender ships over nng beforehand.
+  inference engine already runs. One sender (rank 0) broadcasts the buckets; receivers derive the
+  same cut from the specs (:func:`buckets`), which the sender ships over nng beforehand.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from vime.transports.codec import TORCH_DTYPES
 
 Spec = tuple[str, list[int], str]  # name, shape, dtype name
+ALIGN = 256  # bytes: each tensor in a bucket starts at a multiple, so that its bytes view as any dtype
 
 
 def dtype_named(name: str) -> torch.dtype:
@@ -49,42 +52,35 @@ def gpu_uuid(device: int | None = None) -> str:
     return str(torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).uuid)
 
 
-def share(tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Descriptors another process on the same GPU opens with :func:`open_shared`."""
+def share(tensor: torch.Tensor) -> dict[str, Any]:
+    """A descriptor another process on the same GPU opens with :func:`open_shared`."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    shared = []
-    uuids: dict[int, str] = {}
-    for name, tensor in tensors.items():
-        if not tensor.is_cuda:
-            raise ValueError(f"{name} is on {tensor.device}: CUDA IPC shares CUDA tensors only")
-        _, (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _, counter,
-            counter_offset, event, event_sync) = reduce_tensor(tensor.detach())
-        if device not in uuids:
-            uuids[device] = gpu_uuid(device)
-        shared.append({"name": name, "shape": list(size), "stride": list(stride), "offset": offset,
-                       "dtype": _dtype_name(dtype), "gpu": uuids[device], "handle": handle,
-                       "storage_bytes": storage_bytes, "storage_offset": storage_offset, "counter": counter,
-                       "counter_offset": counter_offset, "event": event, "event_sync": event_sync})
-    return shared
+    if not tensor.is_cuda:
+        raise ValueError(f"a tensor on {tensor.device}: CUDA IPC shares CUDA tensors only")
+    _, (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _, counter,
+        counter_offset, event, event_sync) = reduce_tensor(tensor.detach())
+    return {"shape": list(size), "stride": list(stride), "offset": offset, "dtype": _dtype_name(dtype),
+            "gpu": gpu_uuid(device), "handle": handle, "storage_bytes": storage_bytes,
+            "storage_offset": storage_offset, "counter": counter, "counter_offset": counter_offset,
+            "event": event, "event_sync": event_sync}
 
 
-def open_shared(descriptors: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
-    """Views of another process's CUDA tensors; a descriptor from another GPU is refused with what to do."""
+def open_shared(descriptors: list[dict[str, Any]]) -> torch.Tensor:
+    """A view of the tensor, among those ``descriptors`` offer (one per GPU), that lives on this process's GPU;
+    when none does, a ValueError says what to do."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     device = torch.cuda.current_device()
     here = gpu_uuid(device)
-    opened = []
     for d in descriptors:
-        if d["gpu"] != here:
-            raise ValueError(f"{d['name']} lives on GPU {d['gpu']}, this process uses {here}: CUDA IPC needs "
-                             "sender and receiver on the same GPU; across GPUs, send weights by broadcast")
-        opened.append((d["name"], rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(d["shape"]), tuple(d["stride"]), d["offset"], torch.storage.TypedStorage,
-            dtype_named(d["dtype"]), device, d["handle"], d["storage_bytes"], d["storage_offset"], False,
-            d["counter"], d["counter_offset"], d["event"], d["event_sync"])))
-    return opened
+        if d["gpu"] == here:
+            return rebuild_cuda_tensor(
+                torch.Tensor, torch.Size(d["shape"]), tuple(d["stride"]), d["offset"], torch.storage.TypedStorage,
+                dtype_named(d["dtype"]), device, d["handle"], d["storage_bytes"], d["storage_offset"], False,
+                d["counter"], d["counter_offset"], d["event"], d["event_sync"])
+    raise ValueError(f"nothing was shared on this process's GPU {here} (only on {[d['gpu'] for d in descriptors]}): "
+                     "CUDA IPC needs sender and receiver on the same GPU; across GPUs, send weights by broadcast")
 
 
 def specs(tensors: dict[str, torch.Tensor]) -> list[Spec]:
@@ -92,18 +88,68 @@ def specs(tensors: dict[str, torch.Tensor]) -> list[Spec]:
     return [(name, list(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items()]
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _spec_bytes(spec: Spec) -> int:
+    return _padded(math.prod(spec[1]) * dtype_named(spec[2]).itemsize)
+
+
 def buckets(spec_list: list[Spec], bucket_bytes: int) -> list[list[Spec]]:
-    """Consecutive specs of one dtype, up to ``bucket_bytes`` each (a larger tensor gets a bucket alone)."""
+    """Consecutive specs, up to ``bucket_bytes`` each (a larger tensor gets a bucket alone): the cut
+    :func:`packed` makes, tensor by tensor, on the sending side."""
     grouped: list[list[Spec]] = []
     size = 0
     for spec in spec_list:
-        nbytes = math.prod(spec[1]) * dtype_named(spec[2]).itemsize
-        if not grouped or grouped[-1][0][2] != spec[2] or size + nbytes > bucket_bytes:
+        nbytes = _spec_bytes(spec)
+        if not grouped or size + nbytes > bucket_bytes:
             grouped.append([])
             size = 0
         grouped[-1].append(spec)
         size += nbytes
     return grouped
+
+
+def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[Spec], bool]]:
+    """The tensors of ``named`` copied into flat byte buffers cut as :func:`buckets` cuts their specs: each
+    buffer with its specs and whether it is the last. Tensors are taken one at a time (a tensor-parallel
+    trainer gathers each as it is asked for), and the next bucket is written into the same memory once
+    the consumer asks for it: the consumer must be done with a buffer by then."""
+    items = iter(named)
+    upcoming = next(items, None)
+    buffer: torch.Tensor | None = None
+    bucket: list[Spec] = []
+    used = 0
+    while upcoming is not None:
+        name, tensor = upcoming
+        upcoming = next(items, None)
+        spec = (name, list(tensor.shape), _dtype_name(tensor.dtype))
+        nbytes = _spec_bytes(spec)
+        if bucket and used + nbytes > bucket_bytes:
+            yield buffer[:used], bucket, False
+            bucket, used = [], 0
+        if not bucket and (buffer is None or buffer.numel() < nbytes or buffer.device != tensor.device):
+            buffer = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=tensor.device)
+        buffer[used:used + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        bucket.append(spec)
+        used += nbytes
+        if upcoming is None:
+            yield buffer[:used], bucket, True
+
+
+def unpack(flat: torch.Tensor, spec_list: list[Spec]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors :func:`packed` wrote into ``flat``, as views of it."""
+    views = []
+    offset = 0
+    for spec in spec_list:
+        name, shape, dtype = spec[0], spec[1], dtype_named(spec[2])
+        views.append((name, flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)))
+        offset += _spec_bytes(spec)
+    if offset != flat.numel():
+        raise ValueError(f"a bucket of {flat.numel()} bytes does not hold the {len(spec_list)} tensors described "
+                         f"({offset} bytes): sender and receiver disagree on the weights")
+    return views
 
 
 class BroadcastGroup:
@@ -154,17 +200,13 @@ class BroadcastGroup:
         self.group.broadcast([tensor], options).wait()
 
     def send(self, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
-        """Broadcast ``tensors`` (on this group's device) in the buckets :func:`buckets` makes of their specs."""
-        for bucket in buckets(specs(tensors), bucket_bytes):
-            flat = torch.cat([tensors[name].reshape(-1) for name, _, _ in bucket]) if len(bucket) > 1 \
-                else tensors[bucket[0][0]].reshape(-1).contiguous()
+        """Broadcast ``tensors`` (on this group's device) in the buckets :func:`packed` makes of them."""
+        for flat, _, _ in packed(tensors.items(), bucket_bytes):
             self.broadcast(flat)
 
     def receive(self, spec_list: list[Spec], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The broadcast tensors, a bucket at a time (each bucket a tensor of its own, views into it)."""
+        """The broadcast tensors, a bucket at a time (each bucket a buffer of its own, views into it)."""
         for bucket in buckets(spec_list, bucket_bytes):
-            flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=dtype_named(bucket[0][2]),
-                               device=self.device)
+            flat = torch.empty(sum(map(_spec_bytes, bucket)), dtype=torch.uint8, device=self.device)
             self.broadcast(flat)
-            sizes = [math.prod(shape) for _, shape, _ in bucket]
-            yield [(name, part.view(shape)) for (name, shape, _), part in zip(bucket, flat.split(sizes))]
+            yield unpack(flat, bucket)

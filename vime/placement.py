@@ -9,8 +9,8 @@ bound by the host's per-step work rather than by the GPU). A process is placed b
 its ``CUDA_VISIBLE_DEVICES``, so inside it the first GPU is always its own.
 
 The weight path follows from where the processes land (``--weight-sync auto``, the default): the
-trainer compares the GPUs a worker's engine reports with its own (CUDA IPC on the same GPU, a broadcast group
-across GPUs; see ``vime.actors.trainer.weight_path``). Workers joined from other hosts keep the
+trainer compares the GPUs a worker's engine reports with its own (CUDA IPC on the same GPUs, a broadcast group
+across GPUs; see ``actors.trainer.weight_path``). Workers joined from other hosts keep the
 GPUs their own environment gives them.
 
 With none of the GPU flags given, nothing is placed: every process inherits the driver's view.
@@ -76,9 +76,6 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
             raise ValueError(f"--colocate shares the trainer's {trainer_gpus} GPU(s): --rollout-num-gpus must be "
                              f"{trainer_gpus} or left out, not {rollout_gpus}")
         rollout_gpus = trainer_gpus
-        if config.job.tensor_model_parallel_size > 1 and rollout.vllm_args.get("enable_sleep_mode"):
-            raise ValueError("--vllm-enable-sleep-mode with a tensor-parallel trainer is not supported yet (only "
-                             "the first rank gives its cached memory back): drop one of the two")
     if rollout_gpus and rollout.rollout_backend != "vllm":
         raise ValueError("--rollout-num-gpus: the reference rollout engine runs on CPU; pass --rollout-backend vllm")
     if rollout_gpus % per_engine:

@@ -153,12 +153,17 @@ class WeightsChunk:
 
 @message
 class WeightsShared:
-    """trainer -> a rollout worker on the trainer's own GPU (ask, answered with WeightsLoaded): CUDA IPC
-    descriptors (``vime.transports.gpu.share``) of the full weights of ``version``; the trainer may reuse
-    that memory once answered."""
+    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded): bucket
+    ``index`` of the weights of ``version`` over CUDA IPC. ``buffers`` describe its bytes on each trainer GPU
+    (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype name] each,
+    ``vime.transports.gpu.unpack``); the engine holds ``version`` after the ``last``, and generates nothing
+    from the first to the last. The trainer reuses the memory once answered."""
 
     version: int
-    tensors: list[dict[str, Any]]
+    specs: list[list[Any]]
+    buffers: list[dict[str, Any]]
+    index: int
+    last: bool
 
 
 @message

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vime.settings import setting
-from vime.transports.gpu import BroadcastGroup, Spec, open_shared
+from vime.backends.hf import checkpoint_names
+from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, packed, share, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +104,23 @@ class RolloutEngine(abc.ABC):
         the weight path from them (CUDA IPC on its own GPU, a broadcast group across GPUs)."""
         return []
 
-    def load_shared(self, descriptors: list[dict[str, Any]], version: int) -> None:
-        """A full set from :func:`vime.transports.gpu.share` descriptors of tensors on this engine's GPU."""
-        self.load_weights(dict(open_shared(descriptors)), version)
+    def load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]], version: int, index: int,
+                    last: bool) -> None:
+        """Bucket ``index`` of the weights of ``version`` over CUDA IPC: ``buffers`` describe its bytes on each of
+        the sender's GPUs (:func:`~vime.transports.gpu.share`), ``specs`` the tensors packed in them
+        (:func:`~vime.transports.gpu.unpack`). The engine copies what it needs from the buffer on its own
+        GPU before returning (the sender then reuses the memory), and holds ``version`` once the ``last``
+        bucket is in; until then it holds a mix of two versions and must not step."""
+        if index == 0:
+            self._arriving = (version, {})
+        self._arriving[1].update((name, tensor.clone()) for name, tensor in unpack(open_shared(buffers), specs))
+        torch.cuda.synchronize()
+        if last:
+            version, tensors = self._arriving
+            self._arriving = None
+            self.load_weights(tensors, version)
+
+    _arriving: tuple[int, dict[str, torch.Tensor]] | None = None  # load_shared's buckets so far
 
     def join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup` on ``device`` ("cuda" or "cpu", as the
@@ -216,6 +232,32 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load(self, folder: Path) -> None:
         """Continue from what :meth:`save` wrote (the engine was built from the original model)."""
+
+    def rollout_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as rollout engines load them, one tensor at a time: checkpoint names, ``dtype``, on the
+        policy's device. Under tensor parallelism every rank iterates them (each tensor is gathered whole)."""
+        for name, tensor in checkpoint_names(self.named_weights()).items():
+            yield name, tensor.to(dtype)
+
+    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+        """:meth:`rollout_weights` packed into buckets of about ``bucket_bytes`` on the policy's GPU(s), each
+        offered over CUDA IPC: its specs, its buffer's descriptor on every GPU of the engine, and whether it is
+        the last. A consumer is done with a bucket when it asks for the next (its memory is reused); one that
+        stops early must close the iterator."""
+        for flat, specs, last in packed(self.rollout_weights(dtype), bucket_bytes):
+            yield specs, [share(flat)], last
+
+    def gpus(self) -> list[str]:
+        """UUIDs of the GPUs the policy trains on, one per rank; empty on CPU. Rollout engines placed on them
+        take the weights over CUDA IPC, and sleep while a step trains."""
+        device = torch.device(self.device)
+        return [gpu_uuid(device.index)] if device.type == "cuda" else []
+
+    def release_memory(self) -> None:
+        """Hand what the GPU's caching allocator keeps back to the device (every rank), for colocated engines
+        about to wake."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Release what the engine holds outside this process (tensor-parallel ranks); nothing by default."""

@@ -566,15 +566,18 @@ def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_co
 
 
 def hf_weights(model: GPTModel, hf_config: Any, device: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face checkpoint names: :func:`hf_tensors`, all of them."""
+    return dict(hf_tensors(model, hf_config, device))
+
+
+def hf_tensors(model: GPTModel, hf_config: Any, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
-    whole, on ``device`` (None: the model's): under tensor parallelism every rank must call this or
-    :func:`unsharded_weights`. Each tensor is gathered, converted and moved before the next, so on another
-    device the model's own holds one whole tensor at a time."""
+    whole, on ``device`` (None: the model's), one at a time: under tensor parallelism every rank must take them
+    or call :func:`unsharded_weights`. Each tensor is gathered, converted and moved before the next, so on
+    another device the model's own holds one whole tensor at a time."""
     maps = {tensor_map.megatron_name: tensor_map for tensor_map in _tensor_maps(hf_config)}
-    out: dict[str, torch.Tensor] = {}
     for name, whole in unsharded_weights(model):
-        out.update(_split_to_hf(maps[name], whole, device))
-    return out
+        yield from _split_to_hf(maps[name], whole, device)
 
 
 def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -875,6 +878,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
         whole tensors, so under tensor parallelism every rank must call this or :meth:`join_weight_gather`."""
         return hf_weights(self.policy.model, self.hf_config, device)
+
+    def rollout_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in hf_tensors(self.policy.model, self.hf_config):
+            yield name, tensor.to(dtype)
 
     def join_weight_gather(self) -> None:
         """A follower rank's part of the leader's :meth:`named_weights`: the same gathers, nothing kept."""

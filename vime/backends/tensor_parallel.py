@@ -26,16 +26,19 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import RunConfig
+from vime.transports.gpu import Spec, dtype_named, gpu_uuid
 
-ORDERS = ("train_step", "named_weights", "save", "load", "save_hf", "stop")
+ORDERS = ("train_step", "named_weights", "save", "load", "save_hf", "shared_buckets", "release_memory", "stop")
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
 FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
 MAX_DIMS = 4
@@ -96,6 +99,21 @@ class LeadingEngine(TrainEngine):
             self._order("load", str(folder))
             self.engine.load(folder)
 
+    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+        """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
+        those of all ranks, so that each GPU of a colocated engine copies from its own."""
+        with self._lock:
+            self._order("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")]))
+            yield from _shared_in_step(self.engine, bucket_bytes, dtype)
+
+    def gpus(self) -> list[str]:
+        return [gpu_uuid(rank) for rank in range(len(self.followers) + 1)] if self.device == "cuda" else []
+
+    def release_memory(self) -> None:
+        with self._lock:
+            self._order("release_memory")
+            self.engine.release_memory()
+
     def close(self) -> None:
         """Order the followers to stop and wait for them."""
         with self._lock:
@@ -155,9 +173,47 @@ def follow(spec: dict[str, Any]) -> None:
             engine.train_step(_receive_batch(engine.device))
         elif name == "named_weights":
             engine.join_weight_gather()
+        elif name == "shared_buckets":
+            bucket_bytes, dtype = json.loads(argument)
+            for _ in _shared_in_step(engine, bucket_bytes, dtype_named(dtype)):
+                pass
+        elif name == "release_memory":
+            engine.release_memory()
         else:
             getattr(engine, name)(Path(argument))
     dist.destroy_process_group()
+
+
+def _shared_in_step(engine: Any, bucket_bytes: int,
+                    dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+    """Every rank's part of :meth:`LeadingEngine.shared_buckets`: rank 0 yields each bucket with every rank's
+    descriptor of it, then says whether the others go on to the next. They keep their buffer until it does
+    (the consumer is done with it) and stop with it when it stops early, so no rank waits in a gather alone."""
+    leader = dist.get_rank() == 0
+    for specs, buffers, last in engine.shared_buckets(bucket_bytes, dtype):
+        offered = [msgpack.unpackb(data) for data in _gather_bytes(msgpack.packb(buffers[0]), engine.device)]
+        if leader:
+            stop = True
+            try:
+                yield specs, offered, last
+                stop = False
+            finally:
+                _broadcast(torch.tensor([int(stop)]), engine.device)
+        elif int(_broadcast(torch.zeros(1, dtype=torch.int64), engine.device)[0]):
+            return
+
+
+def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank (two all-gathers: the lengths, then the bytes)."""
+    size = dist.get_world_size()
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(payload)], device=device))
+    longest = max(int(length) for length in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    pieces = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(pieces, padded.to(device))
+    return [bytes(piece[:int(length)].cpu().numpy()) for piece, length in zip(pieces, lengths)]
 
 
 def _broadcast(tensor: torch.Tensor, device: str) -> torch.Tensor:

@@ -39,14 +39,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
 from vime.backends.base import RolloutEngine, Sequence
-from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared
+from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, unpack
 from vime.backends.hf import checkpoint_names
 
 # Engine arguments vime sets itself, and the flag that controls each instead.
@@ -67,53 +66,60 @@ class WorkerExtension:
         """The UUID of this worker's GPU; empty on vLLM's CPU build."""
         return gpu_uuid() if torch.cuda.is_available() else ""
 
-    def vime_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def vime_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load a full set passed by reference (in-process engine)."""
-        return self._vime_load([weights])
+        self.vime_begin_load()
+        self.vime_load_batch(weights)
+        self.vime_end_load()
 
-    def vime_load_shared(self, descriptors: list[dict[str, Any]]) -> int:
-        """Load a full set from CUDA IPC descriptors of another process's tensors on this GPU. The
-        views are dropped, and the copies finished, before returning: the sender may then reuse
-        its memory."""
-        count = self._vime_load([open_shared(descriptors)])
+    def vime_load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]]) -> None:
+        """Load one bucket of a set from the CUDA IPC buffer on this worker's GPU (:func:`open_shared` picks it
+        from those the trainer's ranks offer). The views are dropped, and the copies finished, before
+        returning: the sender may then reuse its memory."""
+        self.vime_load_batch(unpack(open_shared(buffers), specs))
         torch.cuda.synchronize()
-        return count
 
     def vime_join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join the sender's broadcast group; each of the engine's workers is a receiver of its own."""
         self.vime_group = BroadcastGroup(address, first_rank + self.rank, world_size, device=device)
 
-    def vime_receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int) -> int:
+    def vime_receive_broadcast(self, spec_list: list[Spec], bucket_bytes: int) -> None:
         """Load a full set as it arrives, bucket by bucket (each worker keeps its own shard)."""
-        return self._vime_load(self.vime_group.receive(spec_list, bucket_bytes))
+        self.vime_begin_load()
+        for batch in self.vime_group.receive(spec_list, bucket_bytes):
+            self.vime_load_batch(batch)
+        self.vime_end_load()
 
-    def _vime_load(self, batches: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
-        """Load every batch; a ValueError names the parameters left untouched.
+    def vime_begin_load(self) -> None:
+        """Start a set, which may come in several batches.
 
         vLLM's CPU build repacks linear weights into its GEMM kernels' layout once loaded, leaving
         parameters without loaders: there, loading goes through vLLM's layer-wise reload, which
-        restores the checkpoint layout, loads, and repacks."""
+        restores the checkpoint layout, loads, and repacks (at :meth:`vime_end_load`)."""
+        from vllm.platforms import current_platform
+
+        self.vime_loaded: set[str] = set()
+        if current_platform.is_cpu():
+            from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model_runner.model)
+
+    @torch.no_grad()
+    def vime_load_batch(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self.vime_loaded |= set(self.model_runner.model.load_weights(weights=batch))
+
+    def vime_end_load(self) -> None:
+        """End a set; a ValueError names the parameters it left untouched."""
         from vllm.platforms import current_platform
 
         model = self.model_runner.model
-        expected = {name for name, _ in model.named_parameters()}
-        loaded: set[str] = set()
-        count = 0
-        layerwise = current_platform.is_cpu()
-        if layerwise:
-            from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                           initialize_layerwise_reload)
+        if current_platform.is_cpu():
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-            initialize_layerwise_reload(model)
-        for batch in batches:
-            loaded |= set(model.load_weights(weights=batch))
-            count += len(batch)
-        if layerwise:
             finalize_layerwise_reload(model, self.model_runner.model_config)
-        missing = sorted(expected - loaded)
+        missing = sorted({name for name, _ in model.named_parameters()} - self.vime_loaded)
         if missing:
             raise ValueError(f"the weights sent leave {len(missing)} of vLLM's parameters untouched: {missing[:5]}")
-        return count
 
 
 def engine_arguments(flags: dict[str, Any]) -> dict[str, Any]:
@@ -212,9 +218,16 @@ class VllmRolloutEngine(RolloutEngine):
         """A full set by reference (nng-delivered, or the trainer's own tensors in-process)."""
         self._update(version, "vime_load_weights", list(checkpoint_names(tensors).items()))
 
-    def load_shared(self, descriptors: list[dict[str, Any]], version: int) -> None:
-        """A full set from :func:`vime.transports.gpu.share` descriptors of checkpoint-named tensors on this GPU."""
-        self._update(version, "vime_load_shared", descriptors)
+    def load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]], version: int, index: int,
+                    last: bool) -> None:
+        """One bucket of a set over CUDA IPC; the engine's workers each copy from the buffer on their own GPU."""
+        if index == 0:
+            self._begin_update()
+            self.engine.collective_rpc("vime_begin_load")
+        self.engine.collective_rpc("vime_load_shared", args=(specs, buffers))
+        if last:
+            self.engine.collective_rpc("vime_end_load")
+            self._end_update(version)
 
     def join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join a sender's :class:`~vime.transports.gpu.BroadcastGroup`; this engine's workers take the ranks
@@ -238,13 +251,20 @@ class VllmRolloutEngine(RolloutEngine):
         self.engine.sleep(level)
         self.asleep = True
 
-    @torch.no_grad()
     def _update(self, version: int, method: str, *args: Any) -> None:
+        self._begin_update()
+        self.engine.collective_rpc(method, args=args)
+        self._end_update(version)
+
+    def _begin_update(self) -> None:
+        """Before the weights change: every token sampled so far is stamped with the version that sampled it,
+        and a sleeping engine gets its weights' memory back."""
         self._collect_launched()
         self._stamp_unreported()
         if self.asleep:
             self.engine.wake_up(["weights"])
-        self.engine.collective_rpc(method, args=args)
+
+    def _end_update(self, version: int) -> None:
         if self.asleep:
             self.engine.wake_up(["kv_cache"])
             self.asleep = False
