@@ -253,13 +253,16 @@ class RolloutWorker(Actor):
 
     @handles(WeightsShared)
     async def _on_shared(self, msg: WeightsShared, envelope: Envelope) -> WeightsLoaded:
-        """A bucket of weights over CUDA IPC. From the first to the last the engine holds a mix of two versions,
-        and generates nothing; if a bucket fails, it stays so until a full set arrives another way."""
-        if not msg.last:
-            self.loading = msg.version
-        await self._between_steps(self.engine.load_shared, msg.specs, msg.buffers, msg.version, msg.index, msg.last)
-        if msg.last:
-            self.loading = None
+        """A bucket of weights over CUDA IPC. Until the last is in, the engine holds a mix of two versions and
+        generates nothing; if a bucket fails, it stays so until a full set arrives another way."""
+        self.loading = msg.version
+
+        def load() -> None:  # runs between two steps: the loop must see the update done when it goes on
+            self.engine.load_shared(msg.specs, msg.buffers, msg.version, msg.index, msg.last)
+            if msg.last:
+                self.loading = None
+
+        await self._between_steps(load)
         return WeightsLoaded(version=msg.version)
 
     @handles(SleepEngine)

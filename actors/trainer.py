@@ -14,9 +14,9 @@ socket), a broadcast group of their own (NCCL) when it is on other GPUs, and
 nng chunks otherwise (CPU, or an engine that spans the trainer's GPUs and
 others). Both GPU paths go in buckets of ``--weight-bucket-mb``: over CUDA
 IPC every tensor-parallel rank gathers each bucket on its own GPU, and each
-GPU of an engine copies from the rank beside it, so no GPU holds more than
-a bucket beside the model. Names are the checkpoint's and the dtype the
-rollout's (``--dtype``).
+GPU of an engine copies from the rank beside it, so that a trainer rank holds
+about a bucket beside its shard of the model, not the whole model. Names are
+the checkpoint's and the dtype the rollout's (``--dtype``).
 After the last step the policy is saved to RUN_DIR/checkpoint, and every
 ``save_hf_every`` steps to RUN_DIR/hf/step_N: Hugging Face folders, usable
 as ``--model-path``.
@@ -69,7 +69,7 @@ import trio
 
 from vime import checkpoint
 from vime.backends.base import TrainEngine, collate
-from vime.backends.hf import DTYPES, checkpoint_names, load_tokenizer
+from vime.backends.hf import DTYPES, load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.metrics import MetricsWriter
@@ -387,14 +387,11 @@ class Trainer(Actor):
         self.tokenizer.save_pretrained(folder)
 
     def _outgoing(self, paths: list[str]) -> dict[str, torch.Tensor]:
-        """The weights as rollout engines load them: checkpoint names, the rollout's dtype. On our device
-        (views of the live parameters where no conversion copies them: send before training goes on), or
+        """The weights as rollout engines load them (:meth:`TrainEngine.rollout_weights`), on our device, or
         on the host when every path to serve (``paths``) goes through it: a tensor-parallel trainer, which
         gathers each tensor whole, then holds one at a time on its GPU instead of the whole model."""
-        dtype = DTYPES[self.run.model.dtype]
-        host = all(path == "nng" for path in paths)  # paths: never empty (no publication without workers)
-        weights = self.engine.named_weights("cpu" if host else None)
-        return {name: tensor.to(dtype) for name, tensor in checkpoint_names(weights).items()}
+        host = all(path == "nng" for path in paths)
+        return dict(self.engine.rollout_weights(DTYPES[self.run.model.dtype], "cpu" if host else None))
 
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
         """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
@@ -455,14 +452,16 @@ class Trainer(Actor):
                 failed.append(worker)
 
         buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
-        with contextlib.closing(buckets):
+        with contextlib.closing(buckets):  # stopping early stops every rank after the same bucket
             for index, (bucket, buffers, last) in enumerate(buckets):
                 message = WeightsShared(version=version, specs=[list(spec) for spec in bucket], buffers=buffers,
                                         index=index, last=last)
+                receivers = [worker for worker in workers if worker not in failed and worker not in gone]
+                if not receivers:
+                    break
                 async with trio.open_nursery() as nursery:
-                    for worker in workers:
-                        if worker not in failed and worker not in gone:
-                            nursery.start_soon(load, worker, message)
+                    for worker in receivers:
+                        nursery.start_soon(load, worker, message)
         return failed
 
     async def _send_version(self, workers: list[str]) -> None:

@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=512)
     parser.add_argument("--update-models", default="4b", help="shapes whose CUDA IPC and NCCL updates are measured")
     parser.add_argument("--rounds", type=int, default=5, help="timed weight updates per path (median quoted)")
-    parser.add_argument("--bucket-mb", type=int, default=1024, help="NCCL broadcast bucket size")
+    parser.add_argument("--bucket-mb", type=int, default=1024, help="bucket size of the CUDA IPC and NCCL updates")
     parser.add_argument("--vllm-args", type=json.loads, default={}, metavar="JSON",
                         help='more engine arguments for both engines, e.g. \'{"enable_sleep_mode": true}\'')
     parser.add_argument("--stream", action="store_true",

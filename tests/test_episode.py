@@ -17,7 +17,7 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.data import prompt_ids
-from vime.protocol import GenerateGroup, RolloutGroup
+from vime.protocol import GenerateGroup, RolloutGroup, WeightsShared
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.tools.make_tiny_model import make_tiny_model
@@ -231,3 +231,46 @@ def test_a_tools_schema_is_its_attribute_or_comes_from_its_signature(monkeypatch
         Toolbox(["sandbox_tools:add", "sandbox_tools:add"])
     with pytest.raises(ValueError, match="cannot import no_such_module"):
         Toolbox(["no_such_module:f"])
+
+
+async def test_a_worker_generates_nothing_while_the_buckets_of_an_update_arrive(tmp_path):
+    """Over CUDA IPC an update comes a bucket per message, and between the first and the last the engine holds
+    two versions mixed: the worker neither steps it nor starts a group then, and once the last is in it goes on
+    by itself (a group that came meanwhile starts with no other message to wake the worker)."""
+    config = arithmetic.prepare(tmp_path, arithmetic.defaults())
+    log: list[str] = []
+
+    class Bucketed(ScriptedEngine):
+        def step(self) -> list[Sequence]:
+            log.append("step")
+            return super().step()
+
+        def load_shared(self, specs, buffers, version, index, last) -> None:
+            log.append(f"bucket {index}")
+            if last:
+                self.weight_version = version
+
+    engine = Bucketed([[5, 6, 2]], tool_response_id=-1)
+
+    class Worker(RolloutWorker):
+        def _build_engine(self) -> RolloutEngine:
+            return engine
+
+    worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent"), config.to_dict())
+    sent: list = []
+    worker._send_hook = sent.append
+    sampling = dataclasses.asdict(SamplingParams(max_new_tokens=8, stop_token_ids=(2,)))
+    async with trio.open_nursery() as nursery:
+        worker._nursery = nursery
+        await worker.on_start()
+        await worker._on_shared(WeightsShared(version=8, specs=[], buffers=[], index=0, last=False), None)
+        await worker._on_group(GenerateGroup(group_id=0, prompt_ids=[1, 4], messages=[], label="x", metadata={},
+                                             group_size=1, min_weight_version=7, sampling=sampling), None)
+        await trio.sleep(0.3)
+        assert log == ["bucket 0"]
+        await worker._on_shared(WeightsShared(version=8, specs=[], buffers=[], index=1, last=True), None)
+        with trio.fail_after(10):
+            while not any(isinstance(e.payload, RolloutGroup) for e in sent):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert log == ["bucket 0", "bucket 1", "step"]

@@ -357,9 +357,11 @@ async def test_weights_take_the_path_the_placement_allows(tmp_path, cpu_environm
              "colocated-tp2-sleeping": dict(tp2, rollout_num_gpus_per_engine=2, **sleeping),
              "colocated-tp2-two-engines": dict(tp2, restart_rollouts=False)}[layout]
     run_dir = tmp_path / "run"
+    model = tmp_path / "model"  # 5 MiB in bf16: a publication of several 1 MiB buckets
+    arithmetic.build_model(model, seed=0, hidden_size=256, layers=4)
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
         "steps": 4, "rollout_batch_size": 16, "train_backend": "megatron", "rollout_backend": "vllm", "dtype": "bf16",
-        "vllm_args": ENGINE_ARGS, "rollout_threads": 0, "weight_bucket_mb": 1, **flags}))
+        "vllm_args": ENGINE_ARGS, "rollout_threads": 0, "weight_bucket_mb": 1, "model_path": str(model), **flags}))
     await train(config, run_dir, timeout_s=600)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]

@@ -83,6 +83,13 @@ def open_shared(descriptors: list[dict[str, Any]]) -> torch.Tensor:
                      "CUDA IPC needs sender and receiver on the same GPU; across GPUs, send weights by broadcast")
 
 
+def release(descriptor: dict[str, Any]) -> None:
+    """The sender's own hold on memory it shared, given up once every receiver is done with it. torch counts
+    one reader per :func:`share` and frees the memory once that reader closes it; memory no process opened
+    (no engine on that GPU, or one that failed) would otherwise never be freed."""
+    torch.UntypedStorage._release_ipc_counter_cuda(descriptor["counter"], descriptor["counter_offset"])
+
+
 def specs(tensors: dict[str, torch.Tensor]) -> list[Spec]:
     """What a receiver needs to know, before a broadcast, to receive ``tensors``."""
     return [(name, list(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items()]
@@ -139,16 +146,18 @@ def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iter
 
 
 def unpack(flat: torch.Tensor, spec_list: list[Spec]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors :func:`packed` wrote into ``flat``, as views of it."""
+    """The tensors :func:`packed` wrote at the start of ``flat`` (the bucket, or the whole buffer it was written
+    into), as views of it."""
+    needed = sum(map(_spec_bytes, spec_list))
+    if needed > flat.numel():
+        raise ValueError(f"a buffer of {flat.numel()} bytes cannot hold the {len(spec_list)} tensors described "
+                         f"({needed} bytes): sender and receiver disagree on the weights")
     views = []
     offset = 0
     for spec in spec_list:
         name, shape, dtype = spec[0], spec[1], dtype_named(spec[2])
         views.append((name, flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)))
         offset += _spec_bytes(spec)
-    if offset != flat.numel():
-        raise ValueError(f"a bucket of {flat.numel()} bytes does not hold the {len(spec_list)} tensors described "
-                         f"({offset} bytes): sender and receiver disagree on the weights")
     return views
 
 

@@ -188,7 +188,8 @@ class WeightsBroadcast:
 
 @message
 class WeightsLoaded:
-    """rollout worker -> trainer: the engine holds weights of ``version``."""
+    """rollout worker -> trainer: the engine holds weights of ``version`` (of a WeightsShared bucket but the
+    last: it has loaded that bucket)."""
 
     version: int
 

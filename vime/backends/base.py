@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from vime.settings import setting
 from vime.backends.hf import checkpoint_names
-from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, packed, share, unpack
+from vime.settings import setting
+from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, packed, release, share, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,19 +233,36 @@ class TrainEngine(abc.ABC):
     def load(self, folder: Path) -> None:
         """Continue from what :meth:`save` wrote (the engine was built from the original model)."""
 
-    def rollout_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights as rollout engines load them, one tensor at a time: checkpoint names, ``dtype``, on the
-        policy's device. Under tensor parallelism every rank iterates them (each tensor is gathered whole)."""
-        for name, tensor in checkpoint_names(self.named_weights()).items():
+    def rollout_weights(self, dtype: torch.dtype, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as rollout engines load them, one tensor at a time: checkpoint names, ``dtype``, on
+        ``device`` (None: the policy's; views of the live weights where nothing converts them: use them before
+        training goes on). Under tensor parallelism every rank takes them (each tensor is gathered whole)."""
+        for name, tensor in checkpoint_names(self.named_weights(device)).items():
             yield name, tensor.to(dtype)
 
     def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
         """:meth:`rollout_weights` packed into buckets of about ``bucket_bytes`` on the policy's GPU(s), each
-        offered over CUDA IPC: its specs, its buffer's descriptor on every GPU of the engine, and whether it is
-        the last. A consumer is done with a bucket when it asks for the next (its memory is reused); one that
-        stops early must close the iterator."""
-        for flat, specs, last in packed(self.rollout_weights(dtype), bucket_bytes):
-            yield specs, [share(flat)], last
+        offered over CUDA IPC: its specs, a descriptor of the buffer holding it on every GPU of the engine,
+        and whether it is the last. A consumer is done with a bucket when it asks for the next (the buffer
+        is reused); one that stops early must close the iterator.
+
+        A buffer is shared once, whatever the number of buckets written into it (each share adds to what
+        torch keeps until the memory is freed), so the writes are waited for here rather than by the
+        receiver (the event a descriptor carries is the one of its share)."""
+        whole: torch.Tensor | None = None  # the buffer being shared, all of it
+        descriptor: dict[str, Any] = {}
+        try:
+            for flat, specs, last in packed(self.rollout_weights(dtype), bucket_bytes):
+                if whole is None or flat.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+                    if whole is not None:
+                        release(descriptor)
+                    whole = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
+                    descriptor = share(whole)
+                torch.cuda.current_stream(flat.device).synchronize()
+                yield specs, [descriptor], last
+        finally:
+            if whole is not None:
+                release(descriptor)
 
     def gpus(self) -> list[str]:
         """UUIDs of the GPUs the policy trains on, one per rank; empty on CPU. Rollout engines placed on them

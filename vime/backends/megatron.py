@@ -879,8 +879,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         whole tensors, so under tensor parallelism every rank must call this or :meth:`join_weight_gather`."""
         return hf_weights(self.policy.model, self.hf_config, device)
 
-    def rollout_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in hf_tensors(self.policy.model, self.hf_config):
+    def rollout_weights(self, dtype: torch.dtype, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in hf_tensors(self.policy.model, self.hf_config, device):
             yield name, tensor.to(dtype)
 
     def join_weight_gather(self) -> None:

@@ -101,7 +101,8 @@ class LeadingEngine(TrainEngine):
 
     def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
         """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
-        those of all ranks, so that each GPU of a colocated engine copies from its own."""
+        those of all ranks, so that each GPU of a colocated engine copies from its own. The engine is held
+        until the iterator ends or is closed: no other call may be made meanwhile."""
         with self._lock:
             self._order("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")]))
             yield from _shared_in_step(self.engine, bucket_bytes, dtype)
