@@ -44,6 +44,9 @@ the first step waits until the driver says every engine it starts is built
 an engine built later (a restarted worker) asks for its turn (MayBuildEngine)
 and gets it between two steps, the next of which waits until it is built.
 
+The row also has ``train_tflops_per_gpu``: the model FLOPs of the step's training (``vime.flops``) over its
+time, per trainer GPU (per process on CPU); over a GPU's bf16 matmul peak, the train phase's MFU.
+
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch (and for an engine being built on our GPU), ``time_sleep_s`` waiting for
 colocated engines to go to sleep, ``time_train_s``, ``time_weight_sync_s``
@@ -65,6 +68,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import torch
+import transformers
 import trio
 
 from vime import checkpoint
@@ -72,6 +76,7 @@ from vime.backends.base import TrainEngine, collate
 from vime.backends.hf import DTYPES, load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
+from vime.flops import training_flops
 from vime.metrics import MetricsWriter
 from vime.placement import visible_gpus
 from vime.protocol import (
@@ -116,6 +121,7 @@ class Trainer(Actor):
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.run_dir = Path(settings.run_dir or ".")
         self.tokenizer = load_tokenizer(run.model.model_path)
+        self.model_config = transformers.AutoConfig.from_pretrained(run.model.model_path)  # for train_tflops_per_gpu
         self.pad_token_id = self.tokenizer.pad_token_id or 0  # what padding holds is masked out anyway
         self.metrics = MetricsWriter(self.run_dir)
         self.rows_in, self.rows = trio.open_memory_channel[dict[str, Any]](math.inf)
@@ -328,6 +334,8 @@ class Trainer(Actor):
                 "time_sleep_s": train_started - slept,
                 "time_drain_s": drained or 0.0,
                 "time_train_s": trained - train_started,
+                "train_tflops_per_gpu": training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
+                / max(trained - train_started, 1e-9) / 1e12 / max(len(self.gpus), 1),
                 "time_weight_sync_s": synced - trained,
                 "time_checkpoint_s": time.perf_counter() - synced,
                 "group_ids": sorted({s.group_id for s in samples}),

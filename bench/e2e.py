@@ -16,7 +16,11 @@ measured steps):
   train, weight sync, sleep (``time_sleep_s``: colocated vLLM engines draining
   and going to sleep before training; 0 when absent) and wait (the trainer
   waiting for the batch);
-* samples/s and response tokens/s: their sum over the sum of step times;
+* samples/s and response tokens/s: their sum over the sum of step times, and the tokens/s per GPU of the
+  run's placement (the trainer's GPUs, and the rollout's unless colocated);
+* the train phase's model TFLOP/s per trainer GPU (the trainer's ``train_tflops_per_gpu``, median; see
+  ``vime.flops``) and its MFU: over the bf16 matmul peak measured on this machine before the runs
+  (``--peak-tflops`` gives it instead, and must for ``--from`` on a machine without the GPU);
 * the GPU busy fraction per GPU: mean ``utilization.gpu`` / 100 over the samples
   between the appearance of the warm-up's last row and of the last row (all
   samples for a folder without row_times.json);
@@ -69,6 +73,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
+from vime.flops import matmul_peak_tflops
 from vime.metrics import MetricsFollower, trained_ages
 
 SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time_train_s",
@@ -166,6 +173,10 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
     ages = trained_ages(measured)
     trained = sum(ages.values())
     busy, memory, note = gpu_figures(run_dir, rows, warmup)
+    tokens_per_s = sum(row["response_tokens"] for row in measured) / elapsed if elapsed else None
+    gpus = placed_gpus(config)
+    tflops = _median([row["train_tflops_per_gpu"] for row in measured if row.get("train_tflops_per_gpu")])
+    peak = labels.get("peak_tflops")
     return {
         "placement": labels["placement"],
         "colocated": config.get("placement", {}).get("colocate", False),
@@ -177,7 +188,12 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "split": {part: _median([row.get(key, 0.0) if key in OPTIONAL else row[key] for row in measured])
                   for part, key in SPLIT.items()},
         "samples_per_s": sum(row["samples"] for row in measured) / elapsed if elapsed else None,
-        "tokens_per_s": sum(row["response_tokens"] for row in measured) / elapsed if elapsed else None,
+        "tokens_per_s": tokens_per_s,
+        "gpus": gpus,
+        "tokens_per_s_per_gpu": tokens_per_s / gpus if tokens_per_s and gpus else None,
+        "train_tflops_per_gpu": tflops,
+        "peak_tflops": peak,
+        "train_mfu": tflops / peak if tflops and peak else None,
         "staleness": {str(age): ages[age] / trained for age in sorted(ages)},
         "staleness_mean": sum(age * count for age, count in ages.items()) / trained if trained else None,
         "logprob_abs_diff": drift(rows, "train_rollout_logprob_abs_diff"),
@@ -191,6 +207,13 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "scenario_flags": labels.get("scenario_flags"),
         **{key: labels[key] for key in ("exit_code", "timed_out", "wall_s") if key in labels},
     }
+
+
+def placed_gpus(config: dict[str, Any]) -> int | None:
+    """How many GPUs the run's placement used: the trainer's, and the rollout's unless they share them."""
+    placement = config.get("placement", {})
+    trainer, rollout = placement.get("actor_num_gpus_per_node", 0), placement.get("rollout_num_gpus", 0)
+    return (trainer if placement.get("colocate") else trainer + rollout) or None
 
 
 def drift(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
@@ -252,7 +275,7 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
 def table(results: list[dict[str, Any]]) -> str:
     """One line per run; '-' where a figure is missing."""
     head = (f"{'run':<24} {'k':>2} {'steps':>5} {'step':>7} {'rollout':>7} {'reward':>7} {'train':>7} {'sync':>7} "
-            f"{'sleep':>7} {'wait':>7} {'samples/s':>9} {'tok/s':>8} {'gpu busy':>9} {'stale':>5} "
+            f"{'sleep':>7} {'wait':>7} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} {'gpu busy':>9} {'stale':>5} "
             f"{'dlogp first/last/max':>26} {'speedup':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -264,7 +287,8 @@ def table(results: list[dict[str, Any]]) -> str:
         speedup = f"{_show(r['measured_speedup'], '.2f')}/{_show(r['ideal_speedup'], '.2f')}"
         lines.append(f"{Path(r['run_dir']).name:<24} {_show(r['max_staleness'], '>2')} {r['steps']:>5} "
                      f"{_show(r['step_time_s'], '7.3f')} {split} {_show(r['samples_per_s'], '9.1f')} "
-                     f"{_show(r['tokens_per_s'], '8.0f')} {busy:>9} {_show(r['staleness_mean'], '5.2f')} "
+                     f"{_show(r['tokens_per_s'], '8.0f')} {_show(r['train_mfu'], '5.3f')} {busy:>9} "
+                     f"{_show(r['staleness_mean'], '5.2f')} "
                      f"{gap:>26} {speedup:>11}" + ("" if r["complete"] else "  (incomplete)"))
     return "\n".join(lines)
 
@@ -327,16 +351,21 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--append", action="store_true", help="merge into --json's runs instead of replacing them")
     parser.add_argument("--machine", default=None, help="free text for the JSON (default: the GPUs' names)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the bf16 matmul peak the train MFU divides by (default: measured here on GPU 0)")
     args, unknown = parser.parse_known_args(argv[:cut])
     flags = unknown + argv[cut + 1:]
     if not args.existing and not args.placement:
         parser.error("--placement names the layout of these runs (e.g. colocated-1gpu)")
     machine = args.machine or gpu_names()
+    peak = args.peak_tflops
+    if peak is None and torch.cuda.is_available():  # before any run: the GPU is idle
+        peak = round(max(matmul_peak_tflops("cuda").values()), 1)
     results: list[dict[str, Any]] = []
     for folder in args.existing or (run(args, staleness, flags) for staleness in args.max_staleness):
         saved = _json(folder / "e2e.json") or {}  # labels and exit of a run this script made; the flags win
         labels = {**saved, "placement": args.placement or saved.get("placement", folder.name),
-                  "settings": args.settings or saved.get("settings", "e2e")}
+                  "settings": args.settings or saved.get("settings", "e2e"), "peak_tflops": peak}
         results.append(figures(folder, args.warmup, labels))
         add_speedups(results)
         if args.json:  # after every run, so an invocation cut short keeps what it measured

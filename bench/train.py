@@ -23,11 +23,11 @@ Backends:
   attention, gradient checkpointing and fused AdamW on the bf16 weights.
 
 MFU = model FLOPs / step time / the bf16 matmul peak measured in the same run
-(best short burst of square ``torch.matmul`` products, see
-:func:`matmul_peak_tflops`). Model FLOPs per token = 6 x matmul parameters
-(every linear layer and the output projection; the input embedding is a
-lookup) + 6 x layers x seq x heads x head_dim (causal attention, forward and
-backward); recomputation is not counted.
+(best short burst of square ``torch.matmul`` products), both as
+``vime.flops`` counts them: 6 x matmul parameters per token (every linear
+layer and the output projection; the input embedding is a lookup) + 6 x
+layers x seq x heads x head_dim (causal attention, forward and backward);
+recomputation is not counted.
 
 Usage::
 
@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from vime.backends.master_weights import MasterWeights
+from vime.flops import matmul_parameters, matmul_peak_tflops, training_flops
 
 # Qwen3 shapes as their config.json give them (both have tied embeddings)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -84,50 +85,6 @@ def qwen3_config(shape: str, seq_len: int) -> Any:
     return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 40960), rms_norm_eps=1e-6,
                        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_dropout=0.0,
                        use_cache=False)
-
-
-def model_flops_per_token(config: Any, seq_len: int) -> tuple[int, float]:
-    """Matmul parameters a token goes through and model FLOPs per token (6 x those + causal attention)."""
-    hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                       config.head_dim)
-    if config.model_type == "qwen3_moe":  # every layer MoE in the shapes here; the router counts too
-        mlp = config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size + hidden * config.num_experts
-    else:
-        mlp = 3 * hidden * config.intermediate_size
-    per_layer = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden + mlp
-    matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * hidden
-    attention = 6 * config.num_hidden_layers * seq_len * heads * head_dim
-    return matmul_params, 6 * matmul_params + attention
-
-
-def matmul_peak_tflops(device: str) -> dict[int, float]:
-    """The bf16 matmul rate (TFLOP/s) of square products of a few sizes: the best of short bursts.
-
-    MFU is taken against the best of them. Bursts of about 50 ms, not a
-    sustained run: a second of back-to-back matmuls drops the clocks to the
-    power limit (about 670 TFLOP/s on an H200, against about 780 for the
-    same kernels inside a training step, where other work lets the clocks
-    recover), and a low peak would flatter the MFU. On CPU the product is
-    fp32 and small (plumbing only).
-    """
-    sizes, dtype = ((4096, 8192, 16384), torch.bfloat16) if device == "cuda" else ((512,), torch.float32)
-    rates = {}
-    for size in sizes:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        repeats = max(2, int(5e13 / (2 * size**3))) if device == "cuda" else 3  # ~50 ms at 1 PFLOP/s
-        best = 0.0
-        for _ in range(8):
-            _sync(device)
-            time.sleep(0.2)  # let the clocks recover, as they do between a training step's matmuls
-            start = time.perf_counter()
-            for _ in range(repeats):
-                torch.matmul(a, b)
-            _sync(device)
-            best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12)
-        rates[size] = best
-        del a, b
-    return rates
 
 
 def _sync(device: str) -> None:
@@ -261,7 +218,7 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
     step_s = sum(times) / len(times)
     kernels = kernel_time_by_kind(step, device) if profile_step else None
     tokens = micro_batch_size * micro_batches * seq_len
-    matmul_params, flops_per_token = model_flops_per_token(config, seq_len)
+    matmul_params, flops_per_token = matmul_parameters(config), training_flops(config, [seq_len]) / seq_len
     tflops = flops_per_token * tokens / step_s / 1e12
     return dict(
         shape=shape, backend=backend, seq_len=seq_len, tokens_per_s=round(tokens / step_s), mfu=round(tflops / peak, 4),

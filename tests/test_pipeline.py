@@ -26,7 +26,8 @@ TESTS = Path(__file__).parent
 
 REQUIRED = {"step", "weight_version", "raw_reward", "train_rollout_logprob_abs_diff", "staleness_mean",
             "staleness_max", "samples", "response_tokens", "step_time_s", "rollout_tokens_per_s", "loss", "entropy",
-            "time_wait_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s"}
+            "time_wait_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s",
+            "train_tflops_per_gpu"}
 
 
 def config_for(run_dir: Path, **overrides):
@@ -43,6 +44,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(45))
     assert REQUIRED <= set(rows[0])
+    assert all(0 < row["train_tflops_per_gpu"] < 10 for row in rows)  # a CPU process: well under 10 TFLOP/s
     start = statistics.fmean(row["raw_reward"] for row in rows[:3])
     end = statistics.fmean(row["raw_reward"] for row in rows[-5:])
     assert start < 0.1, f"a random model should answer at chance, got {start}"

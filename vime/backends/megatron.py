@@ -87,6 +87,7 @@ from vime.backends.hf import check_model_folder, scaled_logprobs
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig
+from vime.flops import moe_layer_pattern
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
@@ -266,17 +267,6 @@ def _check_family(hf_config: Any) -> None:
             # HF scores a group by its best two experts, Megatron by its best top_k / topk_group
             raise ValueError("glm4_moe group-limited routing maps to Megatron only when "
                              "num_experts_per_tok == 2 * topk_group")
-
-
-def moe_layer_pattern(hf_config: Any) -> list[int]:
-    """1 for each decoder layer that is a mixture of experts, 0 for a dense one, in order."""
-    layers = hf_config.num_hidden_layers
-    if hf_config.model_type == "qwen3_moe":
-        return [int(layer not in hf_config.mlp_only_layers and hf_config.num_experts > 0
-                    and (layer + 1) % hf_config.decoder_sparse_step == 0) for layer in range(layers)]
-    if hf_config.model_type == "glm4_moe":
-        return [int(layer >= hf_config.first_k_dense_replace) for layer in range(layers)]
-    return [0] * layers
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
