@@ -278,6 +278,7 @@ class RolloutWorker(Actor):
             await self._between_steps(self._sleep, msg.level, msg.version)
         finally:
             self.draining = False
+            self.wake.set()  # groups that came while it drained start now if it did not sleep after all
         return EngineAsleep(drain_s=drained)
 
     def _sleep(self, level: int, version: int) -> None:

@@ -447,7 +447,7 @@ class Trainer(Actor):
         """The current version over CUDA IPC to ``workers`` (engines on our GPUs), a bucket at a time, each
         bucket to all of them at once: every rank packs it on its GPU, each engine copies from its own GPU's,
         and the memory is reused for the next. Returns those whose load failed or did not answer."""
-        version, failed, gone = self.engine.weight_version, [], set()
+        version, failed, gone, receivers = self.engine.weight_version, [], set(), list(workers)
 
         async def load(worker: str, message: WeightsShared) -> None:
             try:
@@ -464,12 +464,12 @@ class Trainer(Actor):
             for index, (bucket, buffers, last) in enumerate(buckets):
                 message = WeightsShared(version=version, specs=[list(spec) for spec in bucket], buffers=buffers,
                                         index=index, last=last)
-                receivers = [worker for worker in workers if worker not in failed and worker not in gone]
-                if not receivers:
-                    break
                 async with trio.open_nursery() as nursery:
                     for worker in receivers:
                         nursery.start_soon(load, worker, message)
+                receivers = [worker for worker in receivers if worker not in failed and worker not in gone]
+                if not receivers:  # before the next bucket is gathered
+                    break
         return failed
 
     async def _send_version(self, workers: list[str]) -> None:

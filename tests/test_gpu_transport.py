@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 
+from vime.backends.base import TrainEngine
 from vime.transports.gpu import BroadcastGroup, buckets, dtype_named, open_shared, packed, share, specs, unpack
 
 
@@ -142,3 +143,47 @@ def test_cuda_ipc_refuses_a_bucket_offered_only_on_another_gpu() -> None:
 def test_sharing_a_cpu_tensor_says_what_ipc_shares() -> None:
     with pytest.raises(ValueError, match="CUDA tensors only"):
         share(torch.ones(2))
+
+
+class _Weights(TrainEngine):
+    """A trainer engine reduced to what :meth:`TrainEngine.shared_buckets` reads: its weights."""
+
+    device = "cuda"
+    weight_version = 0
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def train_step(self, batch):
+        raise NotImplementedError
+
+    def save_hf(self, folder):
+        raise NotImplementedError
+
+    def save(self, folder):
+        raise NotImplementedError
+
+    def load(self, folder):
+        raise NotImplementedError
+
+
+@pytest.mark.gpu
+def test_shared_buckets_give_their_memory_back_though_nobody_opened_them() -> None:
+    """No engine on a rank's GPU, or a publication stopped early: the buffer is freed all the same. A buffer
+    written bucket after bucket is shared once (torch's bookkeeping of 20,000 shares of one buffer overflowed
+    the stack when it was freed)."""
+    engine = _Weights({f"w{i}": torch.randn(256, 256, device="cuda") for i in range(16)})  # 256 KiB each
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    assert sum(1 for _ in engine.shared_buckets(1 << 18, torch.float32)) == 16
+    stopped = engine.shared_buckets(1 << 18, torch.float32)
+    next(stopped)
+    stopped.close()
+    assert torch.cuda.memory_allocated() == before
+    many = _Weights({f"w{i}": torch.full((1,), float(i), device="cuda") for i in range(25_000)})
+    offered = {descriptor["handle"] for _, buffers, _ in many.shared_buckets(1, torch.float32)
+               for descriptor in buffers}
+    assert len(offered) == 1

@@ -350,3 +350,43 @@ async def test_a_placed_process_keeps_its_gpus_across_a_restart(tmp_path):
         os.kill(info.pid, signal.SIGKILL)
         await job.wait_event("restarted", "echo0", timeout=30)
         assert _environment(job.actors["echo0"].pid)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+class _Buckets:
+    """Stands in for the trainer's engine in a CUDA IPC publication: three buckets, counted as they are made
+    (each one a gather on every tensor-parallel rank)."""
+
+    weight_version = 1
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+
+    def shared_buckets(self, bucket_bytes: int, dtype):
+        for index in range(3):
+            self.made.append(index)
+            yield [["w", [1], "float32"]], [{"gpu": "GPU-a"}], index == 2
+
+
+async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_left(tmp_path):
+    """A worker whose load fails gets no further buckets (it is sent the weights over nng instead); the others
+    get them all, and once none is left the trainer's ranks stop gathering."""
+    from vime.messages import ErrorReply
+    from vime.runtime import RemoteError
+
+    trainer, _, _ = _trainer(tmp_path, colocate=True)
+    trainer.engine = engine = _Buckets()
+    asked: list[tuple[str, int]] = []
+
+    async def ask(worker: str, message, timeout: float) -> None:
+        asked.append((worker, message.index))
+        if worker == "rollout-0":
+            raise RemoteError(worker, ErrorReply(reason="handler failed", error="no memory"))
+
+    trainer.ask = ask
+    assert await trainer._share(["rollout-0", "rollout-1"]) == ["rollout-0"]
+    assert sorted(asked) == [("rollout-0", 0), ("rollout-1", 0), ("rollout-1", 1), ("rollout-1", 2)]
+    assert engine.made == [0, 1, 2]
+    asked.clear()
+    engine.made = []
+    assert await trainer._share(["rollout-0"]) == ["rollout-0"]
+    assert asked == [("rollout-0", 0)] and engine.made == [0]

@@ -7,9 +7,10 @@ buffer back into tensors (:func:`unpack`) from their specs. A bucket at a time b
 holds beside the model to one bucket, and a transfer is one operation per bucket, not one per tensor.
 
 * CUDA IPC (sender and receiver on the same GPU): :func:`share` turns a CUDA tensor into a
-  descriptor of its memory; :func:`open_shared` maps it in the receiving process, no copy.
-  torch's IPC reference counts keep the sender's memory alive until the receiver drops its views,
-  and its event makes the receiver wait for the sender's pending writes. A descriptor names its
+  descriptor of its memory; :func:`open_shared` maps it in the receiving process, no copy. A
+  buffer written bucket after bucket is shared once: the sender waits for its own writes before
+  offering a bucket, keeps the memory until every receiver has answered, and then gives up its
+  hold (:func:`release`). A descriptor names its
   GPU by UUID, because device indices differ between processes with different
   ``CUDA_VISIBLE_DEVICES``; a tensor-parallel trainer offers each bucket on every one of its GPUs,
   and each receiver opens the one on its own.
@@ -85,7 +86,8 @@ def open_shared(descriptors: list[dict[str, Any]]) -> torch.Tensor:
 
 def release(descriptor: dict[str, Any]) -> None:
     """The sender's own hold on memory it shared, given up once every receiver is done with it. torch counts
-    one reader per :func:`share` and frees the memory once that reader closes it; memory no process opened
+    one reader per :func:`share` and frees the memory once the count is down to zero (each opening and
+    closing takes one off; a buffer opened bucket after bucket goes below zero): memory no process opened
     (no engine on that GPU, or one that failed) would otherwise never be freed."""
     torch.UntypedStorage._release_ipc_counter_cuda(descriptor["counter"], descriptor["counter_offset"])
 

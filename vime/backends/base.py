@@ -254,10 +254,11 @@ class TrainEngine(abc.ABC):
         try:
             for flat, specs, last in packed(self.rollout_weights(dtype), bucket_bytes):
                 if whole is None or flat.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+                    new = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
+                    shared = share(new)
                     if whole is not None:
                         release(descriptor)
-                    whole = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
-                    descriptor = share(whole)
+                    whole, descriptor = new, shared
                 torch.cuda.current_stream(flat.device).synchronize()
                 yield specs, [descriptor], last
         finally:
