@@ -446,7 +446,9 @@ class Trainer(Actor):
     async def _share(self, workers: list[str]) -> list[str]:
         """The current version over CUDA IPC to ``workers`` (engines on our GPUs), a bucket at a time, each
         bucket to all of them at once: every rank packs it on its GPU, each engine copies from its own GPU's,
-        and the memory is reused for the next. Returns those whose load failed or did not answer."""
+        and the memory is reused for the next. A last message, with no bucket, ends the version once every
+        rank has given back what the publication used, so that a sleeping engine wakes its KV cache beside the
+        trainer's steady memory only. Returns the workers whose load failed or did not answer."""
         version, failed, gone, receivers = self.engine.weight_version, [], set(), list(workers)
 
         async def load(worker: str, message: WeightsShared) -> None:
@@ -459,17 +461,26 @@ class Trainer(Actor):
                 self.log.warning("weights over CUDA IPC failed", worker=worker, error=str(err))
                 failed.append(worker)
 
+        async def to_receivers(specs: list[list[Any]], buffers: list[dict[str, Any]], index: int, last: bool) -> bool:
+            """Whether any receiver is left."""
+            nonlocal receivers
+            message = WeightsShared(version=version, specs=specs, buffers=buffers, index=index, last=last)
+            async with trio.open_nursery() as nursery:
+                for worker in receivers:
+                    nursery.start_soon(load, worker, message)
+            receivers = [worker for worker in receivers if worker not in failed and worker not in gone]
+            return bool(receivers)
+
         buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
+        count = 0
         with contextlib.closing(buckets):  # stopping early stops every rank after the same bucket
-            for index, (bucket, buffers, last) in enumerate(buckets):
-                message = WeightsShared(version=version, specs=[list(spec) for spec in bucket], buffers=buffers,
-                                        index=index, last=last)
-                async with trio.open_nursery() as nursery:
-                    for worker in receivers:
-                        nursery.start_soon(load, worker, message)
-                receivers = [worker for worker in receivers if worker not in failed and worker not in gone]
-                if not receivers:  # before the next bucket is gathered
-                    break
+            for bucket, buffers in buckets:
+                if not await to_receivers([list(spec) for spec in bucket], buffers, count, last=False):
+                    return failed  # before the next bucket is gathered
+                count += 1
+        if self.run.rollout.vllm_args.get("enable_sleep_mode"):
+            await trio.to_thread.run_sync(self.engine.release_memory)
+        await to_receivers([], [], count, last=True)
         return failed
 
     async def _send_version(self, workers: list[str]) -> None:

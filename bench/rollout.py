@@ -144,7 +144,7 @@ def _producer(shape: str, mode: str, args: argparse.Namespace) -> dict:
 
     if mode == "ipc":
         weights = _random_weights(shape)
-        buffers = [(flat.clone(), bucket) for flat, bucket, _ in packed(weights.items(), args.bucket_mb << 20)]
+        buffers = [(flat.clone(), bucket) for flat, bucket in packed(weights.items(), args.bucket_mb << 20)]
         staged = Path(args.address + ".part")
         staged.write_bytes(msgpack.packb([(bucket, share(flat)) for flat, bucket in buffers]))
         staged.rename(args.address)  # appears whole

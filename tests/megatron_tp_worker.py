@@ -103,7 +103,7 @@ class _Buckets:
     def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype):
         for index in range(3):
             self.made.append(index)
-            yield [[f"w{index}", [bucket_bytes], str(dtype)]], [{"rank": dist.get_rank(), "bucket": index}], index == 2
+            yield [[f"w{index}", [bucket_bytes], str(dtype)]], [{"rank": dist.get_rank(), "bucket": index}]
 
 
 def share_buckets(out: str) -> None:
@@ -117,8 +117,8 @@ def share_buckets(out: str) -> None:
     for stop_after in (None, 1, None):
         got = []
         steps = _shared_in_step(engine, 64, torch.bfloat16)
-        for specs, offered, last in steps:
-            got.append([specs, offered, last])
+        for specs, offered in steps:
+            got.append([specs, offered])
             if len(got) == stop_after:
                 steps.close()
                 break

@@ -52,14 +52,12 @@ def test_packed_buckets_unpack_bit_exact_where_the_receiver_cuts_them(bucket_byt
     """Mixed dtypes, a non-contiguous tensor and a scalar go through one byte buffer, reused bucket after
     bucket; the receiver's cut (from the specs alone) is the sender's."""
     tensors = _tensors()
-    got, cut, ends, buffers = {}, [], [], set()
-    for flat, bucket, last in packed(tensors.items(), bucket_bytes):
+    got, cut, buffers = {}, [], set()
+    for flat, bucket in packed(tensors.items(), bucket_bytes):
         got |= {name: view.clone() for name, view in unpack(flat, bucket)}  # before the next bucket overwrites it
         cut.append(bucket)
-        ends.append(last)
         buffers.add(flat.untyped_storage().data_ptr())
     assert cut == buckets(specs(tensors), bucket_bytes)
-    assert ends == [False] * (len(cut) - 1) + [True]
     for name, tensor in tensors.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     if bucket_bytes > 1:  # a buffer is made again only where a tensor outgrows it ("big"), then reused
@@ -67,7 +65,7 @@ def test_packed_buckets_unpack_bit_exact_where_the_receiver_cuts_them(bucket_byt
 
 
 def test_a_bucket_that_does_not_match_its_specs_is_refused() -> None:
-    flat, bucket, _ = next(packed(_tensors().items(), 1 << 20))
+    flat, bucket = next(packed(_tensors().items(), 1 << 20))
     with pytest.raises(ValueError, match="sender and receiver disagree"):
         unpack(flat[:-1], bucket)
 
@@ -120,7 +118,7 @@ def _open_and_sum(descriptors: bytes, bucket: list) -> dict:
 def test_a_bucket_shared_over_cuda_ipc_opens_in_another_process_without_a_copy() -> None:
     """The receiver takes, among the buffers offered on several GPUs, the one on its own."""
     tensors = _tensors("cuda")
-    flat, bucket, _ = next(packed(tensors.items(), 1 << 20))
+    flat, bucket = next(packed(tensors.items(), 1 << 20))
     mine = share(flat)
     elsewhere = dict(mine, gpu="GPU-00000000-0000-0000-0000-000000000000")
     wire = msgpack.packb([elsewhere, mine])  # plain data: it crosses a socket as it is
@@ -184,6 +182,6 @@ def test_shared_buckets_give_their_memory_back_though_nobody_opened_them() -> No
     stopped.close()
     assert torch.cuda.memory_allocated() == before
     many = _Weights({f"w{i}": torch.full((1,), float(i), device="cuda") for i in range(25_000)})
-    offered = {descriptor["handle"] for _, buffers, _ in many.shared_buckets(1, torch.float32)
+    offered = {descriptor["handle"] for _, buffers in many.shared_buckets(1, torch.float32)
                for descriptor in buffers}
     assert len(offered) == 1

@@ -538,7 +538,7 @@ def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_
                            str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     leader, follower = (json.loads((tmp_path / f"runs.{rank}").read_text()) for rank in (0, 1))
-    whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": 0, "bucket": i}, {"rank": 1, "bucket": i}], i == 2]
+    whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": 0, "bucket": i}, {"rank": 1, "bucket": i}]]
              for i in range(3)]
     assert [run["got"] for run in leader] == [whole, whole[:1], whole]
     assert [run["got"] for run in follower] == [[], [], []]

@@ -364,29 +364,31 @@ class _Buckets:
     def shared_buckets(self, bucket_bytes: int, dtype):
         for index in range(3):
             self.made.append(index)
-            yield [["w", [1], "float32"]], [{"gpu": "GPU-a"}], index == 2
+            yield [["w", [1], "float32"]], [{"gpu": "GPU-a"}]
 
 
 async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_left(tmp_path):
     """A worker whose load fails gets no further buckets (it is sent the weights over nng instead); the others
-    get them all, and once none is left the trainer's ranks stop gathering."""
+    get them all, then the message that ends the version; once none is left the trainer's ranks stop
+    gathering."""
     from vime.messages import ErrorReply
     from vime.runtime import RemoteError
 
     trainer, _, _ = _trainer(tmp_path, colocate=True)
     trainer.engine = engine = _Buckets()
-    asked: list[tuple[str, int]] = []
+    asked: list[tuple[str, int, bool]] = []
 
     async def ask(worker: str, message, timeout: float) -> None:
-        asked.append((worker, message.index))
+        asked.append((worker, message.index, message.last))
         if worker == "rollout-0":
             raise RemoteError(worker, ErrorReply(reason="handler failed", error="no memory"))
 
     trainer.ask = ask
     assert await trainer._share(["rollout-0", "rollout-1"]) == ["rollout-0"]
-    assert sorted(asked) == [("rollout-0", 0), ("rollout-1", 0), ("rollout-1", 1), ("rollout-1", 2)]
+    assert sorted(asked) == [("rollout-0", 0, False), ("rollout-1", 0, False), ("rollout-1", 1, False),
+                             ("rollout-1", 2, False), ("rollout-1", 3, True)]
     assert engine.made == [0, 1, 2]
     asked.clear()
     engine.made = []
     assert await trainer._share(["rollout-0"]) == ["rollout-0"]
-    assert asked == [("rollout-0", 0)] and engine.made == [0]
+    assert asked == [("rollout-0", 0, False)] and engine.made == [0]

@@ -267,7 +267,7 @@ def test_colocated_engine_sleeps_and_takes_weights_over_cuda_ipc(dense, tmp_path
     other = tmp_path / "other"
     arithmetic.build_model(other, seed=3)
     weights = {name: p.detach().cuda() for name, p in load_causal_lm(other, DTYPE).named_parameters()}
-    buffers = [(flat.clone(), bucket) for flat, bucket, _ in packed(checkpoint_names(weights).items(), 1 << 16)]
+    buffers = [(flat.clone(), bucket) for flat, bucket in packed(checkpoint_names(weights).items(), 1 << 16)]
     shared = [(bucket, share(flat)) for flat, bucket in buffers]  # each its own memory: all offered at once
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
         got = child.submit(_sleep_share_wake, str(folder), shared, prompts[1]).result(600)

@@ -120,31 +120,27 @@ def buckets(spec_list: list[Spec], bucket_bytes: int) -> list[list[Spec]]:
     return grouped
 
 
-def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[Spec], bool]]:
-    """The tensors of ``named`` copied into flat byte buffers cut as :func:`buckets` cuts their specs: each
-    buffer with its specs and whether it is the last. Tensors are taken one at a time (a tensor-parallel
-    trainer gathers each as it is asked for), and the next bucket is written into the same memory once
-    the consumer asks for it: the consumer must be done with a buffer by then."""
-    items = iter(named)
-    upcoming = next(items, None)
+def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[Spec]]]:
+    """The tensors of ``named`` copied into flat byte buffers cut as :func:`buckets` cuts their specs, each
+    buffer with its specs. Tensors are taken one at a time (a tensor-parallel trainer gathers each as it
+    is asked for), and the next bucket is written into the same memory once the consumer asks for it:
+    the consumer must be done with a buffer by then."""
     buffer: torch.Tensor | None = None
     bucket: list[Spec] = []
     used = 0
-    while upcoming is not None:
-        name, tensor = upcoming
-        upcoming = next(items, None)
+    for name, tensor in named:
         spec = (name, list(tensor.shape), _dtype_name(tensor.dtype))
         nbytes = _spec_bytes(spec)
         if bucket and used + nbytes > bucket_bytes:
-            yield buffer[:used], bucket, False
+            yield buffer[:used], bucket
             bucket, used = [], 0
         if not bucket and (buffer is None or buffer.numel() < nbytes or buffer.device != tensor.device):
             buffer = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=tensor.device)
         buffer[used:used + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         bucket.append(spec)
         used += nbytes
-        if upcoming is None:
-            yield buffer[:used], bucket, True
+    if bucket:
+        yield buffer[:used], bucket
 
 
 def unpack(flat: torch.Tensor, spec_list: list[Spec]) -> list[tuple[str, torch.Tensor]]:
@@ -212,7 +208,7 @@ class BroadcastGroup:
 
     def send(self, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
         """Broadcast ``tensors`` (on this group's device) in the buckets :func:`packed` makes of them."""
-        for flat, _, _ in packed(tensors.items(), bucket_bytes):
+        for flat, _ in packed(tensors.items(), bucket_bytes):
             self.broadcast(flat)
 
     def receive(self, spec_list: list[Spec], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -156,8 +156,8 @@ class WeightsShared:
     """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded): bucket
     ``index`` of the weights of ``version`` over CUDA IPC. ``buffers`` describe its bytes on each trainer GPU
     (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype name] each,
-    ``vime.transports.gpu.unpack``); the engine holds ``version`` after the ``last``, and generates nothing
-    from the first to the last. The trainer reuses the memory once answered."""
+    ``vime.transports.gpu.unpack``); the trainer reuses the memory once answered. The ``last`` message may
+    carry no bucket: after it the engine holds ``version``; from the first to the last it generates nothing."""
 
     version: int
     specs: list[list[Any]]

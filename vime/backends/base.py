@@ -113,8 +113,9 @@ class RolloutEngine(abc.ABC):
         bucket is in; until then it holds a mix of two versions and must not step."""
         if index == 0:
             self._arriving = (version, {})
-        self._arriving[1].update((name, tensor.clone()) for name, tensor in unpack(open_shared(buffers), specs))
-        torch.cuda.synchronize()
+        if specs:
+            self._arriving[1].update((name, tensor.clone()) for name, tensor in unpack(open_shared(buffers), specs))
+            torch.cuda.synchronize()
         if last:
             version, tensors = self._arriving
             self._arriving = None
@@ -240,11 +241,11 @@ class TrainEngine(abc.ABC):
         for name, tensor in checkpoint_names(self.named_weights(device)).items():
             yield name, tensor.to(dtype)
 
-    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
         """:meth:`rollout_weights` packed into buckets of about ``bucket_bytes`` on the policy's GPU(s), each
-        offered over CUDA IPC: its specs, a descriptor of the buffer holding it on every GPU of the engine,
-        and whether it is the last. A consumer is done with a bucket when it asks for the next (the buffer
-        is reused); one that stops early must close the iterator.
+        offered over CUDA IPC: its specs, and a descriptor of the buffer holding it on every GPU of the
+        engine. A consumer is done with a bucket when it asks for the next (the buffer is reused); one that
+        stops early must close the iterator.
 
         A buffer is shared once, whatever the number of buckets written into it (each share adds to what
         torch keeps until the memory is freed), so the writes are waited for here rather than by the
@@ -252,7 +253,7 @@ class TrainEngine(abc.ABC):
         whole: torch.Tensor | None = None  # the buffer being shared, all of it
         descriptor: dict[str, Any] = {}
         try:
-            for flat, specs, last in packed(self.rollout_weights(dtype), bucket_bytes):
+            for flat, specs in packed(self.rollout_weights(dtype), bucket_bytes):
                 if whole is None or flat.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
                     new = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
                     shared = share(new)
@@ -260,7 +261,7 @@ class TrainEngine(abc.ABC):
                         release(descriptor)
                     whole, descriptor = new, shared
                 torch.cuda.current_stream(flat.device).synchronize()
-                yield specs, [descriptor], last
+                yield specs, [descriptor]
         finally:
             if whole is not None:
                 release(descriptor)

@@ -99,7 +99,7 @@ class LeadingEngine(TrainEngine):
             self._order("load", str(folder))
             self.engine.load(folder)
 
-    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
         """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
         those of all ranks, so that each GPU of a colocated engine copies from its own. The engine is held
         until the iterator ends or is closed: no other call may be made meanwhile."""
@@ -186,17 +186,17 @@ def follow(spec: dict[str, Any]) -> None:
 
 
 def _shared_in_step(engine: Any, bucket_bytes: int,
-                    dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]], bool]]:
+                    dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
     """Every rank's part of :meth:`LeadingEngine.shared_buckets`: rank 0 yields each bucket with every rank's
     descriptor of it, then says whether the others go on to the next. They keep their buffer until it does
     (the consumer is done with it) and stop with it when it stops early, so no rank waits in a gather alone."""
     leader = dist.get_rank() == 0
-    for specs, buffers, last in engine.shared_buckets(bucket_bytes, dtype):
+    for specs, buffers in engine.shared_buckets(bucket_bytes, dtype):
         offered = [msgpack.unpackb(data) for data in _gather_bytes(msgpack.packb(buffers[0]), engine.device)]
         if leader:
             stop = True
             try:
-                yield specs, offered, last
+                yield specs, offered
                 stop = False
             finally:
                 _broadcast(torch.tensor([int(stop)]), engine.device)

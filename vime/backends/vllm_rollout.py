@@ -224,7 +224,8 @@ class VllmRolloutEngine(RolloutEngine):
         if index == 0:
             self._begin_update()
             self.engine.collective_rpc("vime_begin_load")
-        self.engine.collective_rpc("vime_load_shared", args=(specs, buffers))
+        if specs:
+            self.engine.collective_rpc("vime_load_shared", args=(specs, buffers))
         if last:
             self.engine.collective_rpc("vime_end_load")
             self._end_update(version)
