@@ -446,9 +446,10 @@ class Trainer(Actor):
     async def _share(self, workers: list[str]) -> list[str]:
         """The current version over CUDA IPC to ``workers`` (engines on our GPUs), a bucket at a time, each
         bucket to all of them at once: every rank packs it on its GPU, each engine copies from its own GPU's,
-        and the memory is reused for the next. A last message, with no bucket, ends the version once every
-        rank has given back what the publication used, so that a sleeping engine wakes its KV cache beside the
-        trainer's steady memory only. Returns the workers whose load failed or did not answer."""
+        and the memory is reused for the next. A last message, with no bucket, ends the version; with sleep mode
+        it comes once every rank has given back what the publication used, so that a sleeping engine wakes its
+        KV cache beside the trainer's steady memory only. Returns the workers whose load failed or did not
+        answer."""
         version, failed, gone, receivers = self.engine.weight_version, [], set(), list(workers)
 
         async def load(worker: str, message: WeightsShared) -> None:
@@ -472,15 +473,17 @@ class Trainer(Actor):
             return bool(receivers)
 
         buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
-        count = 0
+        count, left = 0, True
         with contextlib.closing(buckets):  # stopping early stops every rank after the same bucket
             for bucket, buffers in buckets:
-                if not await to_receivers([list(spec) for spec in bucket], buffers, count, last=False):
-                    return failed  # before the next bucket is gathered
+                left = await to_receivers([list(spec) for spec in bucket], buffers, count, last=False)
+                if not left:
+                    break  # before the next bucket is gathered
                 count += 1
-        if self.run.rollout.vllm_args.get("enable_sleep_mode"):
+        if self.run.rollout.vllm_args.get("enable_sleep_mode"):  # also before the failed ones get theirs by nng
             await trio.to_thread.run_sync(self.engine.release_memory)
-        await to_receivers([], [], count, last=True)
+        if left:
+            await to_receivers([], [], count, last=True)
         return failed
 
     async def _send_version(self, workers: list[str]) -> None:

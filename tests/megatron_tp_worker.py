@@ -1,6 +1,7 @@
 """Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
-leader orders a step (``relay-a-batch``), or two ranks offering weight buckets (``share-buckets``).
+leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
+leader that orders its follower to release memory, then to gather (``lead-and-release``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -78,6 +79,19 @@ def lead_and_lose_a_follower(folder: str) -> None:
         print("REFUSED", error, flush=True)
 
 
+def lead_and_release(folder: str, out: str) -> None:
+    """Rank 0 as the trainer actor holds it orders its follower to give its cached memory back, then gathers the
+    weights: the follower must have come out of the first order in step to join the second."""
+    from vime.backends.tensor_parallel import LeadingEngine
+    from vime.config import RunConfig
+
+    run = RunConfig().replace(model_path=folder, train_backend="megatron", tensor_model_parallel_size=2)
+    engine = LeadingEngine(run, seed=0)
+    engine.release_memory()
+    torch.save({name: tensor.clone() for name, tensor in engine.named_weights().items()}, out)
+    engine.close()
+
+
 def relay_a_batch(batch_file: str, out: str) -> None:
     """Rank 0 sends the batch as it orders a training step; rank 1 receives it and writes what it got."""
     from vime.backends.tensor_parallel import _receive_batch, _send_batch
@@ -134,6 +148,8 @@ if __name__ == "__main__":
         lead_and_lose_a_follower(sys.argv[2])
     elif sys.argv[1] == "relay-a-batch":
         relay_a_batch(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "lead-and-release":
+        lead_and_release(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
     else:

@@ -182,6 +182,6 @@ def test_shared_buckets_give_their_memory_back_though_nobody_opened_them() -> No
     stopped.close()
     assert torch.cuda.memory_allocated() == before
     many = _Weights({f"w{i}": torch.full((1,), float(i), device="cuda") for i in range(25_000)})
-    offered = {descriptor["handle"] for _, buffers in many.shared_buckets(1, torch.float32)
-               for descriptor in buffers}
-    assert len(offered) == 1
+    shares = {(descriptor["counter"], descriptor["counter_offset"])  # each share takes a counter of its own
+              for _, buffers in many.shared_buckets(1, torch.float32) for descriptor in buffers}
+    assert len(shares) == 1

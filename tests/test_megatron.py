@@ -545,6 +545,22 @@ def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_
     assert [run["made"] for run in follower] == [[0, 1, 2], [0], [0, 1, 2]]
 
 
+def test_the_leader_orders_its_followers_to_release_memory_and_stays_in_step(hf_models, tmp_path):
+    """Sleep mode beside a tensor-parallel trainer: every rank gives its cached GPU memory back on rank 0's order
+    (on CPU there is none to give), and the next order finds them all in step: the gathered weights are the
+    checkpoint's."""
+    import subprocess
+    import sys
+
+    _, checkpoint, folder = hf_models["qwen3"]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_tp_worker.py")), "lead-and-release",
+                           str(folder), str(tmp_path / "weights.pt")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert sorted(weights) == sorted(checkpoint)
+    assert all(torch.equal(weights[name], checkpoint[name]) for name in checkpoint)
+
+
 def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_models):
     """The trainer actor's engine (rank 0) checks its followers before every order: a killed rank is
     reported by number and exit code instead of a collective waiting forever."""

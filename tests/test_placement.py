@@ -354,41 +354,51 @@ async def test_a_placed_process_keeps_its_gpus_across_a_restart(tmp_path):
 
 class _Buckets:
     """Stands in for the trainer's engine in a CUDA IPC publication: three buckets, counted as they are made
-    (each one a gather on every tensor-parallel rank)."""
+    (each one a gather on every tensor-parallel rank); it notes in ``events`` when it gives its memory back."""
 
     weight_version = 1
 
-    def __init__(self) -> None:
+    def __init__(self, events: list) -> None:
         self.made: list[int] = []
+        self.events = events
 
     def shared_buckets(self, bucket_bytes: int, dtype):
         for index in range(3):
             self.made.append(index)
             yield [["w", [1], "float32"]], [{"gpu": "GPU-a"}]
 
+    def release_memory(self) -> None:
+        self.events.append("released")
 
-async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_left(tmp_path):
-    """A worker whose load fails gets no further buckets (it is sent the weights over nng instead); the others
-    get them all, then the message that ends the version; once none is left the trainer's ranks stop
+
+@pytest.mark.parametrize("sleeping", [False, True])
+async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_left(tmp_path, sleeping):
+    """A worker whose load fails gets no further buckets (the caller sends it the weights over nng); the others
+    get them all, then the message that ends the version, which engines put to sleep get only once the
+    trainer has given back what the publication used. Once no receiver is left the trainer's ranks stop
     gathering."""
     from vime.messages import ErrorReply
     from vime.runtime import RemoteError
 
     trainer, _, _ = _trainer(tmp_path, colocate=True)
-    trainer.engine = engine = _Buckets()
-    asked: list[tuple[str, int, bool]] = []
+    if sleeping:
+        trainer.run = trainer.run.replace(rollout_backend="vllm", vllm_args={"enable_sleep_mode": True})
+    events: list = []
+    trainer.engine = engine = _Buckets(events)
 
     async def ask(worker: str, message, timeout: float) -> None:
-        asked.append((worker, message.index, message.last))
+        events.append((worker, message.index, message.last))
         if worker == "rollout-0":
             raise RemoteError(worker, ErrorReply(reason="handler failed", error="no memory"))
 
     trainer.ask = ask
+    released = ["released"] if sleeping else []
     assert await trainer._share(["rollout-0", "rollout-1"]) == ["rollout-0"]
-    assert sorted(asked) == [("rollout-0", 0, False), ("rollout-1", 0, False), ("rollout-1", 1, False),
-                             ("rollout-1", 2, False), ("rollout-1", 3, True)]
+    assert [e for e in events if e == "released" or e[0] == "rollout-1"] == [
+        ("rollout-1", 0, False), ("rollout-1", 1, False), ("rollout-1", 2, False), *released, ("rollout-1", 3, True)]
+    assert [e for e in events if e[0] == "rollout-0"] == [("rollout-0", 0, False)]
     assert engine.made == [0, 1, 2]
-    asked.clear()
+    events.clear()
     engine.made = []
     assert await trainer._share(["rollout-0"]) == ["rollout-0"]
-    assert asked == [("rollout-0", 0, False)] and engine.made == [0]
+    assert events == [("rollout-0", 0, False), *released] and engine.made == [0]

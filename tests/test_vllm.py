@@ -248,8 +248,9 @@ def _sleep_share_wake(folder: str, shared: list, prompt: list[int]) -> dict:
     awake = torch.cuda.mem_get_info()[0]
     engine.sleep(level=2)
     asleep = torch.cuda.mem_get_info()[0]
-    for index, (specs, descriptor) in enumerate(shared):  # wakes the engine: its weights' memory, then the KV cache
-        engine.load_shared(specs, [descriptor], 1, index, index == len(shared) - 1)
+    for index, (specs, descriptor) in enumerate(shared):  # wakes the engine's weights' memory
+        engine.load_shared(specs, [descriptor], 1, index, False)
+    engine.load_shared([], [], 1, len(shared), True)  # as the trainer ends a version: then the KV cache
     woken = torch.cuda.mem_get_info()[0]
     after = Sequence(1, prompt, params)
     run(engine, [after])

@@ -153,11 +153,12 @@ class WeightsChunk:
 
 @message
 class WeightsShared:
-    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded): bucket
-    ``index`` of the weights of ``version`` over CUDA IPC. ``buffers`` describe its bytes on each trainer GPU
-    (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype name] each,
-    ``vime.transports.gpu.unpack``); the trainer reuses the memory once answered. The ``last`` message may
-    carry no bucket: after it the engine holds ``version``; from the first to the last it generates nothing."""
+    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded):
+    message ``index`` of the weights of ``version`` over CUDA IPC, a bucket each. ``buffers`` describe its bytes
+    on each trainer GPU (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype
+    name] each, ``vime.transports.gpu.unpack``); the trainer reuses the memory once answered. The ``last``
+    message may carry no bucket: after it the engine holds ``version``; from the first to the last it
+    generates nothing."""
 
     version: int
     specs: list[list[Any]]

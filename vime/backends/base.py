@@ -110,11 +110,15 @@ class RolloutEngine(abc.ABC):
         the sender's GPUs (:func:`~vime.transports.gpu.share`), ``specs`` the tensors packed in them
         (:func:`~vime.transports.gpu.unpack`). The engine copies what it needs from the buffer on its own
         GPU before returning (the sender then reuses the memory), and holds ``version`` once the ``last``
-        bucket is in; until then it holds a mix of two versions and must not step."""
+        message is in (it may carry no bucket); until then it holds a mix of two versions and must not step."""
         if index == 0:
             self._arriving = (version, {})
         if specs:
-            self._arriving[1].update((name, tensor.clone()) for name, tensor in unpack(open_shared(buffers), specs))
+            try:
+                self._arriving[1].update((name, tensor.clone()) for name, tensor in unpack(open_shared(buffers), specs))
+            except BaseException:
+                self._arriving = None  # the set comes again, whole, another way
+                raise
             torch.cuda.synchronize()
         if last:
             version, tensors = self._arriving
@@ -241,7 +245,8 @@ class TrainEngine(abc.ABC):
         for name, tensor in checkpoint_names(self.named_weights(device)).items():
             yield name, tensor.to(dtype)
 
-    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
+    def shared_buckets(self, bucket_bytes: int,
+                       dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
         """:meth:`rollout_weights` packed into buckets of about ``bucket_bytes`` on the policy's GPU(s), each
         offered over CUDA IPC: its specs, and a descriptor of the buffer holding it on every GPU of the
         engine. A consumer is done with a bucket when it asks for the next (the buffer is reused); one that

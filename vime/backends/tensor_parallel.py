@@ -111,9 +111,11 @@ class LeadingEngine(TrainEngine):
         return [gpu_uuid(rank) for rank in range(len(self.followers) + 1)] if self.device == "cuda" else []
 
     def release_memory(self) -> None:
+        """Returns once every rank has (a barrier: the engines about to wake count on it)."""
         with self._lock:
             self._order("release_memory")
             self.engine.release_memory()
+            dist.barrier()
 
     def close(self) -> None:
         """Order the followers to stop and wait for them."""
@@ -180,6 +182,7 @@ def follow(spec: dict[str, Any]) -> None:
                 pass
         elif name == "release_memory":
             engine.release_memory()
+            dist.barrier()
         else:
             getattr(engine, name)(Path(argument))
     dist.destroy_process_group()

@@ -220,7 +220,8 @@ class VllmRolloutEngine(RolloutEngine):
 
     def load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]], version: int, index: int,
                     last: bool) -> None:
-        """One bucket of a set over CUDA IPC; the engine's workers each copy from the buffer on their own GPU."""
+        """One message of a set over CUDA IPC (the last may carry no bucket); the engine's workers each copy a
+        bucket from the buffer on their own GPU."""
         if index == 0:
             self._begin_update()
             self.engine.collective_rpc("vime_begin_load")
