@@ -870,8 +870,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         return hf_weights(self.policy.model, self.hf_config, device)
 
     def rollout_weights(self, dtype: torch.dtype, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in hf_tensors(self.policy.model, self.hf_config, device):
-            yield name, tensor.to(dtype)
+        for name, tensor in hf_tensors(self.policy.model, self.hf_config):  # converted where it was gathered
+            yield name, tensor.to(dtype).to(device)
 
     def join_weight_gather(self) -> None:
         """A follower rank's part of the leader's :meth:`named_weights`: the same gathers, nothing kept."""
