@@ -495,7 +495,9 @@ class Trainer(Actor):
         for worker in failed:
             self.paths[worker] = "nng"
             rest.append(worker)
-        tensors = self._outgoing([self.paths[worker] for worker in rest]) if rest else {}
+        chunked = bool(self.chunks) and self.chunks[0].version == self.engine.weight_version  # nng: made already
+        gathering = [self.paths[worker] for worker in rest if self.paths[worker] != "nng" or not chunked]
+        tensors = self._outgoing(gathering) if gathering else {}  # a tensor-parallel trainer gathers the model
         for worker in rest:
             try:
                 await self._deliver(worker, tensors)

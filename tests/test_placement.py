@@ -402,3 +402,28 @@ async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_lef
     engine.made = []
     assert await trainer._share(["rollout-0"]) == ["rollout-0"]
     assert events == [("rollout-0", 0, False), *released] and engine.made == [0]
+
+
+async def test_a_worker_joining_over_nng_gets_the_chunks_already_made_without_a_new_gather(tmp_path):
+    """The chunks of the current version are kept until the next (the outbox may still be sending them), so a
+    worker that joins or falls back to nng later in the step gets them as they are: a tensor-parallel trainer
+    would otherwise gather the whole model again."""
+    from vime.protocol import WeightsChunk
+
+    trainer, sent, _ = _trainer(tmp_path, colocate=False)
+    gathers = []
+    weights = trainer.engine.named_weights
+
+    def named_weights(device=None):
+        gathers.append(device)
+        return weights(device)
+
+    trainer.engine.named_weights = named_weights
+    trainer.paths = {"rollout-0": "nng", "rollout-1": "nng"}
+    await trainer._send_version(["rollout-0"])
+    await trainer._send_version(["rollout-1"])
+    chunks = [(envelope.receiver, envelope.payload.index) for envelope in sent
+              if isinstance(envelope.payload, WeightsChunk)]
+    count = len(trainer.chunks)
+    assert gathers == ["cpu"] and count >= 1
+    assert chunks == [("rollout-0", i) for i in range(count)] + [("rollout-1", i) for i in range(count)]
