@@ -401,13 +401,17 @@ class Trainer(Actor):
         host = all(path == "nng" for path in paths)
         return dict(self.engine.rollout_weights(DTYPES[self.run.model.dtype], "cpu" if host else None))
 
+    def _chunked(self) -> bool:
+        """Whether the nng chunks of the current version are made."""
+        return bool(self.chunks) and self.chunks[0].version == self.engine.weight_version
+
     def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
         """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
         version: the outbox may still be sending them while the optimizer writes the next version. Host
         tensors of a GPU trainer are such copies already (:meth:`_outgoing`); a CPU trainer's are its own."""
-        version = self.engine.weight_version
-        if self.chunks and self.chunks[0].version == version:
+        if self._chunked():
             return self.chunks
+        version = self.engine.weight_version
         limit = self.run.job.weight_chunk_mb << 20
         parts: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -450,7 +454,7 @@ class Trainer(Actor):
         it comes once every rank has given back what the publication used, so that a sleeping engine wakes its
         KV cache beside the trainer's steady memory only. Returns the workers whose load failed or did not
         answer."""
-        version, failed, gone, receivers = self.engine.weight_version, [], set(), list(workers)
+        version, failed, gone = self.engine.weight_version, [], set()
 
         async def load(worker: str, message: WeightsShared) -> None:
             try:
@@ -462,27 +466,26 @@ class Trainer(Actor):
                 self.log.warning("weights over CUDA IPC failed", worker=worker, error=str(err))
                 failed.append(worker)
 
-        async def to_receivers(specs: list[list[Any]], buffers: list[dict[str, Any]], index: int, last: bool) -> bool:
-            """Whether any receiver is left."""
-            nonlocal receivers
+        def receivers() -> list[str]:
+            return [worker for worker in workers if worker not in failed and worker not in gone]
+
+        async def to_receivers(specs: list[list[Any]], buffers: list[dict[str, Any]], index: int, last: bool) -> None:
             message = WeightsShared(version=version, specs=specs, buffers=buffers, index=index, last=last)
             async with trio.open_nursery() as nursery:
-                for worker in receivers:
+                for worker in receivers():
                     nursery.start_soon(load, worker, message)
-            receivers = [worker for worker in receivers if worker not in failed and worker not in gone]
-            return bool(receivers)
 
         buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
-        count, left = 0, True
+        count = 0
         with contextlib.closing(buckets):  # stopping early stops every rank after the same bucket
             for bucket, buffers in buckets:
-                left = await to_receivers([list(spec) for spec in bucket], buffers, count, last=False)
-                if not left:
+                await to_receivers([list(spec) for spec in bucket], buffers, count, last=False)
+                if not receivers():
                     break  # before the next bucket is gathered
                 count += 1
         if self.run.rollout.vllm_args.get("enable_sleep_mode"):  # also before the failed ones get theirs by nng
             await trio.to_thread.run_sync(self.engine.release_memory)
-        if left:
+        if receivers():
             await to_receivers([], [], count, last=True)
         return failed
 
@@ -495,8 +498,7 @@ class Trainer(Actor):
         for worker in failed:
             self.paths[worker] = "nng"
             rest.append(worker)
-        chunked = bool(self.chunks) and self.chunks[0].version == self.engine.weight_version  # nng: made already
-        gathering = [self.paths[worker] for worker in rest if self.paths[worker] != "nng" or not chunked]
+        gathering = [self.paths[worker] for worker in rest if self.paths[worker] != "nng" or not self._chunked()]
         tensors = self._outgoing(gathering) if gathering else {}  # a tensor-parallel trainer gathers the model
         for worker in rest:
             try:

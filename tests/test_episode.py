@@ -143,11 +143,8 @@ class ScriptedEngine(RolloutEngine):
         self.weight_version = version
 
 
-async def rollout_group(tokenizer, folder: Path, script: list[list[int]], **settings) -> tuple[RolloutGroup, dict]:
-    """One group of two responses through a real rollout worker (in-process, its sends captured) whose
-    engine plays ``script``; its tool calls run in the sandbox."""
-    config = RunConfig().replace(model_path=str(folder), chat_template=True, **settings)
-    engine = ScriptedEngine(script, tokenizer.convert_tokens_to_ids("<tool_response>"))
+def scripted_worker(engine: RolloutEngine, config: RunConfig) -> tuple[RolloutWorker, list]:
+    """A real rollout worker, in-process, on ``engine``; the list collects what it sends."""
 
     class Worker(RolloutWorker):
         def _build_engine(self) -> RolloutEngine:
@@ -156,6 +153,14 @@ async def rollout_group(tokenizer, folder: Path, script: list[list[int]], **sett
     worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent"), config.to_dict())
     sent: list = []
     worker._send_hook = sent.append
+    return worker, sent
+
+
+async def rollout_group(tokenizer, folder: Path, script: list[list[int]], **settings) -> tuple[RolloutGroup, dict]:
+    """One group of two responses through a real rollout worker (in-process, its sends captured) whose
+    engine plays ``script``; its tool calls run in the sandbox."""
+    config = RunConfig().replace(model_path=str(folder), chat_template=True, **settings)
+    worker, sent = scripted_worker(ScriptedEngine(script, tokenizer.convert_tokens_to_ids("<tool_response>")), config)
     tools = Toolbox(config.agent.tool).schemas if config.agent.tool else None
     prompt = prompt_ids(tokenizer, "What is 16 - 3 - 4?", chat=True, tools=tools)
     sampling = dataclasses.asdict(SamplingParams(max_new_tokens=200, stop_token_ids=(tokenizer.eos_token_id,)))
@@ -250,15 +255,7 @@ async def test_a_worker_generates_nothing_while_the_buckets_of_an_update_arrive(
             if last:
                 self.weight_version = version
 
-    engine = Bucketed([[5, 6, 2]], tool_response_id=-1)
-
-    class Worker(RolloutWorker):
-        def _build_engine(self) -> RolloutEngine:
-            return engine
-
-    worker = Worker(ActorSettings(name="rollout-0", listen="ipc:///nonexistent"), config.to_dict())
-    sent: list = []
-    worker._send_hook = sent.append
+    worker, sent = scripted_worker(Bucketed([[5, 6, 2]], tool_response_id=-1), config)
     sampling = dataclasses.asdict(SamplingParams(max_new_tokens=8, stop_token_ids=(2,)))
     async with trio.open_nursery() as nursery:
         worker._nursery = nursery
