@@ -467,16 +467,17 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case,expert_parallel", [  # CI time: the default tier has one MoE layout, EP's
-    ("qwen3", 1), ("qwen3_moe", 2), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
-        ("qwen3-tied", 1), ("qwen3_moe", 1), ("glm4_moe", 1), ("glm4_moe", 2)))])
-def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, expert_parallel, tmp_path):
-    """Two ranks under torchrun, each holding half of every split tensor (q/k/v by key/value group, gate and up
-    each halved, every expert's too or, with expert parallelism, half of the experts whole, the vocabulary
-    halved) and norming and routing half of the positions (sequence parallelism; an MoE model replays given
-    experts): the gathered weights are the checkpoint's bit for bit, and the log-probs, the step's metrics
-    (the gradient norm over both ranks' shards among them) and the updated weights are those of one
-    process; a checkpoint of both ranks resumes exactly."""
+@pytest.mark.parametrize("case,tensor_parallel,expert_parallel", [  # CI time: the default tier has one MoE
+    ("qwen3", 2, 1), ("qwen3_moe", 4, 4), *(pytest.param(*case, marks=pytest.mark.slow) for case in (  # layout,
+        ("qwen3-tied", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_moe", 2, 2), ("glm4_moe", 2, 1), ("glm4_moe", 2, 2)))])
+def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel, tmp_path):
+    """Ranks under torchrun, each holding its share of every split tensor (q/k/v by key/value group, gate and up,
+    every expert's too or, with expert parallelism, some experts whole, the vocabulary) and norming and routing
+    its share of the positions (sequence parallelism; an MoE model replays given experts): the gathered weights
+    are the checkpoint's bit for bit, and the log-probs, the step's metrics (the gradient norm over all ranks'
+    shards among them) and the updated weights are those of one process; a checkpoint of all ranks resumes
+    exactly. Four ranks over two key/value heads is the 8-GPU layout of qwen3_30b_a3b_dapo in small (eight
+    ranks, four heads): Megatron then gathers q/k/v across the ranks and each keeps its query heads."""
     import dataclasses
     import subprocess
     import sys
@@ -485,8 +486,9 @@ def test_two_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, ex
     batch = _batch(seed=0, config=model.config)
     torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
     worker = Path(__file__).with_name("megatron_tp_worker.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(folder), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(tensor_parallel), str(worker), str(folder), str(tmp_path / "batch.pt"),
+                           str(tmp_path / "out.pt"), str(tensor_parallel),
                            str(expert_parallel)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
