@@ -204,6 +204,41 @@ def test_replaying_bf16_rollout_experts_brings_fp32_logprobs_closer(hf_models, c
     assert diff_r3 < 0.9 * diff_free
 
 
+def test_recomputed_layers_route_the_backward_pass_as_the_replayed_forward(hf_models):
+    """With activation recomputation the backward pass runs each layer's forward again: it must send the tokens
+    to the replayed experts too, or the gradients are those of other experts. The replay ends at the next
+    forward, which then routes freely."""
+    model, checkpoint, _ = hf_models["qwen3_moe"]
+    input_ids, _ = _right_padded_batch(seed=4)
+    experts = torch.rand(*input_ids.shape, 2, 4, generator=torch.Generator().manual_seed(4)).argsort(-1)[..., :2]
+    gradients, free = [], []
+    for recompute in (False, True):
+        policy = _megatron_model(hf_models, "qwen3_moe", routing_replay=True, recompute=recompute).train()
+        assert policy.config.recompute_granularity == ("full" if recompute else None)
+        megatron.forward(policy, input_ids, replay_experts=experts).logits.logsumexp(-1).sum().backward()
+        gradients.append({name: param.grad for name, param in policy.named_parameters()})
+        with torch.no_grad():
+            free.append(megatron.forward(policy, input_ids).logits)
+    plain, recomputed = gradients
+    assert plain.keys() == recomputed.keys()
+    assert [name for name in plain if not torch.equal(plain[name], recomputed[name])] == []
+    assert torch.equal(free[0], free[1])
+    routed = megatron.forward(policy, input_ids, record_experts=True).experts
+    assert not torch.equal(routed, experts)  # the replayed experts are not the router's own
+
+
+def test_recomputing_trainer_takes_the_step_the_plain_one_does(hf_models):
+    """``--recompute-activations`` reaches the model, and a step with replayed experts is the same step."""
+    model, _, folder = hf_models["qwen3_moe"]
+    batch = _batch(seed=2, config=model.config)
+    plain, recomputing = (_engine(megatron.MegatronTrainEngine, folder, recompute=recompute)
+                          for recompute in (False, True))
+    assert recomputing.policy.model.config.recompute_granularity == "full"
+    assert plain.train_step(batch) == recomputing.train_step(batch)
+    ours = recomputing.named_weights()
+    assert [name for name, tensor in plain.named_weights().items() if not torch.equal(tensor, ours[name])] == []
+
+
 def test_padding_for_sequence_parallelism_gets_distinct_experts(hf_models, monkeypatch):
     """Under sequence parallelism a batch is right-padded to a multiple of the ranks and each rank's routers
     replay their share of the positions: here rank 1 of 2, whose share of 3 positions padded to 4 is position
@@ -273,10 +308,11 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
 # -- the train engine -------------------------------------------------------------------------------------------
 
 
-def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", **loss):
+def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute: bool | None = None, **loss):
+    extra = {} if recompute is None else {"recompute": recompute}
     return cls(str(folder), algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2),
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-               temperature=TEMPERATURE, total_steps=4, dtype=dtype)
+               temperature=TEMPERATURE, total_steps=4, dtype=dtype, **extra)
 
 
 def _batch(seed: int, config: transformers.PretrainedConfig | None = None) -> TensorBatch:

@@ -195,7 +195,8 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
                         (["--model-path", str(tmp_path)], "has no config.json"),
                         (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
                         (["--weight-sync", "carrier-pigeon"], "--weight-sync must be one of auto, nng"),
-                        (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron")]:
+                        (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron"),
+                        (["--recompute-activations"], "--recompute-activations needs --train-backend megatron")]:
         result = scenario(*flags)
         assert result.returncode == 2 and said in result.stderr, (flags, result.stderr[-500:])
     assert not (tmp_path / "r" / "logs").exists()

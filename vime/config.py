@@ -221,6 +221,10 @@ class JobConfig:
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many of the tensor-parallel ranks, each "
                                                  "holding its experts whole (1 or --tensor-model-parallel-size)")
+    recompute_activations: bool = setting(False, "Megatron activation recomputation: each layer keeps only its input "
+                                                 "and runs its forward again in the backward pass (activations of "
+                                                 "one layer at a time instead of all; about a third more compute); "
+                                                 "routing replay holds through it")
 
     def __post_init__(self) -> None:
         if self.algo not in ("grpo", "ppo"):
@@ -233,6 +237,8 @@ class JobConfig:
             raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
         if self.tensor_model_parallel_size > 1 and self.train_backend != "megatron":
             raise ValueError("--tensor-model-parallel-size needs --train-backend megatron")
+        if self.recompute_activations and self.train_backend != "megatron":
+            raise ValueError("--recompute-activations needs --train-backend megatron")
         if self.expert_model_parallel_size not in (1, self.tensor_model_parallel_size):
             raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: the experts are "
                              "divided among the tensor-parallel ranks, so pass 1 or --tensor-model-parallel-size "
@@ -281,10 +287,15 @@ class RunConfig:
         return cls(**sections)
 
     def train_engine_arguments(self, seed: int) -> dict[str, Any]:
-        """What a trainer engine is built from: the same for every backend and every tensor-parallel rank."""
-        return dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=self.loss,
-                    grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
-                    dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
+        """What a trainer engine of ``--train-backend`` is built from: the same on every tensor-parallel rank."""
+        arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=self.loss,
+                         grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
+                         dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
+        if self.job.train_backend == "megatron":
+            arguments.update(tensor_parallel=self.job.tensor_model_parallel_size,
+                             expert_parallel=self.job.expert_model_parallel_size,
+                             recompute=self.job.recompute_activations)
+        return arguments
 
     def replace(self, **overrides: Any) -> RunConfig:
         """A copy with fields changed by flat name (``lr=3e-4``), whatever their section."""

@@ -2,13 +2,15 @@
 
 megatron-core is a GPU library. On CPU it works except where it asks CUDA
 which device to put a new tensor on (RoPE frequencies, router buffers, the
-router weight, which it moves "to the GPU" on its first forward), and where
+router weight, which it moves "to the GPU" on its first forward), where
 sequence parallelism forks the CUDA random state around the embedding and
-every layer (for their dropout). The patches here answer the first with the
-CPU and make the fork a no-op (dropout, where a config asks for it, then draws
-from torch's default generator; the test models have none), so that the tests exercise
-the very model, weight conversions, sequence parallelism and routing replay
-that train on the GPU. They are applied only when CUDA is absent; a CPU run
+every layer (for their dropout), and where activation recomputation saves and
+restores the CUDA random state around each recomputed layer. The patches here
+answer the first with the CPU, make the fork a no-op (dropout, where a config
+asks for it, then draws from torch's default generator; the test models have
+none) and let recomputation save and restore the CPU's random state instead,
+so that the tests exercise the very model, weight conversions, sequence
+parallelism, recomputation and routing replay that train on the GPU. They are applied only when CUDA is absent; a CPU run
 is never a supported way to train with Megatron (a user without a GPU trains
 with ``vime.backends.torch_train``).
 
@@ -17,8 +19,8 @@ need no patch in the way ``vime.backends.megatron`` uses megatron-core:
 
 - the default causal mask (``device="cuda"``) belongs to the local
   ``DotProductAttention``, which is replaced by an SDPA core attention;
-- the CUDA RNG tracker is otherwise only consulted for dropout and activation
-  recomputation, neither of which vime turns on, so it is never seeded;
+- the CUDA RNG tracker's own states are otherwise only consulted for dropout,
+  which vime turns off, so it is never seeded;
 - the ``alltoall`` MoE dispatcher (a ``torch.cuda.Stream``) is swapped for
   ``allgather`` in the model's config, and Megatron's optimizer
   (``device="cuda"``) for ``torch.optim.AdamW``.
@@ -33,13 +35,15 @@ import torch
 
 
 def apply() -> None:
-    """Make ``torch.cuda.current_device()`` answer ``"cpu"`` and the RNG tracker's fork do nothing when CUDA
-    is absent; idempotent."""
+    """Make ``torch.cuda.current_device()`` answer ``"cpu"``, the RNG tracker's fork do nothing and
+    recomputation keep the CPU's random state when CUDA is absent; idempotent."""
     if not torch.cuda.is_available():
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        from megatron.core.tensor_parallel import random
 
         torch.cuda.current_device = _cpu_device
-        get_cuda_rng_tracker().fork = _no_fork
+        random.get_cuda_rng_tracker().fork = _no_fork
+        random._get_cuda_rng_state = _cpu_rng_state
+        random._set_cuda_rng_state = _set_cpu_rng_state
 
 
 def _cpu_device() -> str:
@@ -49,3 +53,11 @@ def _cpu_device() -> str:
 @contextlib.contextmanager
 def _no_fork(name: str = "") -> Iterator[None]:
     yield
+
+
+def _cpu_rng_state(*args: object, **kwargs: object) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *args: object, **kwargs: object) -> None:
+    torch.set_rng_state(state)

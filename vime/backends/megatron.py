@@ -30,9 +30,11 @@ parallelism: each rank norms, routes and holds activations for its slice of
 the sequence, so a batch is right-padded to a multiple of the ranks. An MoE
 model's experts are split like its dense MLPs (expert tensor parallelism
 equal to the tensor-parallel size) or, with expert parallelism over the
-same ranks, divided among them whole. What is deliberately not here yet:
-pipeline and data parallelism, Megatron's distributed optimizer,
-sequence packing, activation recomputation, and PPO's value model.
+same ranks, divided among them whole. Activation recomputation
+(``recompute``) checkpoints every layer; a replay of the rollout's experts
+then holds until the backward pass has run the layers again. What is
+deliberately not here yet: pipeline and data parallelism, Megatron's
+distributed optimizer, sequence packing, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -270,7 +272,7 @@ def _check_family(hf_config: Any) -> None:
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                       tensor_parallel: int = 1, expert_parallel: int = 1) -> TransformerConfig:
+                       tensor_parallel: int = 1, expert_parallel: int = 1, recompute: bool = False) -> TransformerConfig:
     """The megatron-core config equivalent to ``hf_config``.
 
     Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
@@ -279,7 +281,9 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     by score plus ``e_score_correction_bias``, renormalises and scales by
     ``routed_scaling_factor``. The router runs in fp32, as both HF models do.
     No load-balancing loss is added and the expert bias is never updated here:
-    the loss is the RL loss alone, as in the reference trainer.
+    the loss is the RL loss alone, as in the reference trainer. ``recompute``
+    checkpoints every layer (Megatron's full, uniform recomputation, one
+    layer per checkpoint), as slime's recipes for large models do.
     """
     _check_family(hf_config)
     family = hf_config.model_type
@@ -298,6 +302,8 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
+    if recompute:
+        settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     pattern = moe_layer_pattern(hf_config)
     if any(pattern):
         settings.update(
@@ -320,21 +326,22 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                tensor_parallel: int = 1, expert_parallel: int = 1) -> GPTModel:
+                tensor_parallel: int = 1, expert_parallel: int = 1, recompute: bool = False) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
     :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
     this process holds its rank's shard, and the logits come out whole (the
     log-probs need the whole vocabulary); ``expert_parallel`` (see
-    :func:`init_parallel`) decides how an MoE model's experts are shared.
+    :func:`init_parallel`) decides how an MoE model's experts are shared;
+    ``recompute``: see :func:`transformer_config`.
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
     init_parallel(tensor_parallel, expert_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
-                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
+                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = SequenceParallelRMSNorm
     replaced = 0
@@ -638,14 +645,17 @@ class ForwardOutput:
     experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
 
 
-def _replay_handles(model: GPTModel) -> list[RouterReplay]:
-    """The RouterReplay handle of each MoE layer of ``model``, in layer order.
+def _replay_handles(model: GPTModel, required: bool = True) -> list[RouterReplay]:
+    """The RouterReplay handle of each MoE layer of ``model``, in layer order; none (unless ``required``) for
+    a model built without them.
 
     megatron-core also keeps every handle ever created in a class-level list
     (``RouterReplay.global_router_replay_instances``); that list spans every
     model built in the process, so vime addresses the model's own handles.
     """
     handles = [module.router_replay for module in model.modules() if isinstance(module, TopKRouter)]
+    if not required and (not handles or handles[0] is None):
+        return []
     if not handles or any(handle is None for handle in handles):
         raise ValueError("recording or replaying experts needs an MoE model built with routing_replay=True")
     return handles
@@ -671,11 +681,18 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
              record: bool) -> Iterator[list[RouterReplay]]:
     """Record or replay experts for a ``shape`` batch padded to ``width`` positions (padding is routed like a
     free token). Megatron's routers see tokens sequence-major, token (position p, row r) as number
-    ``p * batch + r``, and under sequence parallelism each rank's routers see only its share of those."""
+    ``p * batch + r``, and under sequence parallelism each rank's routers see only its share of those.
+
+    A replay in a training forward of a recomputing model outlives the call: the backward pass runs each
+    layer's forward again, which must route as the first did. The next call ends it."""
+    for handle in _replay_handles(model, required=False):
+        handle.clear_indices()
+        handle.clear_router_replay_action()
     if experts is None and not record:
         yield []
         return
     handles = _replay_handles(model)
+    kept = experts is not None and model.training and model.config.recompute_granularity == "full"
     if experts is not None:
         batch, seq = shape
         if experts.shape[:3] != (batch, seq, len(handles)):
@@ -694,7 +711,8 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
                 handle.set_router_replay_action(RouterReplayAction.RECORD)
         yield handles
     finally:
-        for handle in handles:
+        for handle in handles if not kept else ():
+            handle.clear_indices()
             handle.clear_router_replay_action()
 
 
@@ -719,8 +737,6 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
         if record_experts:
             recorded = _gather_sequence(torch.stack([handle.get_recorded_indices() for handle in handles]), ranks)
             experts = recorded.reshape(len(handles), width, batch, -1).permute(2, 1, 0, 3)[:, :seq].contiguous()
-        for handle in handles:
-            handle.clear_indices()
     return ForwardOutput(logits=logits, experts=experts)
 
 
@@ -794,12 +810,13 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
-                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
+                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
+                 recompute: bool = False) -> None:
         if algo != "grpo":
             raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
                                       "use the torch trainer for ppo")
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
-        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
+        self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -839,7 +856,8 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
         model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
-                            tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel)
+                            tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
+                            recompute=self.recompute)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model, self.hf_config).eval()
 

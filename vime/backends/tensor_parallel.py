@@ -139,8 +139,7 @@ class LeadingEngine(TrainEngine):
 def _engine(run: RunConfig, seed: int) -> Any:
     from vime.backends.megatron import MegatronTrainEngine
 
-    return MegatronTrainEngine(**run.train_engine_arguments(seed), tensor_parallel=run.job.tensor_model_parallel_size,
-                               expert_parallel=run.job.expert_model_parallel_size)
+    return MegatronTrainEngine(**run.train_engine_arguments(seed))
 
 
 def _store(rank: int, size: int) -> dist.TCPStore:
