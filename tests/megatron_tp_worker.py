@@ -29,13 +29,14 @@ from vime.backends.megatron import MegatronTrainEngine
 from vime.config import OptimConfig
 
 
-def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int) -> None:
+def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, recompute: bool) -> None:
     def build() -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
                                                                           micro_batch_size=2),
                                    loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(),
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
+                                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                   recompute=recompute)
 
     def weights(device: str | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
@@ -153,4 +154,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "recompute")

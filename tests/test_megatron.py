@@ -503,17 +503,21 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case,tensor_parallel,expert_parallel", [  # CI time: the default tier has one MoE
-    ("qwen3", 2, 1), ("qwen3_moe", 4, 4), *(pytest.param(*case, marks=pytest.mark.slow) for case in (  # layout,
-        ("qwen3-tied", 2, 1), ("qwen3_moe", 2, 1), ("qwen3_moe", 2, 2), ("glm4_moe", 2, 1), ("glm4_moe", 2, 2)))])
-def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel, tmp_path):
+@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,recompute", [  # CI time: the default tier has one
+    ("qwen3", 2, 1, False), ("qwen3_moe", 4, 4, True), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("qwen3-tied", 2, 1, False), ("qwen3_moe", 2, 1, False), ("qwen3_moe", 2, 2, False),  # MoE layout
+        ("glm4_moe", 2, 1, False), ("glm4_moe", 2, 2, True)))])
+def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel, recompute,
+                                                         tmp_path):
     """Ranks under torchrun, each holding its share of every split tensor (q/k/v by key/value group, gate and up,
     every expert's too or, with expert parallelism, some experts whole, the vocabulary) and norming and routing
     its share of the positions (sequence parallelism; an MoE model replays given experts): the gathered weights
     are the checkpoint's bit for bit, and the log-probs, the step's metrics (the gradient norm over all ranks'
     shards among them) and the updated weights are those of one process; a checkpoint of all ranks resumes
     exactly. Four ranks over two key/value heads is the 8-GPU layout of qwen3_30b_a3b_dapo in small (eight
-    ranks, four heads): Megatron then gathers q/k/v across the ranks and each keeps its query heads."""
+    ranks, four heads): Megatron then gathers q/k/v across the ranks and each keeps its query heads, and the
+    alltoall dispatcher moves each token to the rank of its experts. Where the ranks recompute their layers,
+    the single process does not: the step is the same."""
     import dataclasses
     import subprocess
     import sys
@@ -525,7 +529,7 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(tensor_parallel), str(worker), str(folder), str(tmp_path / "batch.pt"),
                            str(tmp_path / "out.pt"), str(tensor_parallel),
-                           str(expert_parallel)],
+                           str(expert_parallel), "recompute" if recompute else "keep"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")

@@ -8,22 +8,26 @@ every layer (for their dropout), and where activation recomputation saves and
 restores the CUDA random state around each recomputed layer. The patches here
 answer the first with the CPU, make the fork a no-op (dropout, where a config
 asks for it, then draws from torch's default generator; the test models have
-none) and let recomputation save and restore the CPU's random state instead,
-so that the tests exercise the very model, weight conversions, sequence
-parallelism, recomputation and routing replay that train on the GPU. They are applied only when CUDA is absent; a CPU run
-is never a supported way to train with Megatron (a user without a GPU trains
-with ``vime.backends.torch_train``).
+none) and let recomputation save and restore the CPU's random state instead.
+The ``alltoall`` MoE dispatcher copies its split sizes to the host on a
+CUDA stream of its own; on CPU they are there already, and the patch hands
+them to the collective (gloo) as the copy would. So the tests exercise the
+very model, weight conversions, sequence parallelism, token dispatch,
+recomputation and routing replay that train on the GPU. The patches are
+applied only when CUDA is absent; a CPU run is never a supported way to
+train with Megatron (a user without a GPU trains with
+``vime.backends.torch_train``).
 
 The other CPU obstacles listed in ../shared/research/cpu-stack.md (section 3)
 need no patch in the way ``vime.backends.megatron`` uses megatron-core:
 
 - the default causal mask (``device="cuda"``) belongs to the local
   ``DotProductAttention``, which is replaced by an SDPA core attention;
-- the CUDA RNG tracker's own states are otherwise only consulted for dropout,
-  which vime turns off, so it is never seeded;
-- the ``alltoall`` MoE dispatcher (a ``torch.cuda.Stream``) is swapped for
-  ``allgather`` in the model's config, and Megatron's optimizer
-  (``device="cuda"``) for ``torch.optim.AdamW``.
+- the CUDA RNG tracker's own states are otherwise only consulted for dropout
+  (the test models have none) and saved and restored, empty, by
+  recomputation, so it is never seeded on CPU;
+- Megatron's optimizer (``device="cuda"``) is not used: vime trains with
+  ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ import torch
 
 
 def apply() -> None:
-    """Make ``torch.cuda.current_device()`` answer ``"cpu"``, the RNG tracker's fork do nothing and
-    recomputation keep the CPU's random state when CUDA is absent; idempotent."""
+    """Make ``torch.cuda.current_device()`` answer ``"cpu"``, the RNG tracker's fork do nothing,
+    recomputation keep the CPU's random state and the alltoall dispatcher skip its copy to the host when CUDA
+    is absent; idempotent."""
     if not torch.cuda.is_available():
         from megatron.core.tensor_parallel import random
 
@@ -44,6 +49,10 @@ def apply() -> None:
         random.get_cuda_rng_tracker().fork = _no_fork
         random._get_cuda_rng_state = _cpu_rng_state
         random._set_cuda_rng_state = _set_cpu_rng_state
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # set: the first dispatcher makes no CUDA stream
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _on_the_host
 
 
 def _cpu_device() -> str:
@@ -61,3 +70,13 @@ def _cpu_rng_state(*args: object, **kwargs: object) -> torch.Tensor:
 
 def _set_cpu_rng_state(state: torch.Tensor, *args: object, **kwargs: object) -> None:
     torch.set_rng_state(state)
+
+
+def _on_the_host(dispatcher: object, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The alltoall dispatcher's copy to the host, with nothing to copy: its split sizes become the numpy
+    arrays that the collective takes, as the copy makes them on a GPU."""
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(dispatcher, name, None)
+        if torch.is_tensor(value):
+            setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert

@@ -53,8 +53,8 @@ Layout conventions that the conversion relies on:
   a real token's output.
 
 On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
-megatron-core cannot do without, and MoE layers use the ``allgather``
-token dispatcher.
+megatron-core cannot do without; MoE layers use the ``alltoall`` token
+dispatcher there too, over gloo.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends import cpu_compat
+from vime.backends.base import TensorBatch
 from vime.backends.hf import check_model_folder, scaled_logprobs
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
@@ -311,7 +312,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
             moe_router_topk=hf_config.num_experts_per_tok, moe_ffn_hidden_size=hf_config.moe_intermediate_size,
             moe_layer_freq=pattern, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32", moe_grouped_gemm=False, moe_enable_routing_replay=routing_replay,
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_token_dispatcher_type="alltoall",
         )
         if family == "qwen3_moe":
             settings.update(moe_router_score_function="softmax", moe_router_pre_softmax=not hf_config.norm_topk_prob)
@@ -684,15 +685,16 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
     ``p * batch + r``, and under sequence parallelism each rank's routers see only its share of those.
 
     A replay in a training forward of a recomputing model outlives the call: the backward pass runs each
-    layer's forward again, which must route as the first did. The next call ends it."""
-    for handle in _replay_handles(model, required=False):
-        handle.clear_indices()
-        handle.clear_router_replay_action()
+    layer's forward again, which must route as the first did. The next call (or :func:`end_replay`) ends
+    it. That holds because each backward follows its own forward; interleaved micro-batches (pipeline
+    parallelism) would need megatron-core's queue of replays for the backward pass instead."""
+    end_replay(model)
     if experts is None and not record:
         yield []
         return
     handles = _replay_handles(model)
-    kept = experts is not None and model.training and model.config.recompute_granularity == "full"
+    kept = experts is not None and model.training and torch.is_grad_enabled() and \
+        model.config.recompute_granularity == "full"
     if experts is not None:
         batch, seq = shape
         if experts.shape[:3] != (batch, seq, len(handles)):
@@ -711,9 +713,16 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
                 handle.set_router_replay_action(RouterReplayAction.RECORD)
         yield handles
     finally:
-        for handle in handles if not kept else ():
-            handle.clear_indices()
-            handle.clear_router_replay_action()
+        if not kept:
+            end_replay(model)
+
+
+def end_replay(model: GPTModel) -> None:
+    """Route freely again, and drop the experts a replay held (a recomputing model keeps them past its
+    forward, for the backward pass)."""
+    for handle in _replay_handles(model, required=False):
+        handle.clear_indices()
+        handle.clear_router_replay_action()
 
 
 def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.Tensor | None = None,
@@ -860,6 +869,14 @@ class MegatronTrainEngine(TorchTrainEngine):
                             recompute=self.recompute)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model, self.hf_config).eval()
+
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
+        """The reference trainer's step; the experts the last micro-batch replayed, kept for its backward pass
+        when the layers recompute, are dropped after it."""
+        try:
+            return super().train_step(batch)
+        finally:
+            end_replay(self.policy.model)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Under tensor parallelism, first complete the norms' and routers' gradients (summed over the ranks),
