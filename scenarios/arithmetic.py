@@ -45,12 +45,13 @@ def prepare(run_dir: Path, config: RunConfig) -> RunConfig:
     return config.replace(model_path=str(folder))  # responses stop at the tokenizer's EOS (the buffer's default)
 
 
-def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int = 2) -> int:
-    """Write a random tiny Qwen3 and its character-level tokenizer to ``folder``; returns the eos id."""
+def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int = 2, arch: str = "qwen3") -> int:
+    """Write a random tiny Qwen3 (``arch`` qwen3_moe: Qwen3-MoE) and its character-level tokenizer to
+    ``folder``; returns the eos id."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     from vime.tools.make_tiny_model import tiny_config
 
@@ -61,11 +62,11 @@ def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
     tokenizer.save_pretrained(folder)
-    config = tiny_config("qwen3", len(vocab), hidden_size=hidden_size, layers=layers, pad_token_id=vocab["<pad>"],
+    config = tiny_config(arch, len(vocab), hidden_size=hidden_size, layers=layers, pad_token_id=vocab["<pad>"],
                          bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return vocab["</s>"]
 
 

@@ -28,7 +28,11 @@ trainer's 8 ranks split attention and the vocabulary 8 ways and hold 16
 whole experts each; one vLLM engine of tensor-parallel size 8 shares their
 GPUs and sleeps while they train; after each step every rank gathers the
 new weights a bucket at a time, ``--weight-bucket-mb``, and the engine's
-worker on the same GPU copies from it over CUDA IPC).
+worker on the same GPU copies from it over CUDA IPC). Each rank then keeps
+about 3.8 B parameters in bf16 with fp32 masters, fp32 gradients and Adam
+state (about 68 GB); where the activations of long responses do not fit
+beside them, ``--recompute-activations`` keeps one layer's at a time
+(slime's script recomputes every layer) or ``--micro-batch-size`` cuts them.
 """
 
 from __future__ import annotations

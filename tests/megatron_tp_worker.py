@@ -8,8 +8,10 @@ same calls with the same batch (read from a file the test wrote; the other
 ranks join rank 0's weight gathers as followers do); rank 0
 writes what the test compares with a single-process trainer: the weights as
 loaded (gathered back to Hugging Face names), the recomputed log-probs, the
-step's metrics, the weights after the step, and whether a trainer resumed
-from a checkpoint of all ranks takes the next step exactly as the original.
+step's metrics, the weights after the step, whether a trainer resumed
+from a checkpoint of all ranks takes the next step exactly as the original, and
+how far the log-probs and entropies summed over the ranks' shares of a
+vocabulary (and their gradients, the entropy's too) are from one process's.
 """
 
 from __future__ import annotations
@@ -57,12 +59,31 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     resumed = build()
     resumed.load(checkpoint)
     resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
+    vocabulary_gaps = vocab_parallel_gaps()
     if dist.get_rank() == 0:
         torch.save({"loaded": loaded, "streamed": streamed, "logprobs": logprobs, "metrics": metrics,
-                    "trained": trained, "resumed_alike": resumed_alike}, out)
+                    "trained": trained, "resumed_alike": resumed_alike, "vocabulary_gaps": vocabulary_gaps}, out)
     dist.destroy_process_group()
 
 
+
+
+def vocab_parallel_gaps() -> list[float]:
+    """Largest differences of ``vocab_parallel_token_stats`` on this rank's share of random logits from
+    ``token_stats`` on the whole: log-probs, entropies, and the gradient of their sum (both have one)."""
+    from vime.backends.hf import token_stats
+    from vime.backends.megatron import vocab_parallel_token_stats
+
+    generator = torch.Generator().manual_seed(7)
+    whole = (3 * torch.randn(3, 5, 64, generator=generator)).requires_grad_()
+    targets = torch.randint(0, 64, (3, 5), generator=generator)
+    expected = token_stats(whole, targets, 0.7, entropy_grad=True)
+    sum(part.sum() for part in expected).backward()
+    share = whole.detach().chunk(dist.get_world_size(), dim=-1)[dist.get_rank()].clone().requires_grad_()
+    got = vocab_parallel_token_stats(share, targets, 0.7, entropy_grad=True)
+    sum(part.sum() for part in got).backward()
+    gradient = whole.grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
+    return [float((a - b).abs().max()) for a, b in (*zip(got, expected), (share.grad, gradient))]
 
 
 def lead_and_lose_a_follower(folder: str) -> None:

@@ -500,6 +500,29 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
 
 
+async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path):
+    """qwen3_30b_a3b_dapo's layout at toy size: a Qwen3-MoE trained by two tensor- and expert-parallel ranks
+    that recompute their layers, replaying the experts the torch rollout engine recorded (R3). The experts
+    travel with each sample through the buffer to both ranks; a wrong or misplaced one changes the trainer's
+    log-probs, which match the rollout's to float rounding (fp32 both sides). Experts lost on the way would
+    not show here (fp32 routes alike on both sides): the engine tests show that the trainer replays them."""
+    from vime.metrics import MetricsFollower
+    from vime.pipeline import train
+    from vime.scenarios import arithmetic
+
+    run_dir = tmp_path / "run"
+    arithmetic.build_model(tmp_path / "moe", seed=5, hidden_size=64, arch="qwen3_moe")
+    config = arithmetic.defaults().replace(
+        model_path=str(tmp_path / "moe"), steps=4, seed=5, rollout_batch_size=16, max_new_tokens=3,
+        train_backend="megatron", tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        recompute_activations=True, use_rollout_routing_replay=True)
+    summary = await train(config, run_dir, timeout_s=300)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    assert summary["groups"]["lost"] == 0
+
+
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
@@ -546,6 +569,7 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
         gap = (ranks["trained"][name] - tensor.cpu()).abs()  # gradient within rounding of zero may flip it
         assert gap.max() <= 2.1e-3 and (gap > 1e-4).float().mean() < 5e-3, name
     assert ranks["resumed_alike"]
+    assert max(ranks["vocabulary_gaps"]) <= 1e-5, ranks["vocabulary_gaps"]
 
 
 def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models, tmp_path):

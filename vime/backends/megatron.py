@@ -74,6 +74,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -273,7 +275,8 @@ def _check_family(hf_config: Any) -> None:
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                       tensor_parallel: int = 1, expert_parallel: int = 1, recompute: bool = False) -> TransformerConfig:
+                       tensor_parallel: int = 1, expert_parallel: int = 1,
+                       recompute: bool = False) -> TransformerConfig:
     """The megatron-core config equivalent to ``hf_config``.
 
     Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
@@ -332,8 +335,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
     :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
-    this process holds its rank's shard, and the logits come out whole (the
-    log-probs need the whole vocabulary); ``expert_parallel`` (see
+    this process holds its rank's shard, and its logits cover its share of
+    the vocabulary (:func:`forward` gathers them); ``expert_parallel`` (see
     :func:`init_parallel`) decides how an MoE model's experts are shared;
     ``recompute``: see :func:`transformer_config`.
     """
@@ -365,7 +368,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
-        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=False)
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -642,7 +645,7 @@ def write_hf_folder(folder: str | Path, hf_config: Any, hf_state: Mapping[str, t
 class ForwardOutput:
     """What one forward gives: the logits, and the experts chosen when they were recorded."""
 
-    logits: torch.Tensor  # [batch, seq, vocab]
+    logits: torch.Tensor  # [batch, seq, vocab], or this rank's share of the vocabulary (whole_vocabulary=False)
     experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
 
 
@@ -726,14 +729,17 @@ def end_replay(model: GPTModel) -> None:
 
 
 def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.Tensor | None = None,
-            record_experts: bool = False) -> ForwardOutput:
+            record_experts: bool = False, whole_vocabulary: bool = True) -> ForwardOutput:
     """Logits of right-padded ``input_ids [batch, seq]``, routing freely, recording, or replaying experts.
 
     ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
     layer send each token to those experts; the gate weights are the router's
     live scores at them, so the router still learns. Positions past a row's
     last real token may hold any top_k distinct expert ids. ``record_experts`` returns
-    the experts the routers chose, in that same layout.
+    the experts the routers chose, in that same layout. Under tensor
+    parallelism each rank computes the logits of its share of the vocabulary;
+    ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
+    for what needs no gathering).
     """
     batch, seq = input_ids.shape
     _, ranks = _sequence_ranks(model)
@@ -742,6 +748,8 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     positions = torch.arange(width, device=input_ids.device).expand(batch, width)
     with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles:
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)[:, :seq]
+        if whole_vocabulary and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
         experts = None
         if record_experts:
             recorded = _gather_sequence(torch.stack([handle.get_recorded_indices() for handle in handles]), ranks)
@@ -756,6 +764,35 @@ def _gather_sequence(local: torch.Tensor, ranks: int) -> torch.Tensor:
     pieces = [torch.empty_like(local) for _ in range(ranks)]
     dist.all_gather(pieces, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(pieces, dim=1)
+
+
+def vocab_parallel_token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vime.backends.hf.token_stats` from this tensor-parallel rank's share of the vocabulary
+    (``logits [..., vocab / ranks]``, the ranks' shares in rank order): the log-sum-exp, the target's logit
+    and the entropy's sum are each summed over the ranks, so no rank holds the whole vocabulary's logits.
+    Those are the training step's largest tensors: at Qwen3's 151,936 tokens, 4 responses of 9,000 tokens
+    make 11 GB of bf16 logits, their gradient as much again, on every rank; here each holds its share.
+    Every rank computes the same loss from the summed values, so each sum's gradient reaches every rank's
+    share unchanged (megatron-core's reduce: all-reduce forward, identity backward) -- which holds only for
+    sums of this rank's own terms: the entropy's sum is therefore taken before the division by the
+    normalizer, not of probabilities that already depend on every rank's logits."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    share = logits.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * share
+    scaled = logits.float() / temperature
+    peak = scaled.detach().amax(-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    exps = (scaled - peak.unsqueeze(-1)).exp()
+    total = reduce_from_tensor_model_parallel_region(exps.sum(-1))
+    normalizer = total.log() + peak
+    local = targets - first
+    mine = (local >= 0) & (local < share)
+    picked = scaled.gather(-1, local.clamp(0, share - 1).unsqueeze(-1)).squeeze(-1) * mine
+    chosen = reduce_from_tensor_model_parallel_region(picked) - normalizer
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = normalizer - reduce_from_tensor_model_parallel_region((exps * scaled).sum(-1)) / total
+    return chosen, entropy
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -790,7 +827,9 @@ class _AsCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor) -> ForwardOutput:
-        return forward(self.model, input_ids, replay_experts=self.replay_experts)
+        """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
+        the ranks."""
+        return forward(self.model, input_ids, replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
 class MegatronTrainEngine(TorchTrainEngine):
@@ -869,6 +908,12 @@ class MegatronTrainEngine(TorchTrainEngine):
                             recompute=self.recompute)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model, self.hf_config).eval()
+
+    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor,
+                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tensor_parallel == 1:
+            return super()._token_stats(logits, targets, entropy_grad)
+        return vocab_parallel_token_stats(logits, targets, self.temperature, entropy_grad)
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         """The reference trainer's step; the experts the last micro-batch replayed, kept for its backward pass

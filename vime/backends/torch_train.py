@@ -160,11 +160,16 @@ class TorchTrainEngine(TrainEngine):
             logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
         # each position from the first that predicts a response token, with its next token (the last wraps
         # around, never a response's); then the response positions
-        logprobs, entropy = token_stats(logits[:, first:], input_ids.roll(-1, dims=1)[:, first:], self.temperature,
-                                        entropy_grad=bool(self.loss.entropy_coef))
+        logprobs, entropy = self._token_stats(logits[:, first:], input_ids.roll(-1, dims=1)[:, first:],
+                                              entropy_grad=bool(self.loss.entropy_coef))
         index = _response_index(batch, rows, width) - first
         response_mask = batch.response_mask[rows]
         return logprobs.gather(1, index) * response_mask, entropy.gather(1, index) * response_mask
+
+    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor,
+                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of ``targets`` and entropies from the policy's ``logits`` (:func:`token_stats`)."""
+        return token_stats(logits, targets, self.temperature, entropy_grad=entropy_grad)
 
     def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None
