@@ -299,6 +299,8 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     odd.moe_intermediate_size = 6
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(6 / 1\) to be whole multiples of 4"):
         megatron.build_model(odd)
+    with pytest.raises(ValueError, match="pick a --tensor-model-parallel-size that divides it, not 2"):
+        megatron.transformer_config(tiny_config("qwen3", VOCAB - 1), tensor_parallel=2)
     with pytest.raises(ValueError, match="this qwen3 model has none: leave it at 1"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, expert_parallel=2)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2: .* pass 1 or 4"):

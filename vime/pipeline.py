@@ -108,7 +108,10 @@ def preflight(config: RunConfig) -> Placement:
                              "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
         from transformers import AutoConfig
 
-        megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path))  # refuses what it cannot build
+        megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path),  # refuses what it cannot build
+                                    tensor_parallel=config.job.tensor_model_parallel_size,
+                                    expert_parallel=config.job.expert_model_parallel_size,
+                                    recompute=config.job.recompute_activations)
     if config.rollout.rollout_backend == "vllm":
         from vime.backends import vllm_rollout
 

@@ -74,8 +74,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
-                                                   reduce_from_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -290,6 +289,9 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     layer per checkpoint), as slime's recipes for large models do.
     """
     _check_family(hf_config)
+    if hf_config.vocab_size % tensor_parallel:
+        raise ValueError(f"the vocabulary ({hf_config.vocab_size} tokens) is divided evenly among the tensor-"
+                         f"parallel ranks: pick a --tensor-model-parallel-size that divides it, not {tensor_parallel}")
     family = hf_config.model_type
     settings: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
@@ -769,30 +771,61 @@ def _gather_sequence(local: torch.Tensor, ranks: int) -> torch.Tensor:
 def vocab_parallel_token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vime.backends.hf.token_stats` from this tensor-parallel rank's share of the vocabulary
-    (``logits [..., vocab / ranks]``, the ranks' shares in rank order): the log-sum-exp, the target's logit
-    and the entropy's sum are each summed over the ranks, so no rank holds the whole vocabulary's logits.
-    Those are the training step's largest tensors: at Qwen3's 151,936 tokens, 4 responses of 9,000 tokens
-    make 11 GB of bf16 logits, their gradient as much again, on every rank; here each holds its share.
-    Every rank computes the same loss from the summed values, so each sum's gradient reaches every rank's
-    share unchanged (megatron-core's reduce: all-reduce forward, identity backward) -- which holds only for
-    sums of this rank's own terms: the entropy's sum is therefore taken before the division by the
-    normalizer, not of probabilities that already depend on every rank's logits."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    share = logits.shape[-1]
-    first = parallel_state.get_tensor_model_parallel_rank() * share
-    scaled = logits.float() / temperature
-    peak = scaled.detach().amax(-1)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    exps = (scaled - peak.unsqueeze(-1)).exp()
-    total = reduce_from_tensor_model_parallel_region(exps.sum(-1))
-    normalizer = total.log() + peak
+    (``logits [..., vocab / ranks]``, the ranks' shares in rank order), without any rank holding the whole
+    vocabulary's logits. Those are the training step's largest tensors: at Qwen3's 151,936 tokens, 4
+    responses of 9,000 tokens make 11 GB of bf16 logits per rank, and the eager fp32 chain to a log-prob
+    several times that; here a rank keeps its bf16 share for the backward pass and a few numbers per token."""
+    first = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    chosen, entropy = _VocabParallelStats.apply(logits, targets, temperature, first,
+                                                parallel_state.get_tensor_model_parallel_group())
+    return chosen, entropy if entropy_grad else entropy.detach()
+
+
+class _VocabParallelStats(torch.autograd.Function):
+    """Log-probs and entropies from vocabulary shares: per token, one max and one sum of three numbers over
+    the ranks. Every rank computes the same loss from them, so each gets the same gradients of the two
+    outputs and can write its share's gradient alone; the softmax is recomputed for it, not saved."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, first: int,
+                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        shifted = logits.float() / temperature
+        peak = shifted.amax(-1)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted -= peak.unsqueeze(-1)
+        exps = shifted.exp()
+        index, mine = _in_share(targets, first, shifted.shape[-1])
+        picked = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)  # an inf elsewhere stays out
+        sums = torch.stack([exps.sum(-1), (exps * shifted).sum(-1), picked], dim=-1)
+        dist.all_reduce(sums, group=group)
+        total, weighted, target = sums.unbind(-1)
+        mean = weighted / total  # the shifted logits' mean under the softmax
+        ctx.save_for_backward(logits, targets, peak, total, mean)
+        ctx.temperature, ctx.first = temperature, first
+        ctx.set_materialize_grads(False)
+        return target - total.log(), total.log() - mean
+
+    @staticmethod
+    def backward(ctx: Any, chosen_grad: torch.Tensor | None,
+                 entropy_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, targets, peak, total, mean = ctx.saved_tensors
+        shifted = logits.float() / ctx.temperature - peak.unsqueeze(-1)
+        probs = shifted.exp() / total.unsqueeze(-1)
+        grad = torch.zeros_like(probs)
+        if entropy_grad is not None:  # d entropy / d logit v = -p_v (shifted_v - mean)
+            grad -= probs * (shifted - mean.unsqueeze(-1)) * entropy_grad.unsqueeze(-1)
+        if chosen_grad is not None:  # d log p_t / d logit v = [v == t] - p_v
+            grad -= probs * chosen_grad.unsqueeze(-1)
+            index, mine = _in_share(targets, ctx.first, probs.shape[-1])
+            grad.scatter_add_(-1, index, (chosen_grad * mine).unsqueeze(-1))
+        return (grad / ctx.temperature).to(logits.dtype), None, None, None, None
+
+
+def _in_share(targets: torch.Tensor, first: int, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each target falls in a share of the vocabulary from ``first`` (clamped: ``[..., 1]``), and
+    whether it falls there at all."""
     local = targets - first
-    mine = (local >= 0) & (local < share)
-    picked = scaled.gather(-1, local.clamp(0, share - 1).unsqueeze(-1)).squeeze(-1) * mine
-    chosen = reduce_from_tensor_model_parallel_region(picked) - normalizer
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = normalizer - reduce_from_tensor_model_parallel_region((exps * scaled).sum(-1)) / total
-    return chosen, entropy
+    return local.clamp(0, share - 1).unsqueeze(-1), (local >= 0) & (local < share)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -816,7 +849,9 @@ class _AsCausalLM(torch.nn.Module):
     ``model(input_ids=, attention_mask=, position_ids=).logits``; answering
     that call lets :class:`MegatronTrainEngine` run the very same step. The
     trainer's batches are right-padded and trimmed, so the mask and positions
-    it passes are those the causal GPTModel assumes anyway.
+    it passes are those the causal GPTModel assumes anyway. Under tensor
+    parallelism its logits are this rank's share of the vocabulary, which the
+    engine's ``_token_stats`` takes as they are; anything else must gather them.
     """
 
     def __init__(self, model: GPTModel, config: Any) -> None:
