@@ -70,27 +70,30 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
 
 def vocab_parallel_gaps() -> list[float]:
     """Largest differences, over every rank, of ``vocab_parallel_token_stats`` on the rank's share of random
-    logits from ``token_stats`` on the whole: log-probs, entropies, and (relative to its largest entry) the
-    gradient of a loss that mixes them non-linearly, with the entropy's gradient and without."""
+    logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
+    (relative to its largest entry) the gradient of a loss that mixes them non-linearly, with the entropy's
+    gradient and without; a NaN counts as infinitely far."""
     from vime.backends.hf import token_stats
     from vime.backends.megatron import vocab_parallel_token_stats
 
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(7)
     gaps = []
     for entropy_grad in (True, False):
-        whole = (3 * torch.randn(3, 5, 64, generator=generator)).requires_grad_()
-        targets = torch.randint(0, 64, (3, 5), generator=generator)
-        weights = torch.randn(2, 3, 5, generator=generator)
-        share = whole.detach().chunk(dist.get_world_size(), dim=-1)[dist.get_rank()].clone().requires_grad_()
+        whole = (3 * torch.randn(3, 6, 64, generator=generator)).to(device).requires_grad_()
+        targets = torch.randint(0, 64, (3, 5), generator=generator).to(device)
+        weights = torch.randn(2, 3, 5, generator=generator).to(device)
+        rank, ranks = dist.get_rank(), dist.get_world_size()
+        base = whole.detach().chunk(ranks, dim=-1)[rank].clone().requires_grad_()
         stats = []
-        for stats_of, logits in ((token_stats, whole), (vocab_parallel_token_stats, share)):
+        for stats_of, logits in ((token_stats, whole[:, 1:]), (vocab_parallel_token_stats, base[:, 1:])):
             logprobs, entropy = stats_of(logits, targets, 0.7, entropy_grad=entropy_grad)
             ((weights[0] * logprobs**2).sum() + (weights[1] * entropy * logprobs).sum()).backward()
             stats.append((logprobs, entropy))
-        (expected, got), mine = stats, whole.grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
+        (expected, got), mine = stats, whole.grad.chunk(ranks, dim=-1)[rank]
         gaps += [float((a - b).abs().max()) for a, b in zip(got, expected)]
-        gaps.append(float((share.grad - mine).abs().max() / mine.abs().max()))  # relative: the loss is squared
-    gaps = torch.tensor(gaps)
+        gaps.append(float((base.grad - mine).abs().max() / mine.abs().max()))  # relative: the loss is squared
+    gaps = torch.tensor(gaps, device=device).nan_to_num(nan=float("inf"))
     dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
     return gaps.tolist()
 
