@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from vime.backends.master_weights import MasterWeights
-from vime.flops import matmul_parameters, matmul_peak_tflops, training_flops
+from vime.flops import matmul_parameters, matmul_peak_tflops, synchronize, training_flops
 
 # Qwen3 shapes as their config.json give them (both have tied embeddings)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -85,11 +85,6 @@ def qwen3_config(shape: str, seq_len: int) -> Any:
     return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 40960), rms_norm_eps=1e-6,
                        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_dropout=0.0,
                        use_cache=False)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,7 +157,7 @@ def kernel_time_by_kind(step: Any, device: str) -> dict[str, float]:
     activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as profiler:
         step()
-        _sync(device)
+        synchronize(device)
     kernel_type = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
     by_name: dict[str, float] = {}
     for event in profiler.events():
@@ -209,10 +204,10 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
 
     losses, times = [], []
     for index in range(warmup + steps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         losses.append(round(step(), 4))
-        _sync(device)
+        synchronize(device)
         if index >= warmup:
             times.append(time.perf_counter() - start)
     step_s = sum(times) / len(times)

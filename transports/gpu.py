@@ -94,7 +94,11 @@ def release(descriptor: dict[str, Any]) -> None:
 
 def specs(tensors: dict[str, torch.Tensor]) -> list[Spec]:
     """What a receiver needs to know, before a broadcast, to receive ``tensors``."""
-    return [(name, list(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items()]
+    return [_spec(name, tensor) for name, tensor in tensors.items()]
+
+
+def _spec(name: str, tensor: torch.Tensor) -> Spec:
+    return name, list(tensor.shape), _dtype_name(tensor.dtype)
 
 
 def _padded(nbytes: int) -> int:
@@ -129,7 +133,7 @@ def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iter
     bucket: list[Spec] = []
     used = 0
     for name, tensor in named:
-        spec = (name, list(tensor.shape), _dtype_name(tensor.dtype))
+        spec = _spec(name, tensor)
         nbytes = _spec_bytes(spec)
         if bucket and used + nbytes > bucket_bytes:
             yield buffer[:used], bucket

@@ -76,18 +76,19 @@ def matmul_peak_tflops(device: str) -> dict[int, float]:
         repeats = max(2, int(5e13 / (2 * size**3))) if device == "cuda" else 3  # ~50 ms at 1 PFLOP/s
         best = 0.0
         for _ in range(8):
-            _sync(device)
+            synchronize(device)
             time.sleep(0.2)  # let the clocks recover, as they do between a training step's matmuls
             start = time.perf_counter()
             for _ in range(repeats):
                 torch.matmul(a, b)
-            _sync(device)
+            synchronize(device)
             best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12)
         rates[size] = best
         del a, b
     return rates
 
 
-def _sync(device: str) -> None:
+def synchronize(device: str) -> None:
+    """Wait for the work queued on ``device``: a GPU timing starts and ends here."""
     if device == "cuda":
         torch.cuda.synchronize()

@@ -693,13 +693,14 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
     layer's forward again, which must route as the first did. The next call (or :func:`end_replay`) ends
     it. That holds because each backward follows its own forward; interleaved micro-batches (pipeline
     parallelism) would need megatron-core's queue of replays for the backward pass instead."""
-    end_replay(model)
+    recomputing = model.config.recompute_granularity == "full"
+    if recomputing:
+        end_replay(model)
     if experts is None and not record:
         yield []
         return
     handles = _replay_handles(model)
-    kept = experts is not None and model.training and torch.is_grad_enabled() and \
-        model.config.recompute_granularity == "full"
+    kept = experts is not None and recomputing and model.training and torch.is_grad_enabled()
     if experts is not None:
         batch, seq = shape
         if experts.shape[:3] != (batch, seq, len(handles)):
@@ -710,7 +711,6 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
         per_layer = experts.permute(2, 1, 0, 3).reshape(len(handles), width * batch, -1).chunk(ranks, dim=1)[rank]
     try:
         for layer, handle in enumerate(handles):
-            handle.clear_indices()
             if experts is not None:
                 handle.set_target_indices(per_layer[layer])
                 handle.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -719,13 +719,16 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
         yield handles
     finally:
         if not kept:
-            end_replay(model)
+            _route_freely(handles)
 
 
 def end_replay(model: GPTModel) -> None:
-    """Route freely again, and drop the experts a replay held (a recomputing model keeps them past its
-    forward, for the backward pass)."""
-    for handle in _replay_handles(model, required=False):
+    """Drop the experts a recomputing model's replay kept past its forward, for the backward pass."""
+    _route_freely(_replay_handles(model, required=False))
+
+
+def _route_freely(handles: list[RouterReplay]) -> None:
+    for handle in handles:
         handle.clear_indices()
         handle.clear_router_replay_action()
 
@@ -969,7 +972,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         try:
             return super().train_step(batch)
         finally:
-            end_replay(self.policy.model)
+            if self.recompute:
+                end_replay(self.policy.model)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Under tensor parallelism, first complete the norms' and routers' gradients (summed over the ranks),
