@@ -97,8 +97,9 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
     assert summary["groups"]["reissued"] >= held[0] + held[1] >= 2  # the killed worker's groups went elsewhere
     assert all(row["staleness_max"] <= 1 for row in rows)
     router_log = (run_dir / "logs" / "router.log").read_text()
+    # "left" is the router re-issuing what it had out with rollout-2 on its WorkerLeaving. The worker's own
+    # list may be empty: groups the router sent just before the SIGSTOP can still sit unread in its socket.
     assert '"why": "gone"' in router_log and '"why": "left"' in router_log
-    assert "handing unfinished groups back" in (run_dir / "logs" / "rollout-2.log").read_text()
     starts = (run_dir / "logs" / "rollout-2.log").read_text().count('"event": "joined"')
     assert starts == 1  # SIGTERM is a leave: the worker was not started again
     paths = (run_dir / "logs" / "trainer.log").read_text().count(f'"path": "{config.job.weight_sync}"')
