@@ -554,11 +554,11 @@ def weight_path(mode: str, trainer_gpus: list[str], worker_gpus: list[str]) -> s
 
 def train_engine(run: RunConfig, seed: int) -> TrainEngine:
     """The trainer engine of ``--train-backend``; megatron-core is imported only when asked for. With
-    ``--tensor-model-parallel-size`` > 1 this process is rank 0 and starts the other ranks."""
+    several ranks (tensor x data parallel) this process is rank 0 and starts the others."""
     arguments = run.train_engine_arguments(seed)
     if run.job.train_backend != "megatron":
         return TorchTrainEngine(**arguments)
-    if run.job.tensor_model_parallel_size > 1:
+    if run.job.trainer_ranks > 1:
         from vime.backends.tensor_parallel import LeadingEngine
 
         return LeadingEngine(run, seed)

@@ -18,21 +18,25 @@ also requires a closed ``</think>``; rollout routing replay (R3) is on
 experts are replayed by the trainer, which keeps an MoE's train/rollout
 log-prob gap small. ``--no-use-rollout-routing-replay`` turns it off.
 
-On one host of 8 GPUs, colocated (slime's script trains with tensor
-parallelism 4 and expert parallelism 8 over two data-parallel replicas;
-vime has no data parallelism yet): ``--train-backend megatron
---rollout-backend vllm --dtype bf16 --actor-num-gpus-per-node 8
---tensor-model-parallel-size 8 --expert-model-parallel-size 8 --colocate
---rollout-num-gpus-per-engine 8 --vllm-enable-sleep-mode true`` (the
-trainer's 8 ranks split attention and the vocabulary 8 ways and hold 16
-whole experts each; one vLLM engine of tensor-parallel size 8 shares their
-GPUs and sleeps while they train; after each step every rank gathers the
-new weights a bucket at a time, ``--weight-bucket-mb``, and the engine's
-worker on the same GPU copies from it over CUDA IPC). Each rank then keeps
-about 3.8 B parameters in bf16 with fp32 masters, fp32 gradients and Adam
-state (about 68 GB); where the activations of long responses do not fit
-beside them, ``--recompute-activations`` keeps one layer's at a time
+On one host of 8 GPUs, colocated, in slime's layout (its script trains with
+tensor parallelism 4 and expert parallelism 8 over two data-parallel
+copies): ``--train-backend megatron --rollout-backend vllm --dtype bf16
+--actor-num-gpus-per-node 8 --tensor-model-parallel-size 4
+--data-parallel-size 2 --expert-model-parallel-size 8 --colocate
+--rollout-num-gpus-per-engine 8 --vllm-enable-sleep-mode true`` (each copy's
+4 ranks split attention and the vocabulary 4 ways and train half of each
+batch's samples; the 8 ranks hold 16 whole experts each; one vLLM engine of
+tensor-parallel size 8 shares their GPUs and sleeps while they train; after
+each step every rank gathers the new weights a bucket at a time,
+``--weight-bucket-mb``, and the engine's worker on the same GPU copies from
+it over CUDA IPC). ``--tensor-model-parallel-size 8 --data-parallel-size 1``
+is the other layout of 8 ranks (one copy; the same experts per rank). Each
+rank keeps about 4 B parameters in bf16 with fp32 masters, fp32 gradients
+and Adam state (about 72 GB); where the activations of long responses do not
+fit beside them, ``--recompute-activations`` keeps one layer's at a time
 (slime's script recomputes every layer) or ``--micro-batch-size`` cuts them.
+Neither layout has run on 8 GPUs yet (``bench/RESULTS.md`` has the reduced
+model on one).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tensor-parallel Megatron trainers for tests/test_megatron.py: one rank under ``torchrun``, a leader
+"""Megatron trainers of several ranks for tests/test_megatron.py: one rank under ``torchrun`` (tensor, expert
+and data parallel), a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``).
@@ -31,14 +32,15 @@ from vime.backends.megatron import MegatronTrainEngine
 from vime.config import OptimConfig
 
 
-def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, recompute: bool) -> None:
+def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,
+         recompute: bool) -> None:
     def build() -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
                                                                           micro_batch_size=2),
                                    loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(),
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
                                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                   recompute=recompute)
+                                   data_parallel=data_parallel, recompute=recompute)
 
     def weights(device: str | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
@@ -73,6 +75,8 @@ def vocab_parallel_gaps() -> list[float]:
     logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
     (relative to its largest entry) the gradient of a loss that mixes them non-linearly, with the entropy's
     gradient and without; a NaN counts as infinitely far."""
+    from megatron.core import parallel_state
+
     from vime.backends.hf import token_stats
     from vime.backends.megatron import vocab_parallel_token_stats
 
@@ -83,7 +87,8 @@ def vocab_parallel_gaps() -> list[float]:
         whole = (3 * torch.randn(3, 6, 64, generator=generator)).to(device).requires_grad_()
         targets = torch.randint(0, 64, (3, 5), generator=generator).to(device)
         weights = torch.randn(2, 3, 5, generator=generator).to(device)
-        rank, ranks = dist.get_rank(), dist.get_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        ranks = parallel_state.get_tensor_model_parallel_world_size()
         base = whole.detach().chunk(ranks, dim=-1)[rank].clone().requires_grad_()
         stats = []
         for stats_of, logits in ((token_stats, whole[:, 1:]), (vocab_parallel_token_stats, base[:, 1:])):
@@ -187,4 +192,5 @@ if __name__ == "__main__":
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "recompute")
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+             sys.argv[7] == "recompute")

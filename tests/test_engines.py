@@ -26,7 +26,7 @@ from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
-from vime.backends.torch_train import TorchTrainEngine, micro_batches
+from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
@@ -449,6 +449,20 @@ def test_micro_batches_hold_samples_of_similar_length_longest_first():
     mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
     assert [rows.tolist() for rows in micro_batches(torch.arange(6), mask.sum(-1), 2)] == [[1, 3], [5, 2], [0, 4]]
     assert [rows.tolist() for rows in micro_batches(torch.tensor([4, 0, 5]), mask.sum(-1), 2)] == [[5, 0], [4]]
+
+
+def test_data_parallel_copies_share_the_samples_and_run_as_many_passes():
+    """Every sample counts in exactly one copy's micro-batches, the copies' shares alike in length; a copy
+    with fewer samples pads with passes (over the shortest sample) that do not count, so that all run
+    the same number of forward and backward passes."""
+    lengths = torch.tensor([3, 9, 5, 9, 1, 6, 7])
+    shares = [replica_micro_batches(torch.arange(7), lengths, 2, replica, 3) for replica in range(3)]
+    assert [[(rows.tolist(), counted) for rows, counted in share] for share in shares] == [
+        [([1, 5], True), ([4], True)], [([3, 2], True), ([4], False)], [([6, 0], True), ([4], False)]]
+    one = replica_micro_batches(torch.arange(7), lengths, 2, 0, 1)
+    assert [rows.tolist() for rows, _ in one] == [rows.tolist() for rows in micro_batches(torch.arange(7), lengths, 2)]
+    few = [replica_micro_batches(torch.tensor([2]), lengths, 4, replica, 2) for replica in range(2)]
+    assert [[(rows.tolist(), counted) for rows, counted in share] for share in few] == [[([2], True)], [([2], False)]]
 
 
 def test_scores_come_back_in_the_batchs_order(model):

@@ -292,9 +292,9 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     glm.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         megatron.transformer_config(glm)
-    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2: launch with torchrun "
-                                         "--nproc-per-node 2"):
-        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2)
+    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2: "
+                                         "launch with torchrun --nproc-per-node 4"):
+        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2)
     odd = tiny_config("qwen3_moe", VOCAB)
     odd.moe_intermediate_size = 6
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(6 / 1\) to be whole multiples of 4"):
@@ -303,8 +303,9 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
         megatron.transformer_config(tiny_config("qwen3", VOCAB - 1), tensor_parallel=2)
     with pytest.raises(ValueError, match="this qwen3 model has none: leave it at 1"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, expert_parallel=2)
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 2: .* pass 1 or 4"):
-        megatron.init_parallel(4, 2)
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 2: .* one copy of the trainer \(4\) or of all "
+                                         r"copies \(8\); pass one of those or 1"):
+        megatron.init_parallel(4, 2, 2)
 
 
 # -- the train engine -------------------------------------------------------------------------------------------
@@ -317,9 +318,10 @@ def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute:
                temperature=TEMPERATURE, total_steps=4, dtype=dtype, **extra)
 
 
-def _batch(seed: int, config: transformers.PretrainedConfig | None = None) -> TensorBatch:
-    """Two groups of three made-up responses of different lengths, with rollout log-probs near the truth; for
-    an MoE ``config``, random experts (not those its routers would choose) to replay at every token fed in."""
+def _batch(seed: int, config: transformers.PretrainedConfig | None = None, samples: int = 6) -> TensorBatch:
+    """Two groups of three made-up responses of different lengths (the first ``samples`` of them), with rollout
+    log-probs near the truth; for an MoE ``config``, random experts (not those its routers would choose) to
+    replay at every token fed in."""
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (5, 5, 5, 8, 8, 8)]
     responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (6, 3, 9, 4, 7, 2)]
@@ -329,9 +331,10 @@ def _batch(seed: int, config: transformers.PretrainedConfig | None = None) -> Te
         layers, count = sum(megatron.moe_layer_pattern(config)), megatron.transformer_config(config).num_moe_experts
         experts = [torch.rand(len(p) + len(r) - 1, layers, count, generator=generator).argsort(-1)
                    [..., :config.num_experts_per_tok].to(torch.int16) for p, r in zip(prompts, responses)]
-    return collate(prompts, responses, logprobs, [[0] * len(r) for r in responses],
-                   rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0], group_ids=[0, 0, 0, 1, 1, 1], pad_token_id=0,
-                   routed_experts=experts)
+    return collate(prompts[:samples], responses[:samples], logprobs[:samples],
+                   [[0] * len(r) for r in responses[:samples]], rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0][:samples],
+                   group_ids=[0, 0, 0, 1, 1, 1][:samples], pad_token_id=0,
+                   routed_experts=None if experts is None else experts[:samples])
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
@@ -502,12 +505,17 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
 
 
-async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path):
-    """qwen3_30b_a3b_dapo's layout at toy size: a Qwen3-MoE trained by two tensor- and expert-parallel ranks
-    that recompute their layers, replaying the experts the torch rollout engine recorded (R3). The experts
-    travel with each sample through the buffer to both ranks; a wrong or misplaced one changes the trainer's
-    log-probs, which match the rollout's to float rounding (fp32 both sides). Experts lost on the way would
-    not show here (fp32 routes alike on both sides): the engine tests show that the trainer replays them."""
+@pytest.mark.parametrize("tensor_parallel,data_parallel,expert_parallel", [
+    (2, 2, 4), pytest.param(2, 1, 2, marks=pytest.mark.slow)])  # CI time
+async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path, tensor_parallel, data_parallel,
+                                                                       expert_parallel):
+    """qwen3_30b_a3b_dapo's 8-GPU layouts at toy size: a Qwen3-MoE trained by two data-parallel copies of two
+    tensor-parallel ranks, the experts divided among all four (slime's layout), or by one copy of two ranks
+    that divide them; the ranks recompute their layers, replaying the experts the torch rollout engine recorded
+    (R3). The experts travel with each sample through the buffer to every rank; a wrong or misplaced one
+    changes the trainer's log-probs, which match the rollout's to float rounding (fp32 both sides). Experts
+    lost on the way would not show here (fp32 routes alike on both sides): the engine tests show that the
+    trainer replays them."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
@@ -516,8 +524,8 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path)
     arithmetic.build_model(tmp_path / "moe", seed=5, hidden_size=64, arch="qwen3_moe")
     config = arithmetic.defaults().replace(
         model_path=str(tmp_path / "moe"), steps=4, seed=5, rollout_batch_size=16, max_new_tokens=3,
-        train_backend="megatron", tensor_model_parallel_size=2, expert_model_parallel_size=2,
-        recompute_activations=True, use_rollout_routing_replay=True)
+        train_backend="megatron", tensor_model_parallel_size=tensor_parallel, data_parallel_size=data_parallel,
+        expert_model_parallel_size=expert_parallel, recompute_activations=True, use_rollout_routing_replay=True)
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
@@ -528,12 +536,14 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path)
 # -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,recompute", [  # CI time: the default tier has one
-    ("qwen3", 2, 1, False), ("qwen3_moe", 4, 4, True), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
-        ("qwen3-tied", 2, 1, False), ("qwen3_moe", 2, 1, False), ("qwen3_moe", 2, 2, False),  # MoE layout
-        ("glm4_moe", 2, 1, False), ("glm4_moe", 2, 2, True)))])
-def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel, recompute,
-                                                         tmp_path):
+@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute", [  # CI time: the default
+    ("qwen3", 2, 1, 1, False), ("qwen3_moe", 4, 4, 1, True), ("qwen3_moe", 2, 4, 2, True),  # tier has three
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("qwen3-tied", 2, 1, 1, False), ("qwen3_moe", 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, False),  # MoE layout
+        ("glm4_moe", 2, 1, 1, False), ("glm4_moe", 2, 2, 1, True), ("qwen3", 1, 1, 2, False),
+        ("qwen3_moe", 1, 2, 2, False), ("qwen3_moe", 2, 2, 2, False)))])
+def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel,
+                                                         data_parallel, recompute, tmp_path):
     """Ranks under torchrun, each holding its share of every split tensor (q/k/v by key/value group, gate and up,
     every expert's too or, with expert parallelism, some experts whole, the vocabulary) and norming and routing
     its share of the positions (sequence parallelism; an MoE model replays given experts): the gathered weights
@@ -541,20 +551,23 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     shards among them) and the updated weights are those of one process; a checkpoint of all ranks resumes
     exactly. Four ranks over two key/value heads is the 8-GPU layout of qwen3_30b_a3b_dapo in small (eight
     ranks, four heads): Megatron then gathers q/k/v across the ranks and each keeps its query heads, and the
-    alltoall dispatcher moves each token to the rank of its experts. Where the ranks recompute their layers,
-    the single process does not: the step is the same."""
+    alltoall dispatcher moves each token to the rank of its experts. Two data-parallel copies of two ranks,
+    the experts divided among all four, is slime's layout for it in small (two copies of four); the copies
+    split five samples three and two, so one adds a pass that counts for nothing to take part in the
+    other's expert exchanges. Where the ranks recompute their layers, the single process does not: the
+    step is the same."""
     import dataclasses
     import subprocess
     import sys
 
     model, checkpoint, folder = hf_models[case]
-    batch = _batch(seed=0, config=model.config)
+    batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
     torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
     worker = Path(__file__).with_name("megatron_tp_worker.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(tensor_parallel), str(worker), str(folder), str(tmp_path / "batch.pt"),
-                           str(tmp_path / "out.pt"), str(tensor_parallel),
-                           str(expert_parallel), "recompute" if recompute else "keep"],
+                           str(tensor_parallel * data_parallel), str(worker), str(folder), str(tmp_path / "batch.pt"),
+                           str(tmp_path / "out.pt"), str(tensor_parallel), str(expert_parallel), str(data_parallel),
+                           "recompute" if recompute else "keep"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")
@@ -638,4 +651,4 @@ def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_mode
     _, _, folder = hf_models["qwen3"]
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_tp_worker.py")), "lose-a-follower",
                            str(folder)], capture_output=True, text=True, timeout=300)
-    assert "REFUSED tensor-parallel rank 1 exited with code -9" in done.stdout, done.stderr[-3000:]
+    assert "REFUSED trainer rank 1 exited with code -9" in done.stdout, done.stderr[-3000:]

@@ -43,6 +43,9 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 8, "expert_model_parallel_size": 8,
       "colocate": True, "rollout_num_gpus_per_engine": 8}, [str(gpu) for gpu in range(8)], "0,1,2,3,4,5,6,7",
      ["0,1,2,3,4,5,6,7"]),  # qwen3_30b_a3b_dapo's 8-GPU layout: one vLLM engine of 8 beside 8 trainer ranks
+    ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 4, "data_parallel_size": 2,
+      "expert_model_parallel_size": 8, "colocate": True, "rollout_num_gpus_per_engine": 8},
+     [str(gpu) for gpu in range(8)], "0,1,2,3,4,5,6,7", ["0,1,2,3,4,5,6,7"]),  # slime's: two copies of TP 4
     ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
       "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "0,1", ["0", "1"]),  # engines sleep beside both ranks
 ])
@@ -55,7 +58,9 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
      r"needs 3 GPUs \(trainer 1, rollout 2\) but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
     ({"actor_num_gpus_per_node": 1}, [], "needs 1 GPUs .* shows 0$"),
     ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"], "one host so far; add rollout workers"),
-    ({"actor_num_gpus_per_node": 2}, ["0", "1"], "one tensor-parallel group .* pass --tensor-model-parallel-size 2"),
+    ({"actor_num_gpus_per_node": 2}, ["0", "1"], r"one rank per GPU, .* \(1 x 1\); make the product the GPU"),
+    ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "data_parallel_size": 2}, ["0"] * 8,
+     r"\(2 x 2\)"),
     ({"colocate": True}, ["0"], "pass --actor-num-gpus-per-node too"),
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "colocate": True}, ["0", "1"],
      "must be 1 or left out, not 2"),
@@ -68,7 +73,9 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     ({"actor_num_gpus_per_node": 1, "colocate": True, "rollout_workers": 3,
       "vllm_args": {"gpu_memory_utilization": 0.4}}, ["0"], "3 engines share .* at most 0.30"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 8, "expert_model_parallel_size": 4}, ["0"] * 8,
-     r"--expert-model-parallel-size 4: .* pass 1 or --tensor-model-parallel-size \(8\)"),
+     r"--expert-model-parallel-size 4: .* one copy of the trainer \(8\) or of all copies \(8\)"),
+    ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 4, "data_parallel_size": 2,
+      "expert_model_parallel_size": 2}, ["0"] * 8, r"\(4\) or of all copies \(8\)"),
 ])
 def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
     with pytest.raises(ValueError, match=said):

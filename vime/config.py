@@ -218,9 +218,14 @@ class JobConfig:
                                                  "(one per trainer GPU; gloo on CPU), with sequence parallelism; an "
                                                  "MoE model's experts are split like its MLPs unless "
                                                  "--expert-model-parallel-size divides them whole")
+    data_parallel_size: int = setting(1, "Megatron data parallelism: this many copies of the tensor-parallel trainer, "
+                                         "each training its share of a batch's samples, gradients summed over "
+                                         "them; the trainer runs tensor x data ranks, one per trainer GPU")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
-                                                 "divided among this many of the tensor-parallel ranks, each "
-                                                 "holding its experts whole (1 or --tensor-model-parallel-size)")
+                                                 "divided among this many ranks, each holding its experts whole: 1, "
+                                                 "--tensor-model-parallel-size (each copy of the trainer holds them "
+                                                 "all), or tensor x data (the copies share them, as slime's recipes "
+                                                 "do)")
     recompute_activations: bool = setting(False, "Megatron activation recomputation: each layer keeps only its input "
                                                  "and runs its forward again in the backward pass (activations of "
                                                  "one layer at a time instead of all; about a third more compute); "
@@ -235,16 +240,23 @@ class JobConfig:
             raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
         if self.train_backend == "megatron" and self.algo != "grpo":
             raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
-        if self.tensor_model_parallel_size > 1 and self.train_backend != "megatron":
-            raise ValueError("--tensor-model-parallel-size needs --train-backend megatron")
+        for flag in ("tensor_model_parallel_size", "data_parallel_size"):
+            if getattr(self, flag) > 1 and self.train_backend != "megatron":
+                raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
         if self.recompute_activations and self.train_backend != "megatron":
             raise ValueError("--recompute-activations needs --train-backend megatron")
-        if self.expert_model_parallel_size not in (1, self.tensor_model_parallel_size):
+        tensor, ranks = self.tensor_model_parallel_size, self.tensor_model_parallel_size * self.data_parallel_size
+        if self.expert_model_parallel_size not in (1, tensor, ranks):
             raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: the experts are "
-                             "divided among the tensor-parallel ranks, so pass 1 or --tensor-model-parallel-size "
-                             f"({self.tensor_model_parallel_size})")
+                             f"divided among the ranks of one copy of the trainer ({tensor}) or of all copies "
+                             f"({ranks}); pass one of those or 1")
         _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
-                  tensor_model_parallel_size=1)
+                  tensor_model_parallel_size=1, data_parallel_size=1)
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Processes of the trainer: one per tensor-parallel rank of each data-parallel copy."""
+        return self.tensor_model_parallel_size * self.data_parallel_size
 
 
 def _at_least(settings: Any, **minimums: float) -> None:
@@ -287,12 +299,13 @@ class RunConfig:
         return cls(**sections)
 
     def train_engine_arguments(self, seed: int) -> dict[str, Any]:
-        """What a trainer engine of ``--train-backend`` is built from: the same on every tensor-parallel rank."""
+        """What a trainer engine of ``--train-backend`` is built from: the same on every rank."""
         arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=self.loss,
                          grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
                          dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
         if self.job.train_backend == "megatron":
             arguments.update(tensor_parallel=self.job.tensor_model_parallel_size,
+                             data_parallel=self.job.data_parallel_size,
                              expert_parallel=self.job.expert_model_parallel_size,
                              recompute=self.job.recompute_activations)
         return arguments

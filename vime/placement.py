@@ -61,10 +61,11 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     trainer_gpus = layout.actor_num_gpus_per_node
     if not (trainer_gpus or layout.rollout_num_gpus or layout.colocate):
         return Placement(None, [None] * rollout.rollout_workers, None)
-    if trainer_gpus > 1 and trainer_gpus != config.job.tensor_model_parallel_size:
-        raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer's GPUs are one tensor-parallel "
-                         f"group so far (no data or pipeline parallelism); pass --tensor-model-parallel-size "
-                         f"{trainer_gpus}")
+    if trainer_gpus > 1 and trainer_gpus != config.job.trainer_ranks:
+        raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer runs one rank per GPU, "
+                         f"--tensor-model-parallel-size x --data-parallel-size of them "
+                         f"({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size}); make the "
+                         "product the GPU count (no pipeline parallelism so far)")
     if trainer_gpus and config.job.train_backend != "megatron":
         raise ValueError("--actor-num-gpus-per-node: the reference trainer runs on CPU; pass --train-backend megatron")
     rollout_gpus = layout.rollout_num_gpus

@@ -96,22 +96,25 @@ from vime.flops import moe_layer_pattern
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
 
-def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
+def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1) -> None:
     """Set up torch.distributed and megatron-core's process groups, once per process.
 
     Megatron's layers look up their tensor/pipeline/expert groups globally, so
     even a single-process model needs them. Under ``torchrun`` the world is the
-    launcher's (NCCL on GPUs, one per local rank; gloo on CPU) and must be
-    exactly one tensor-parallel group; with no launcher around, it is a world
-    of one over an in-memory store (no port). ``expert_parallel`` (1 or
-    ``tensor_parallel``) divides the routed experts among the same ranks,
-    each holding its experts whole; otherwise each rank holds a share of
-    every expert. Without CUDA (tests), megatron-core is first patched to
-    place tensors on the CPU.
+    launcher's (NCCL on GPUs, one per local rank; gloo on CPU): ``data_parallel``
+    copies of a tensor-parallel group, consecutive ranks in a copy; with no
+    launcher around, it is a world of one over an in-memory store (no port).
+    ``expert_parallel`` divides the routed experts among the ranks of a copy
+    (``tensor_parallel``) or of all copies (``tensor_parallel x data_parallel``),
+    each holding its experts whole; at 1 each rank holds a share of every
+    expert. Without CUDA (tests), megatron-core is first patched to place
+    tensors on the CPU.
     """
-    if expert_parallel not in (1, tensor_parallel):
-        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the "
-                         f"tensor-parallel ranks, so pass 1 or {tensor_parallel}")
+    ranks = tensor_parallel * data_parallel
+    if expert_parallel not in (1, tensor_parallel, ranks):
+        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of "
+                         f"one copy of the trainer ({tensor_parallel}) or of all copies ({ranks}); pass one of those "
+                         "or 1")
     cpu_compat.apply()
     launched = "LOCAL_RANK" in os.environ
     if torch.cuda.is_available():
@@ -122,26 +125,28 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != tensor_parallel:
-        raise ValueError(f"{dist.get_world_size()} processes for --tensor-model-parallel-size {tensor_parallel}: "
-                         f"launch with torchrun --nproc-per-node {tensor_parallel} (data and pipeline parallelism "
-                         "are not supported yet)")
+    if dist.get_world_size() != ranks:
+        raise ValueError(f"{dist.get_world_size()} processes for --tensor-model-parallel-size {tensor_parallel} x "
+                         f"--data-parallel-size {data_parallel}: launch with torchrun --nproc-per-node {ranks} "
+                         "(pipeline parallelism is not supported yet)")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                                  pipeline_model_parallel_size=1,
                                                  expert_model_parallel_size=expert_parallel,
-                                                 expert_tensor_parallel_size=tensor_parallel // expert_parallel)
+                                                 expert_tensor_parallel_size=_expert_tensor_parallel(
+                                                     tensor_parallel, expert_parallel))
         if torch.cuda.is_available():
             # Megatron forks the CUDA RNG tracker's state around dropout, and under sequence parallelism around
             # every layer, dropout or not: it must be seeded
             model_parallel_cuda_manual_seed(0)
-    elif (parallel_state.get_tensor_model_parallel_world_size(),
-          parallel_state.get_expert_model_parallel_world_size()) != (tensor_parallel, expert_parallel):
-        raise ValueError("this process already holds a model of another tensor- or expert-parallel size")
-    if expert_parallel > 1 and \
-            parallel_state.get_expert_model_parallel_rank() != parallel_state.get_tensor_model_parallel_rank():
-        raise RuntimeError("megatron-core numbered the expert-parallel ranks unlike the tensor-parallel ones; "
-                           "vime's weight split assumes the same order")
+    elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size(),
+          parallel_state.get_data_parallel_world_size()) != (tensor_parallel, expert_parallel, data_parallel):
+        raise ValueError("this process already holds a model of another tensor-, expert- or data-parallel size")
+
+
+def _expert_tensor_parallel(tensor_parallel: int, expert_parallel: int) -> int:
+    """How many ranks share each expert: all of a copy's when the experts are not divided whole, else one."""
+    return tensor_parallel if expert_parallel == 1 else 1
 
 
 class SDPAttention(MegatronModule):
@@ -198,16 +203,19 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 class _Weight(torch.nn.Module):
-    """A module holding one parameter, so that it is named ``<module>.weight`` like a linear layer's; the
-    parameter is split among the ranks on ``partition_dim`` into ``partition_parts`` parts, each cut
-    evenly (see :func:`_split_rule`)."""
+    """A module holding one expert weight, so that it is named ``<module>.weight`` like a linear layer's; the
+    parameter is split on ``partition_dim`` into ``partition_parts`` parts, each cut evenly (see
+    :func:`_split_rule`), among the expert-parallel ranks (``whole``: each holds some experts) or the ranks
+    that share every expert."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, partition_dim: int, partition_parts: int) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, partition_dim: int, partition_parts: int,
+                 whole: bool) -> None:
         super().__init__()
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim, self.weight.partition_parts = partition_dim, partition_parts
+        self.weight.expert_split = "model" if whole else "tensor"
 
 
 class GroupedExperts(MegatronModule):
@@ -237,9 +245,9 @@ class GroupedExperts(MegatronModule):
                              f"of {align} in {config.params_dtype}: change the model's sizes or the tensor-parallel "
                              "size, or use expert parallelism")
         self.linear_fc1 = _Weight((num_local_experts, 2 * ffn, config.hidden_size), config.params_dtype,
-                                  *((0, 1) if whole else (1, 2)))
+                                  *((0, 1) if whole else (1, 2)), whole)
         self.linear_fc2 = _Weight((num_local_experts, config.hidden_size, ffn), config.params_dtype,
-                                  *((0, 1) if whole else (2, 1)))
+                                  *((0, 1) if whole else (2, 1)), whole)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -304,7 +312,8 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         hidden_dropout=0.0, attention_dropout=hf_config.attention_dropout,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
-        expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=tensor_parallel // expert_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=_expert_tensor_parallel(tensor_parallel, expert_parallel),
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
@@ -332,20 +341,21 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                tensor_parallel: int = 1, expert_parallel: int = 1, recompute: bool = False) -> GPTModel:
+                tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1,
+                recompute: bool = False) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
     :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
     this process holds its rank's shard, and its logits cover its share of
-    the vocabulary (:func:`forward` gathers them); ``expert_parallel`` (see
-    :func:`init_parallel`) decides how an MoE model's experts are shared;
-    ``recompute``: see :func:`transformer_config`.
+    the vocabulary (:func:`forward` gathers them); ``expert_parallel`` and
+    ``data_parallel`` (see :func:`init_parallel`) decide how an MoE model's
+    experts are shared; ``recompute``: see :func:`transformer_config`.
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
-    init_parallel(tensor_parallel, expert_parallel)
+    init_parallel(tensor_parallel, expert_parallel, data_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
                                 tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -377,6 +387,25 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
 
 
 # --- weights -------------------------------------------------------------------------------------------------
+
+
+def _sum_over(tensors: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = 256 << 20) -> None:
+    """Sum ``tensors`` in place over ``group``'s ranks, a few collectives of up to ``bucket_bytes`` each (one
+    per tensor would be thousands; one for all would double the gradients' memory)."""
+    if dist.get_world_size(group) == 1:
+        return
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        if not buckets or size >= bucket_bytes or buckets[-1][0].dtype != tensor.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += tensor.numel() * tensor.element_size()
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
 def _only(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -523,13 +552,24 @@ def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
             if isinstance(tensor, torch.Tensor)}
 
 
-def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int] | None:
-    """How a whole tensor divides among the tensor-parallel ranks: ``(dim, parts)``, or None when every rank
-    holds it whole. A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``;
-    :class:`GroupedExperts`' weights say their own rule."""
+def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int, dist.ProcessGroup] | None:
+    """How a whole tensor divides among ranks: ``(dim, parts, group)``, or None when every rank holds it whole.
+    A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``;
+    :class:`GroupedExperts`' weights say their own rule and are split among the expert ranks."""
     if not getattr(live, "tensor_model_parallel", False):
         return None
-    return live.partition_dim, getattr(live, "partition_parts", 2 if name.endswith("linear_fc1.weight") else 1)
+    parts = getattr(live, "partition_parts", 2 if name.endswith("linear_fc1.weight") else 1)
+    return live.partition_dim, parts, _split_group(live)
+
+
+def _split_group(live: torch.Tensor) -> dist.ProcessGroup:
+    """The ranks among which a split tensor is divided, in the order of its parts."""
+    split = getattr(live, "expert_split", None)
+    if split == "model":
+        return parallel_state.get_expert_model_parallel_group()
+    if split == "tensor":
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -537,20 +577,22 @@ def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     rule = _split_rule(name, live)
     if rule is None:
         return whole
-    dim, parts = rule
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    dim, parts, group = rule
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     return torch.cat([part.chunk(size, dim)[rank] for part in whole.chunk(parts, dim)], dim)
 
 
 def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
-    """The whole tensor, gathered from every tensor-parallel rank (a collective: every rank calls it)."""
+    """The whole tensor, gathered from the ranks that share it (a collective: every rank calls it)."""
     rule = _split_rule(name, live)
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if rule is None or size == 1:
+    if rule is None:
         return live
-    dim, parts = rule
+    dim, parts, group = rule
+    size = dist.get_world_size(group)
+    if size == 1:
+        return live
     pieces = [torch.empty_like(live) for _ in range(size)]
-    dist.all_gather(pieces, live.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(pieces, live.detach().contiguous(), group=group)
     per_rank = [piece.chunk(parts, dim) for piece in pieces]  # each rank's [its gate; its up], or its one part
     return torch.cat([chunks[part] for part in range(parts) for chunks in per_rank], dim)
 
@@ -895,14 +937,17 @@ class MegatronTrainEngine(TorchTrainEngine):
     ``dtype="bf16"`` trains bf16 weights with fp32 masters, as the reference
     trainer does.
 
-    With ``tensor_parallel`` > 1 every rank (of a ``torchrun`` launch, or
-    led by ``vime.backends.tensor_parallel`` in the pipeline) builds this
-    engine and makes the same calls with the same batches: each holds its
-    shard of the weights (with ``expert_parallel``, whole experts of its
-    own), masters and optimizer state, the gradient norm is
-    taken over the whole model, and ``named_weights`` gathers whole tensors
-    on every rank. Rank 0 writes the Hugging Face folder; each rank
-    writes its own trainer state.
+    With several ranks (``tensor_parallel`` x ``data_parallel``, of a
+    ``torchrun`` launch or led by ``vime.backends.tensor_parallel`` in the
+    pipeline) every rank builds this engine and makes the same calls with
+    the same batches: each holds its shard of the weights (with
+    ``expert_parallel``, whole experts of its own), masters and optimizer
+    state; each data-parallel copy runs its share of the samples
+    (:func:`~vime.backends.torch_train.replica_micro_batches`) and the
+    gradients are summed over the copies; the gradient norm is taken over
+    the whole model, and ``named_weights`` gathers whole tensors on every
+    rank. Rank 0 writes the Hugging Face folder; each rank writes its own
+    trainer state.
 
     GRPO only for now: PPO's value model is a Hugging Face backbone there.
     """
@@ -910,12 +955,13 @@ class MegatronTrainEngine(TorchTrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
-                 recompute: bool = False) -> None:
+                 data_parallel: int = 1, recompute: bool = False) -> None:
         if algo != "grpo":
             raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
                                       "use the torch trainer for ppo")
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
+        self.data_parallel = data_parallel
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -929,6 +975,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                        if getattr(param, "tensor_model_parallel", False)}
         self._partial = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
                          if getattr(param, "sequence_parallel", False)}
+        self._experts = {id(tensor) for tensor, (_, param) in zip(tensors, trained) if hasattr(param, "expert_split")}
+        self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -956,7 +1004,7 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
         model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
                             tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
-                            recompute=self.recompute)
+                            data_parallel=self.data_parallel, recompute=self.recompute)
         load_hf_weights(model, checkpoint, self.hf_config)
         return _AsCausalLM(model, self.hf_config).eval()
 
@@ -976,25 +1024,41 @@ class MegatronTrainEngine(TorchTrainEngine):
                 end_replay(self.policy.model)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Under tensor parallelism, first complete the norms' and routers' gradients (summed over the ranks),
-        then take the norm over the whole model: shards' squares summed over the ranks, whole tensors counted
-        once, since every rank now holds the same gradient of them."""
-        if self.tensor_parallel == 1:
+        """Complete the gradients, then take the norm over the whole model and clip to it.
+
+        Each data-parallel copy's gradients are of its share of the batch's samples (the loss normalised
+        by the whole batch), so they are summed over the copies: an expert's over the copies that hold it.
+        Under tensor parallelism the norms' and routers' gradients are of the rank's share of the positions
+        and are summed over its copy's ranks. The norm then counts each shard once (squares summed over the
+        ranks that divide the tensor) and each whole tensor once, since every rank now holds the same
+        gradient of it."""
+        grads = {id(param): param.grad for param in params if param.grad is not None}
+        experts = [grad for key, grad in grads.items() if key in self._experts]
+        _sum_over([grad for key, grad in grads.items() if key not in self._experts],
+                  parallel_state.get_data_parallel_group())
+        _sum_over(experts, parallel_state.get_expert_data_parallel_group())
+        if dist.get_world_size() == 1:
             return super()._clip_gradients(params, max_norm)
-        group = parallel_state.get_tensor_model_parallel_group()
-        partial = [param.grad for param in params if param.grad is not None and id(param) in self._partial]
-        if partial:  # one collective for all of them, as megatron-core's finalize_model_grads does
-            summed = _flatten_dense_tensors(partial)
-            dist.all_reduce(summed, group=group)
-            torch._foreach_copy_(partial, _unflatten_dense_tensors(summed, partial))
-        split = [param.grad for param in params if param.grad is not None and id(param) in self._split]
-        whole = [param.grad for param in params if param.grad is not None and id(param) not in self._split]
-        grads = split + whole
-        squares = (torch.nn.utils.get_total_norm(split) ** 2).to(self.device)  # a CPU zero when split is empty
-        dist.all_reduce(squares, group=group)
+        _sum_over([grad for key, grad in grads.items() if key in self._partial],
+                  parallel_state.get_tensor_model_parallel_group())
+        squares = torch.zeros((), device=self.device)
+        for shards, group in (([grad for key, grad in grads.items() if key in self._split and key not in self._experts],
+                               parallel_state.get_tensor_model_parallel_group()),
+                              (experts, parallel_state.get_expert_tensor_and_model_parallel_group())):
+            part = (torch.nn.utils.get_total_norm(shards) ** 2).to(self.device)  # a CPU zero when there are none
+            dist.all_reduce(part, group=group)
+            squares += part
+        whole = [grad for key, grad in grads.items() if key not in self._split]
         total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(list(grads.values()), max_norm, total)
         return total
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.data_parallel == 1:
+            return tensor
+        summed = tensor.to(self.device)
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        return summed.to(tensor.device)
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
@@ -1024,10 +1088,11 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.barrier()
 
     def _state_file(self, folder: Path) -> Path:
-        if self.tensor_parallel == 1:
+        if dist.get_world_size() == 1:
             return super()._state_file(folder)
-        experts = "-ep" if self.expert_parallel > 1 else ""  # its optimizer state holds other tensors
-        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{experts}.pt"
+        copy = f"-dp{parallel_state.get_data_parallel_rank()}" if self.data_parallel > 1 else ""
+        experts = f"-ep{self.expert_parallel}" if self.expert_parallel > 1 else ""  # other tensors in its state
+        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{copy}{experts}.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:
         load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)

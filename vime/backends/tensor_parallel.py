@@ -1,4 +1,5 @@
-"""A tensor-parallel Megatron trainer that the trainer actor drives as if it were one engine.
+"""A Megatron trainer of several ranks (tensor and data parallel) that the trainer actor drives as if it
+were one engine.
 
 Rank 0 lives in the trainer actor's process; it starts ranks 1..N-1 as
 processes of its own (``python -m vime.backends.tensor_parallel``), on the
@@ -46,10 +47,10 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint 
 
 
 class LeadingEngine(TrainEngine):
-    """Rank 0 of a tensor-parallel Megatron trainer: each call is ordered to every rank, then made here."""
+    """Rank 0 of a Megatron trainer of several ranks: each call is ordered to every rank, then made here."""
 
     def __init__(self, run: RunConfig, seed: int) -> None:
-        size = run.job.tensor_model_parallel_size
+        size = run.job.trainer_ranks
         store = _store(0, size)
         os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(size), RANK="0", LOCAL_RANK="0")
         spec = json.dumps({"config": run.to_dict(), "seed": seed})
@@ -128,7 +129,7 @@ class LeadingEngine(TrainEngine):
     def _order(self, name: str, argument: str = "") -> None:
         for rank, follower in enumerate(self.followers, start=1):
             if follower.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {follower.returncode}; its "
+                raise RuntimeError(f"trainer rank {rank} exited with code {follower.returncode}; its "
                                    "output is in the trainer's log. Restart the run from its last checkpoint")
         payload = torch.tensor(list(argument.encode()), dtype=torch.uint8)
         _broadcast(torch.tensor([ORDERS.index(name), payload.numel()]), self.device)

@@ -69,6 +69,7 @@ class TorchTrainEngine(TrainEngine):
         self.temperature = temperature
         self.device = device
         self.weight_version = 0
+        self.replica = (0, 1)  # (which, of how many) data-parallel copies of this trainer: each trains its share
         self.policy = self._load_policy(model_path).to(device)
         self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
         if self.reference is not None and dtype == "bf16":
@@ -109,7 +110,8 @@ class TorchTrainEngine(TrainEngine):
         path = self._state_file(folder)
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
-                                    "layout (--tensor-model-parallel-size, --expert-model-parallel-size); "
+                                    "layout (--tensor-model-parallel-size, --data-parallel-size, "
+                                    "--expert-model-parallel-size); "
                                     "resume with that layout")
         state = torch.load(path, weights_only=True)
         if self.masters is not None and state.get("masters") is None:
@@ -134,6 +136,10 @@ class TorchTrainEngine(TrainEngine):
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` to a norm of at most ``max_norm``; their norm before."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the data-parallel copies of this trainer (one here: itself)."""
+        return tensor
 
     def _state_file(self, folder: Path) -> Path:
         """Where :meth:`save` puts what the Hugging Face folder does not hold (optimizer, schedule, masters)."""
@@ -182,20 +188,22 @@ class TorchTrainEngine(TrainEngine):
         """Everything computed once per step with the weights the batch will be trained from: the response
         tokens' log-probs (``old_logprobs``, the trainer side of ``train_rollout_logprob_abs_diff``) and
         entropies, and the reference log-probs and values where the algorithm has them."""
-        chunks = micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu(),
-                               self.optim.micro_batch_size)
+        chunks = replica_micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu(),
+                                       self.optim.micro_batch_size, *self.replica)
         batch = batch.to(self.device)
-        scores: dict[str, list[torch.Tensor]] = {"old_logprobs": [], "entropy": [], "ref_logprobs": [], "values": []}
-        for rows in chunks:
-            logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
-            scores["old_logprobs"].append(logprobs)
-            scores["entropy"].append(entropy)
+        keys = ["old_logprobs", "entropy"] + ["ref_logprobs"] * (self.reference is not None) + \
+            ["values"] * (self.critic is not None)
+        scores = {key: torch.zeros_like(batch.rollout_logprobs) for key in keys}
+        for rows, counted in chunks:
+            figures = dict(zip(("old_logprobs", "entropy"), self._response_logprobs(self.policy, batch, rows)))
             if self.reference is not None:
-                scores["ref_logprobs"].append(self._response_logprobs(self.reference, batch, rows)[0])
+                figures["ref_logprobs"] = self._response_logprobs(self.reference, batch, rows)[0]
             if self.critic is not None:
-                scores["values"].append(self._values(batch, rows))
-        restore = torch.argsort(torch.cat(chunks))  # back to the batch's order
-        return {key: torch.cat(parts)[restore] for key, parts in scores.items() if parts}
+                figures["values"] = self._values(batch, rows)
+            if counted:
+                for key, value in figures.items():
+                    scores[key][rows] = value
+        return {key: self._sum_over_replicas(value) for key, value in scores.items()}
 
     def _advantages(self, batch: TensorBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.algo == "grpo":
@@ -231,11 +239,11 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
             value_normalizer = float(row_tokens[mini].sum())
             normalizer = value_normalizer if self.loss.loss_aggregation == "token" else float(mini.numel())
-            for rows in micro_batches(mini, lengths, self.optim.micro_batch_size):
-                tokens = float(row_tokens[rows].sum())
+            for rows, counted in replica_micro_batches(mini, lengths, self.optim.micro_batch_size, *self.replica):
+                tokens = float(row_tokens[rows].sum()) if counted else 0.0
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
-                                                   value_normalizer, scored_in_training).items():
-                    totals.setdefault(key, []).append((value, tokens))
+                                                   value_normalizer, scored_in_training, counted).items():
+                    totals.setdefault(key, []).append((value if counted else value * 0, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
             totals.setdefault("grad_norm", []).append((norms[0], 1.0))
@@ -243,6 +251,8 @@ class TorchTrainEngine(TrainEngine):
             if self.masters is not None:
                 self.masters.publish()
         self.optimizer.zero_grad(set_to_none=True)  # so that a colocated engine can use that memory between steps
+        if scored_in_training:  # each copy of the trainer filled in its own rows
+            scores = {key: self._sum_over_replicas(value) for key, value in scores.items()}
         # Only tokens sampled by the weights trained now show the engines' numerical mismatch; older ones also
         # carry the policy's movement since. Either figure is NaN (null in metrics.jsonl) without such tokens.
         gaps = (scores["old_logprobs"] - batch.rollout_logprobs).abs()
@@ -255,21 +265,25 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler.step()
         self.policy.eval()
         self.weight_version += 1
-        for key, pairs in _read(totals).items():
-            metrics.setdefault(key, _combine(key, pairs, len(minis)))  # kl was measured before the update: kept
+        sums = _read(totals)
+        summed = self._sum_over_replicas(torch.tensor(list(sums.values()), dtype=torch.float64).reshape(-1, 3))
+        for key, figures in zip(sums, summed.tolist()):
+            metrics.setdefault(key, _combine(key, figures, len(minis)))  # kl was measured before the update: kept
         return metrics
 
     def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
                     advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
-                    value_normalizer: float, scored_here: bool) -> dict[str, torch.Tensor]:
+                    value_normalizer: float, scored_here: bool, counted: bool = True) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; gradients accumulate. ``scored_here``: this forward's
-        log-probs and entropies are the step's scores (written into ``scores``)."""
+        log-probs and entropies are the step's scores (written into ``scores``). A pass that does not count
+        (see :func:`replica_micro_batches`) adds nothing to either."""
         mask = batch.response_mask[rows]
         logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
-        if scored_here:
-            scores["old_logprobs"][rows] = logprobs.detach()
+        old_logprobs = logprobs.detach() if scored_here else scores["old_logprobs"][rows]
+        if scored_here and counted:
+            scores["old_logprobs"][rows] = old_logprobs
             scores["entropy"][rows] = entropy.detach()
-        loss, stats = policy_loss(self.loss, logprobs, scores["old_logprobs"][rows], advantages[rows], mask,
+        loss, stats = policy_loss(self.loss, logprobs, old_logprobs, advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None,
                                   behaviour_logprobs=batch.rollout_logprobs[rows], normalizer=normalizer)
@@ -281,27 +295,34 @@ class TorchTrainEngine(TrainEngine):
                                                      self.ppo.value_clip, normalizer=value_normalizer)
             loss = loss + self.ppo.value_coef * value_loss
             stats.update(value_stats, value_loss=value_loss.detach())
-        loss.backward()
+        (loss if counted else loss * 0).backward()
         return stats
 
 
-def _read(totals: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, list[tuple[float, float]]]:
-    """The step's statistics copied to the host in one transfer at the end of the step: read one by one, each
+def _read(totals: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, list[float]]:
+    """Each statistic's ``[sum of value x tokens, sum of tokens, sum of values]`` over the step's micro-batches
+    (value, response tokens), copied to the host in one transfer at the end of the step: read one by one, each
     micro-step would make the host wait for the device before it could queue the next one's work."""
     flat = [value.float() for pairs in totals.values() for value, _ in pairs]  # detached scalars, of mixed dtypes
     if not flat:
         return {}
     values = iter(torch.stack([value.to(flat[0].device) for value in flat]).tolist())
-    return {key: [(next(values), tokens) for _, tokens in pairs] for key, pairs in totals.items()}
+    sums = {}
+    for key, pairs in totals.items():
+        read = [(next(values), tokens) for _, tokens in pairs]
+        sums[key] = [sum(value * tokens for value, tokens in read), sum(tokens for _, tokens in read),
+                     sum(value for value, _ in read)]
+    return sums
 
 
-def _combine(key: str, pairs: list[tuple[float, float]], minis: int) -> float:
-    """One figure for the step from the micro-batches' (value, response tokens): the losses were normalised
-    by their mini-batch, so they add up (one figure per mini-batch, averaged); the rest are per-token means,
-    weighted by their micro-batch's tokens (micro-batches of short samples hold fewer)."""
+def _combine(key: str, sums: list[float], minis: int) -> float:
+    """One figure for the step from :func:`_read`'s sums (over every copy of the trainer): the losses were
+    normalised by their mini-batch, so they add up (one figure per mini-batch, averaged); the rest are
+    per-token means, weighted by their micro-batch's tokens (micro-batches of short samples hold fewer)."""
+    weighted, tokens, plain = sums
     if key in ("loss", "value_loss"):
-        return sum(value for value, _ in pairs) / minis
-    return sum(value * tokens for value, tokens in pairs) / max(sum(tokens for _, tokens in pairs), 1.0)
+        return plain / minis
+    return weighted / max(tokens, 1.0)
 
 
 def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
@@ -309,6 +330,20 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple
     batch): a micro-batch is padded to its longest sample, so grouping samples of similar length wastes the
     least compute on padding, and the largest one comes first (running out of memory shows at once)."""
     return rows[torch.argsort(lengths[rows], descending=True, stable=True)].split(size)
+
+
+def replica_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, replica: int,
+                          replicas: int) -> list[tuple[torch.Tensor, bool]]:
+    """The micro-batches (see :func:`micro_batches`) of the share of ``rows`` that copy ``replica`` of
+    ``replicas`` data-parallel trainers takes, each with whether it counts: by length, every ``replicas``-th
+    sample from the ``replica``-th, so that the shares cost alike. Every copy runs as many micro-batches as
+    the one with the most, the others adding passes over the shortest sample that count for nothing: when
+    experts are divided among the copies, each forward and backward pass needs all of them."""
+    ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    share = ordered[replica::replicas]
+    mine = micro_batches(share, lengths, size) if share.numel() else ()  # an empty tensor splits into one empty part
+    passes = -(-len(rows) // (replicas * size))
+    return [(chunk, True) for chunk in mine] + [(ordered[-1:], False)] * (passes - len(mine))
 
 
 def _span(batch: TensorBatch, rows: torch.Tensor) -> tuple[int, int]:
