@@ -433,6 +433,11 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, dtype):
     ours, theirs = engine.named_weights(), resumed.named_weights()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.model_type == "qwen3"
+    if dtype == "fp32":  # the same file names, another trainer's optimizer state: refused, not loaded
+        _engine(TorchTrainEngine, folder).save(tmp_path / "torch")
+        with pytest.raises(ValueError, match=r"written by a trainer of layout \{'train_backend': 'torch'\}, and this "
+                                             r"one's is \{'train_backend': 'megatron', 'tensor_parallel': 1"):
+            resumed.load(tmp_path / "torch")
 
 
 # -- on the GPU (gpu marker; run with `pytest -m gpu`) ----------------------------------------------------------
@@ -506,16 +511,16 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
 
 
 @pytest.mark.parametrize("tensor_parallel,data_parallel,expert_parallel", [
-    (2, 2, 4), pytest.param(2, 1, 2, marks=pytest.mark.slow)])  # CI time
+    (1, 2, 2), *(pytest.param(*layout, marks=pytest.mark.slow) for layout in ((2, 2, 4), (2, 1, 2)))])  # CI time
 async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path, tensor_parallel, data_parallel,
                                                                        expert_parallel):
-    """qwen3_30b_a3b_dapo's 8-GPU layouts at toy size: a Qwen3-MoE trained by two data-parallel copies of two
-    tensor-parallel ranks, the experts divided among all four (slime's layout), or by one copy of two ranks
-    that divide them; the ranks recompute their layers, replaying the experts the torch rollout engine recorded
-    (R3). The experts travel with each sample through the buffer to every rank; a wrong or misplaced one
-    changes the trainer's log-probs, which match the rollout's to float rounding (fp32 both sides). Experts
-    lost on the way would not show here (fp32 routes alike on both sides): the engine tests show that the
-    trainer replays them."""
+    """qwen3_30b_a3b_dapo's 8-GPU layouts at toy size: a Qwen3-MoE trained by two data-parallel copies of the
+    trainer, the experts divided among all their ranks (slime's layout: copies of one rank here, of two in the
+    slow tier), or by one copy of two tensor-parallel ranks that divide them; the ranks recompute their layers,
+    replaying the experts the torch rollout engine recorded (R3). The experts travel with each sample through
+    the buffer to every rank; a wrong or misplaced one changes the trainer's log-probs, which match the
+    rollout's to float rounding (fp32 both sides). Experts lost on the way would not show here (fp32 routes
+    alike on both sides): the engine tests show that the trainer replays them."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic

@@ -61,6 +61,7 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     ({"actor_num_gpus_per_node": 2}, ["0", "1"], r"one rank per GPU, .* \(1 x 1\); make the product the GPU"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "data_parallel_size": 2}, ["0"] * 8,
      r"\(2 x 2\)"),
+    ({"actor_num_gpus_per_node": 1, "tensor_model_parallel_size": 2}, ["0"] * 2, r"\(2 x 1\)"),
     ({"colocate": True}, ["0"], "pass --actor-num-gpus-per-node too"),
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2, "colocate": True}, ["0", "1"],
      "must be 1 or left out, not 2"),

@@ -61,7 +61,7 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     trainer_gpus = layout.actor_num_gpus_per_node
     if not (trainer_gpus or layout.rollout_num_gpus or layout.colocate):
         return Placement(None, [None] * rollout.rollout_workers, None)
-    if trainer_gpus > 1 and trainer_gpus != config.job.trainer_ranks:
+    if trainer_gpus and trainer_gpus != config.job.trainer_ranks:
         raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer runs one rank per GPU, "
                          f"--tensor-model-parallel-size x --data-parallel-size of them "
                          f"({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size}); make the "

@@ -764,6 +764,17 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
             _route_freely(handles)
 
 
+def _check_replayable(experts: torch.Tensor) -> None:
+    """A ValueError unless each row of ``experts [rows, width, layers, top_k]`` has experts up to a point and
+    none after it (a response's last token and the padding), past its first position."""
+    unrouted = experts.amax(dim=(-2, -1)) < 0  # [rows, width]; free positions hold -1 throughout
+    first = unrouted.int().argmax(dim=1, keepdim=True)
+    tail = torch.arange(unrouted.shape[1], device=unrouted.device) >= first
+    if not torch.equal(unrouted, tail) or not first.all():
+        raise ValueError("replayed experts must cover every position of a row but its last and the padding; "
+                         "a sample without recorded experts cannot be replayed by the Megatron trainer")
+
+
 def end_replay(model: GPTModel) -> None:
     """Drop the experts a recomputing model's replay kept past its forward, for the backward pass."""
     _route_freely(_replay_handles(model, required=False))
@@ -977,6 +988,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                          if getattr(param, "sequence_parallel", False)}
         self._experts = {id(tensor) for tensor, (_, param) in zip(tensors, trained) if hasattr(param, "expert_split")}
         self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
+        self.layout = {"train_backend": "megatron", "tensor_parallel": tensor_parallel,
+                       "data_parallel": data_parallel, "expert_parallel": expert_parallel}
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -988,13 +1001,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         if experts is None:
             yield
             return
-        free = experts < 0
-        unrouted = free.all(dim=-1).all(dim=-1)  # [rows, width]
-        first = unrouted.int().argmax(dim=1, keepdim=True)
-        tail = torch.arange(unrouted.shape[1], device=unrouted.device) >= first
-        if not torch.equal(unrouted, tail) or not first.all():
-            raise ValueError("replayed experts must cover every position of a row but its last and the padding; "
-                             "a sample without recorded experts cannot be replayed by the Megatron trainer")
+        _check_replayable(experts)
         model.replay_experts = _route_free_tokens(experts).to(self.device)
         try:
             yield
@@ -1016,7 +1023,11 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         """The reference trainer's step; the experts the last micro-batch replayed, kept for its backward pass
-        when the layers recompute, are dropped after it."""
+        when the layers recompute, are dropped after it. Experts that cannot be replayed are refused first, by
+        every rank (each holds the whole batch): one refusing in a micro-batch that the other data-parallel
+        copies do not run would leave them waiting in their next collective."""
+        if batch.routed_experts is not None:
+            _check_replayable(batch.routed_experts)
         try:
             return super().train_step(batch)
         finally:
@@ -1091,7 +1102,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         if dist.get_world_size() == 1:
             return super()._state_file(folder)
         copy = f"-dp{parallel_state.get_data_parallel_rank()}" if self.data_parallel > 1 else ""
-        experts = f"-ep{self.expert_parallel}" if self.expert_parallel > 1 else ""  # other tensors in its state
+        experts = "-ep" if self.expert_parallel > 1 else ""  # its optimizer state holds other tensors
         return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{copy}{experts}.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:

@@ -70,6 +70,7 @@ class TorchTrainEngine(TrainEngine):
         self.device = device
         self.weight_version = 0
         self.replica = (0, 1)  # (which, of how many) data-parallel copies of this trainer: each trains its share
+        self.layout: dict[str, Any] = {"train_backend": "torch"}  # a checkpoint resumes only in the same layout
         self.policy = self._load_policy(model_path).to(device)
         self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
         if self.reference is not None and dtype == "bf16":
@@ -103,7 +104,7 @@ class TorchTrainEngine(TrainEngine):
         torch.save({"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                     "critic": None if self.critic is None else self.critic.state_dict(),
-                    "masters": None if self.masters is None else self.masters.state_dict()},
+                    "masters": None if self.masters is None else self.masters.state_dict(), "layout": self.layout},
                    self._state_file(folder))
 
     def load(self, folder: Path) -> None:
@@ -114,6 +115,9 @@ class TorchTrainEngine(TrainEngine):
                                     "--expert-model-parallel-size); "
                                     "resume with that layout")
         state = torch.load(path, weights_only=True)
+        if state.get("layout", self.layout) != self.layout:  # the same files, each rank's tensors of another size
+            raise ValueError(f"{folder} was written by a trainer of layout {state['layout']}, and this one's is "
+                             f"{self.layout}: resume with the flags of that layout")
         if self.masters is not None and state.get("masters") is None:
             raise ValueError(f"{folder} holds no fp32 master weights (an fp32 run, or vime before they were saved): "
                              "resume it with --dtype fp32, or start a new run from its model folder")
