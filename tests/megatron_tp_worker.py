@@ -17,6 +17,7 @@ vocabulary (and their gradients, the entropy's too) are from one process's.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def vocab_parallel_gaps() -> list[float]:
     """Largest differences, over every rank, of ``vocab_parallel_token_stats`` on the rank's share of random
     logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
     (relative to its largest entry) the gradient of a loss that mixes them non-linearly, with the entropy's
-    gradient and without; a NaN counts as infinitely far."""
+    gradient and without, and worked through in pieces smaller than a row; a NaN counts as infinitely far."""
     from megatron.core import parallel_state
 
     from vime.backends.hf import token_stats
@@ -83,7 +84,7 @@ def vocab_parallel_gaps() -> list[float]:
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(7)
     gaps = []
-    for entropy_grad in (True, False):
+    for entropy_grad, piece_elements in ((True, 1 << 26), (False, 1 << 26), (True, 100)):  # 100: rows in pieces
         whole = (3 * torch.randn(3, 6, 64, generator=generator)).to(device).requires_grad_()
         targets = torch.randint(0, 64, (3, 5), generator=generator).to(device)
         weights = torch.randn(2, 3, 5, generator=generator).to(device)
@@ -91,7 +92,9 @@ def vocab_parallel_gaps() -> list[float]:
         ranks = parallel_state.get_tensor_model_parallel_world_size()
         base = whole.detach().chunk(ranks, dim=-1)[rank].clone().requires_grad_()
         stats = []
-        for stats_of, logits in ((token_stats, whole[:, 1:]), (vocab_parallel_token_stats, base[:, 1:])):
+        for stats_of, logits in ((token_stats, whole[:, 1:]),
+                                 (functools.partial(vocab_parallel_token_stats, piece_elements=piece_elements),
+                                  base[:, 1:])):
             logprobs, entropy = stats_of(logits, targets, 0.7, entropy_grad=entropy_grad)
             ((weights[0] * logprobs**2).sum() + (weights[1] * entropy * logprobs).sum()).backward()
             stats.append((logprobs, entropy))
