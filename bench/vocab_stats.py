@@ -4,10 +4,10 @@ pieces of several sizes: the transient memory and time of ``vime.backends.megatr
 One rank (a group of one) holds ``--share`` logits per position for ``--rows`` x ``--positions`` positions
 (Qwen3's 151,936 tokens over 4 ranks: 37,984), bf16 on a GPU, fp32 on CPU. Per piece size, in a process
 of its own: the median seconds of forward plus backward over ``--steps`` after a warm-up, and the peak
-memory above what the logits, their gradient and the per-token figures take (on a GPU, torch's peak
-allocation; on CPU, the process's peak resident size, which includes what was allocated before: compare
-the rows, not the figures). ``--pieces 0`` is one piece per row. The log-probs of every piece size are
-compared with the first as a check.
+memory above what was held before the first step (the logits and the per-token inputs), so the
+logits' gradient, one more tensor of their size and dtype, is part of it (on a GPU, torch's peak
+allocation; on CPU, the process's peak resident size, reset after the set-up). ``--pieces 0`` is one
+piece per row. The log-probs of every piece size are compared with the first as a check.
 
 Usage::
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ def measure(rows: int, positions: int, share: int, piece_elements: int, steps: i
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(rows, positions, share, generator=generator)).to(device, dtype).requires_grad_()
+    logits = torch.randn(rows, positions, share, generator=generator).mul_(3).to(device, dtype).requires_grad_()
     targets = torch.randint(0, share, (rows, positions), generator=generator).to(device)
     weights = torch.randn(rows, positions, generator=generator).to(device)
     pieces = piece_elements or positions * share
@@ -49,6 +48,9 @@ def measure(rows: int, positions: int, share: int, piece_elements: int, steps: i
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from here
+        before = _status_bytes("VmRSS")
     for step in range(steps + 1):
         logits.grad = None
         started = time.perf_counter()
@@ -61,9 +63,15 @@ def measure(rows: int, positions: int, share: int, piece_elements: int, steps: i
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = _status_bytes("VmHWM") - before
     return {"piece_elements": piece_elements, "seconds": statistics.median(times), "peak_bytes": peak,
             "logprob_sum": checksum}
+
+
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (Linux), in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
 
 
 def main() -> None:
@@ -84,7 +92,9 @@ def main() -> None:
     for pieces in args.pieces:
         child = subprocess.run([sys.executable, __file__, "--rows", str(args.rows), "--positions", str(args.positions),
                                 "--share", str(args.share), "--steps", str(args.steps), "--one", str(pieces)],
-                               capture_output=True, text=True, check=True)
+                               capture_output=True, text=True)
+        if child.returncode:
+            sys.exit(f"piece size {pieces} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
     first = results[0]
     print(f"{'piece elements':>15} {'seconds':>9} {'peak GB':>8} {'x time':>7} {'logprob sum gap':>16}")

@@ -833,7 +833,8 @@ def vocab_parallel_token_stats(logits: torch.Tensor, targets: torch.Tensor, temp
     4 responses of 9,000 tokens make 11 GB of bf16 logits per rank, and the eager fp32 chain to a log-prob
     several times that. Here a rank keeps for the backward pass the model's output of its share (prompt
     positions too, an eighth of the whole at TP8) and four numbers per token, and works through it in pieces
-    of at most ``piece_elements`` (two fp32 tensors of a piece's size at a time: 512 MB by default)."""
+    of at most ``piece_elements`` (or one position's share, where that is more), two fp32 tensors of a
+    piece's size at a time: 512 MB by default."""
     first = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
     chosen, entropy = _VocabParallelStats.apply(logits, targets, temperature, first,
                                                 parallel_state.get_tensor_model_parallel_group(), piece_elements)
