@@ -396,7 +396,7 @@ def test_replayed_rollout_experts_give_the_reference_trainers_logprobs(hf_models
     missing = batch.routed_experts.clone()
     missing[1] = -1
     with pytest.raises(ValueError, match="a sample without recorded experts cannot be replayed"):
-        engine._response_logprobs(engine.policy, dataclasses.replace(batch, routed_experts=missing), rows)
+        engine.train_step(dataclasses.replace(batch, routed_experts=missing))
 
 
 @pytest.mark.parametrize("case", ["qwen3", *MOE_CASES])

@@ -245,11 +245,7 @@ class JobConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
         if self.recompute_activations and self.train_backend != "megatron":
             raise ValueError("--recompute-activations needs --train-backend megatron")
-        tensor, ranks = self.tensor_model_parallel_size, self.tensor_model_parallel_size * self.data_parallel_size
-        if self.expert_model_parallel_size not in (1, tensor, ranks):
-            raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: the experts are "
-                             f"divided among the ranks of one copy of the trainer ({tensor}) or of all copies "
-                             f"({ranks}); pass one of those or 1")
+        check_expert_parallel(self.tensor_model_parallel_size, self.data_parallel_size, self.expert_model_parallel_size)
         _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
                   tensor_model_parallel_size=1, data_parallel_size=1)
 
@@ -257,6 +253,16 @@ class JobConfig:
     def trainer_ranks(self) -> int:
         """Processes of the trainer: one per tensor-parallel rank of each data-parallel copy."""
         return self.tensor_model_parallel_size * self.data_parallel_size
+
+
+def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int) -> None:
+    """ValueError unless the experts are divided among one rank each, the ranks of one copy of the trainer,
+    or the ranks of all copies: the layouts vime's weight split and gradient sums know."""
+    ranks = tensor_parallel * data_parallel
+    if expert_parallel not in (1, tensor_parallel, ranks):
+        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of "
+                         f"one copy of the trainer ({tensor_parallel}) or of all copies ({ranks}); pass one of those "
+                         "or 1")
 
 
 def _at_least(settings: Any, **minimums: float) -> None:

@@ -27,14 +27,17 @@ weight sync and ``save_hf`` (``_shard``/``_unshard``; the conversions
 themselves work on whole tensors). It always comes with sequence
 parallelism, which megatron-core requires of MoE layers under tensor
 parallelism: each rank norms, routes and holds activations for its slice of
-the sequence, so a batch is right-padded to a multiple of the ranks. An MoE
-model's experts are split like its dense MLPs (expert tensor parallelism
-equal to the tensor-parallel size) or, with expert parallelism over the
-same ranks, divided among them whole. Activation recomputation
+the sequence, so a batch is right-padded to a multiple of the ranks. Data
+parallelism runs copies of that group, each training its share of a
+batch's samples, gradients summed over the copies. An MoE model's experts
+are split like its dense MLPs (expert tensor parallelism equal to the
+tensor-parallel size) or, with expert parallelism over a copy's ranks or
+all copies' ranks, divided among them whole; each split tensor is cut and
+gathered over the group that divides it. Activation recomputation
 (``recompute``) checkpoints every layer; a replay of the rollout's experts
 then holds until the backward pass has run the layers again. What is
-deliberately not here yet: pipeline and data parallelism, Megatron's
-distributed optimizer, sequence packing, and PPO's value model.
+deliberately not here yet: pipeline parallelism, Megatron's distributed
+optimizer, sequence packing, and PPO's value model.
 
 Layout conventions that the conversion relies on:
 
@@ -90,7 +93,7 @@ from vime.backends.base import TensorBatch
 from vime.backends.hf import check_model_folder, scaled_logprobs
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
-from vime.config import OptimConfig
+from vime.config import OptimConfig, check_expert_parallel
 from vime.flops import moe_layer_pattern
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
@@ -110,11 +113,8 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
     expert. Without CUDA (tests), megatron-core is first patched to place
     tensors on the CPU.
     """
+    check_expert_parallel(tensor_parallel, data_parallel, expert_parallel)
     ranks = tensor_parallel * data_parallel
-    if expert_parallel not in (1, tensor_parallel, ranks):
-        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of "
-                         f"one copy of the trainer ({tensor_parallel}) or of all copies ({ranks}); pass one of those "
-                         "or 1")
     cpu_compat.apply()
     launched = "LOCAL_RANK" in os.environ
     if torch.cuda.is_available():
@@ -1027,11 +1027,11 @@ class MegatronTrainEngine(TorchTrainEngine):
     @contextlib.contextmanager
     def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
         """R3 through megatron-core's RouterReplay, which needs an expert for every position: the free ones
-        (-1: a response's last token, padding) get any valid ids, since no kept log-prob depends on them."""
+        (-1: a response's last token, padding) get any valid ids, since no kept log-prob depends on them. That
+        the others are all there is checked once per step, for the whole batch (:meth:`train_step`)."""
         if experts is None:
             yield
             return
-        _check_replayable(experts)
         model.replay_experts = _route_free_tokens(experts).to(self.device)
         try:
             yield

@@ -333,7 +333,7 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple
     """``rows`` cut into micro-batches of ``size``, longest samples first (``lengths``: of every sample of the
     batch): a micro-batch is padded to its longest sample, so grouping samples of similar length wastes the
     least compute on padding, and the largest one comes first (running out of memory shows at once)."""
-    return rows[torch.argsort(lengths[rows], descending=True, stable=True)].split(size)
+    return tuple(chunk for chunk, _ in replica_micro_batches(rows, lengths, size, 0, 1))
 
 
 def replica_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, replica: int,
@@ -345,7 +345,7 @@ def replica_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, 
     experts are divided among the copies, each forward and backward pass needs all of them."""
     ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
     share = ordered[replica::replicas]
-    mine = micro_batches(share, lengths, size) if share.numel() else ()  # an empty tensor splits into one empty part
+    mine = share.split(size) if share.numel() else ()  # an empty tensor splits into one empty part
     passes = -(-len(rows) // (replicas * size))
     return [(chunk, True) for chunk in mine] + [(ordered[-1:], False)] * (passes - len(mine))
 
