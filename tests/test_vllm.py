@@ -162,10 +162,32 @@ def test_a_sequence_ending_in_a_batch_launched_ahead_is_reported_once():
                               output_processor=Namespace(external_req_ids={}, request_states={}),
                               step=lambda: [ending] if launched and launched.pop() else [])
     sequence = Sequence(7, [1, 2], SamplingParams(max_new_tokens=1))
-    engine.weight_version, engine._running, engine._finished = 0, {"7": sequence}, []
+    engine.weight_version, engine._running, engine._finished, engine.record_experts = 0, {"7": sequence}, [], False
     engine.load_weights({}, version=1)
     assert engine.step() == [sequence] and engine.step() == [] and not engine.busy
     assert sequence.response_ids == [5] and sequence.versions == [0] and sequence.finish_reason == "length"
+
+
+def test_a_response_without_the_routed_experts_r3_asked_for_is_refused():
+    """With R3 on, each finished response carries the experts vLLM recorded, int16; a vLLM that returns none
+    stops the rollout with what to do, rather than leaving the trainer to route freely all run. vLLM's output
+    is a stand-in here: the CPU build refuses to record experts."""
+    from types import SimpleNamespace as Namespace
+
+    def finish(request: str, experts: Any) -> list[Sequence]:
+        engine._running[request] = Sequence(int(request), [1, 2], SamplingParams(max_new_tokens=1))
+        completion = Namespace(token_ids=[5], logprobs=[{5: Namespace(logprob=-1.0)}], finish_reason="length",
+                               routed_experts=experts)
+        return engine._take([Namespace(request_id=request, finished=True, outputs=[completion])])
+
+    engine = VllmRolloutEngine.__new__(VllmRolloutEngine)
+    engine.weight_version, engine._running, engine.record_experts = 0, {}, True
+    [done] = finish("1", [[[3, 1]], [[0, 2]]])
+    assert done.routed_experts.dtype == torch.int16 and done.routed_experts.tolist() == [[[3, 1]], [[0, 2]]]
+    with pytest.raises(RuntimeError, match="--no-use-rollout-routing-replay"):
+        finish("2", None)
+    engine.record_experts = False
+    assert finish("3", None)[0].routed_experts is None
 
 
 def test_abort_stops_running_and_queued_sequences(dense):

@@ -140,6 +140,18 @@ def engine_arguments(flags: dict[str, Any]) -> dict[str, Any]:
     return dict(flags)
 
 
+def _routed_experts(completion: Any) -> torch.Tensor:
+    """The experts vLLM recorded for a response, int16 as they travel. A vLLM that takes
+    ``enable_return_routed_experts`` but returns none would leave the trainer to route freely, so that R3
+    was silently off for the whole run: that is refused at the first response instead."""
+    experts = getattr(completion, "routed_experts", None)
+    if experts is None:
+        raise RuntimeError("vLLM returned a response without its routed experts although "
+                           "--use-rollout-routing-replay is on: this vLLM build does not record them (vLLM 0.24 "
+                           "does). Upgrade vLLM, or pass --no-use-rollout-routing-replay to train without R3.")
+    return torch.from_numpy(np.asarray(experts, dtype=np.int16))
+
+
 class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 256, seed: int = 0,
                  record_experts: bool = False, gpus: int = 1, engine_args: dict[str, Any] | None = None) -> None:
@@ -160,6 +172,7 @@ class VllmRolloutEngine(RolloutEngine):
         self._every_step, self._at_end = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.weight_version = 0
+        self.record_experts = record_experts
         self._running: dict[str, Sequence] = {}
         self._finished: list[Sequence] = []  # finished while the update waited for launched batches
 
@@ -199,8 +212,8 @@ class VllmRolloutEngine(RolloutEngine):
             sequence.versions += [self.weight_version] * (len(sequence.response_ids) - len(sequence.versions))
             if output.finished:
                 sequence.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
-                if getattr(completion, "routed_experts", None) is not None:
-                    sequence.routed_experts = torch.from_numpy(np.asarray(completion.routed_experts, dtype=np.int16))
+                if self.record_experts:
+                    sequence.routed_experts = _routed_experts(completion)
                 del self._running[output.request_id]
                 finished.append(sequence)
         return finished
