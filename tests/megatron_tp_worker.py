@@ -163,16 +163,17 @@ class _Buckets:
 
 
 def share_buckets(out: str) -> None:
-    """Two ranks share buckets as a tensor-parallel trainer does: rank 0 takes all three, then stops after the
-    first, then takes all three again; each rank writes what it got and made."""
-    from vime.backends.tensor_parallel import _shared_in_step
+    """Ranks share buckets as a tensor-parallel trainer does: rank 0 takes all three, then stops after the
+    first, then takes all three again; each rank writes what it got and made, how many words of rank 0's it
+    said or read, and which of them the store still holds."""
+    from vime.backends.tensor_parallel import Orders, _shared_in_step
 
     dist.init_process_group("gloo")
-    engine = _Buckets()
+    engine, orders = _Buckets(), Orders()
     runs = []
     for stop_after in (None, 1, None):
         got = []
-        steps = _shared_in_step(engine, 64, torch.bfloat16)
+        steps = _shared_in_step(engine, orders, 64, torch.bfloat16)
         for specs, offered in steps:
             got.append([specs, offered])
             if len(got) == stop_after:
@@ -180,8 +181,10 @@ def share_buckets(out: str) -> None:
                 break
         runs.append({"got": got, "made": engine.made})
         engine.made = []
+    dist.barrier()  # every rank has read every word: the store should hold none of them now
+    left = [key for key in (f"vime/order/{count}" for count in range(1, orders.count + 1)) if orders.store.check([key])]
     with open(f"{out}.{dist.get_rank()}", "w") as file:
-        json.dump(runs, file)
+        json.dump({"runs": runs, "words": orders.count, "left": left}, file)
     dist.destroy_process_group()
 
 

@@ -615,20 +615,24 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
 
 def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_path):
     """Rank 0 gets every rank's descriptor of each weight bucket; the others keep pace, bucket by bucket, and
-    when rank 0 stops early they stop after the same bucket, so the next publication starts in step."""
+    when rank 0 stops early they stop after the same bucket, so the next publication starts in step. Whether
+    to go on reaches them through the group's store (waiting for it runs nothing on a GPU), one word per
+    bucket, each deleted once every rank has read it."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                            str(Path(__file__).with_name("megatron_tp_worker.py")), "share-buckets",
                            str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    leader, follower = (json.loads((tmp_path / f"runs.{rank}").read_text()) for rank in (0, 1))
-    whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": 0, "bucket": i}, {"rank": 1, "bucket": i}]]
+    leader, *followers = (json.loads((tmp_path / f"runs.{rank}").read_text()) for rank in range(3))
+    whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": rank, "bucket": i} for rank in range(3)]]
              for i in range(3)]
-    assert [run["got"] for run in leader] == [whole, whole[:1], whole]
-    assert [run["got"] for run in follower] == [[], [], []]
-    assert [run["made"] for run in follower] == [[0, 1, 2], [0], [0, 1, 2]]
+    assert [run["got"] for run in leader["runs"]] == [whole, whole[:1], whole]
+    for follower in followers:
+        assert [run["got"] for run in follower["runs"]] == [[], [], []]
+        assert [run["made"] for run in follower["runs"]] == [[0, 1, 2], [0], [0, 1, 2]]
+    assert [rank["words"] for rank in (leader, *followers)] == [7] * 3 and leader["left"] == []
 
 
 def test_the_leader_orders_its_followers_to_release_memory_and_stays_in_step(hf_models, tmp_path):

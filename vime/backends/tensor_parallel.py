@@ -6,10 +6,12 @@ processes of its own (``python -m vime.backends.tensor_parallel``), on the
 next GPUs of the trainer's placement (or on CPU, over gloo). Every rank
 builds the same :class:`~vime.backends.megatron.MegatronTrainEngine` and must
 make the same collective calls in the same order, so rank 0 leads: before
-each call it broadcasts an order (which call, and its argument: the batch's
-tensors, or a folder), and the other ranks follow it. Orders travel over the
-process group itself -- integer headers and raw tensors, nothing pickled --
-and one lock keeps them in sequence when the actor calls from several
+each call it gives an order (which call, and its argument: a folder, say),
+and the other ranks follow it. Orders go through the process group's
+key-value store on the host, as msgpack (:class:`Orders`), so that a rank
+waiting for the next one runs nothing on its GPU; a step's batch follows
+over the process group, integer headers and raw tensors, nothing pickled.
+One lock keeps the orders in sequence when the actor calls from several
 threads.
 
 A follower that dies is noticed before the next order (its process has an
@@ -39,11 +41,42 @@ from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import RunConfig
 from vime.transports.gpu import Spec, dtype_named, gpu_uuid
 
-ORDERS = ("train_step", "named_weights", "save", "load", "save_hf", "shared_buckets", "release_memory", "stop")
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
 FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
 MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
+IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
+
+
+class Orders:
+    """Rank 0's words to the other ranks, in sequence: the calls it orders, and whether they go on to the next
+    weight bucket. They go through the default process group's key-value store (TCP, on the host), not through
+    a collective: a follower waiting in a collective would keep a kernel spinning on its GPU, which a colocated
+    rollout engine shares, for the whole rollout, and would be ended by the group's timeout if the trainer
+    had nothing to do for longer. Each word is deleted by the last rank to read it."""
+
+    def __init__(self) -> None:
+        from torch.distributed import distributed_c10d
+
+        self.store = distributed_c10d._get_default_store()
+        self.followers = dist.get_world_size() - 1
+        self.count = 0  # words said (rank 0) or read (the others)
+
+    def send(self, *words: Any) -> None:
+        self.store.set(self._key(), msgpack.packb(words))
+
+    def receive(self) -> list[Any]:
+        key = self._key()
+        self.store.wait([key], IDLE)
+        words = msgpack.unpackb(self.store.get(key))
+        if self.store.add(f"{key}/read", 1) == self.followers:
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}/read")
+        return words
+
+    def _key(self) -> str:
+        self.count += 1
+        return f"vime/order/{self.count}"
 
 
 class LeadingEngine(TrainEngine):
@@ -60,6 +93,7 @@ class LeadingEngine(TrainEngine):
         try:
             _join(store, 0, size)
             self.engine = _engine(run, seed)
+            self._orders = Orders()
         except BaseException:
             for follower in self.followers:  # else they wait in the group for its timeout
                 follower.kill()
@@ -106,7 +140,7 @@ class LeadingEngine(TrainEngine):
         until the iterator ends or is closed: no other call may be made meanwhile."""
         with self._lock:
             self._order("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")]))
-            yield from _shared_in_step(self.engine, bucket_bytes, dtype)
+            yield from _shared_in_step(self.engine, self._orders, bucket_bytes, dtype)
 
     def gpus(self) -> list[str]:
         return [gpu_uuid(rank) for rank in range(len(self.followers) + 1)] if self.device == "cuda" else []
@@ -131,10 +165,7 @@ class LeadingEngine(TrainEngine):
             if follower.poll() is not None:
                 raise RuntimeError(f"trainer rank {rank} exited with code {follower.returncode}; its "
                                    "output is in the trainer's log. Restart the run from its last checkpoint")
-        payload = torch.tensor(list(argument.encode()), dtype=torch.uint8)
-        _broadcast(torch.tensor([ORDERS.index(name), payload.numel()]), self.device)
-        if payload.numel():
-            _broadcast(payload, self.device)
+        self._orders.send(name, argument)
 
 
 def _engine(run: RunConfig, seed: int) -> Any:
@@ -165,11 +196,9 @@ def follow(spec: dict[str, Any]) -> None:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _join(_store(rank, size), rank, size)
     engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
+    orders = Orders()
     while True:
-        header = _broadcast(torch.zeros(2, dtype=torch.int64), engine.device)
-        name = ORDERS[int(header[0])]
-        argument = bytes(_broadcast(torch.zeros(int(header[1]), dtype=torch.uint8), engine.device).tolist()).decode() \
-            if int(header[1]) else ""
+        name, argument = orders.receive()
         if name == "stop":
             break
         if name == "train_step":
@@ -178,17 +207,19 @@ def follow(spec: dict[str, Any]) -> None:
             engine.join_weight_gather()
         elif name == "shared_buckets":
             bucket_bytes, dtype = json.loads(argument)
-            for _ in _shared_in_step(engine, bucket_bytes, dtype_named(dtype)):
+            for _ in _shared_in_step(engine, orders, bucket_bytes, dtype_named(dtype)):
                 pass
         elif name == "release_memory":
             engine.release_memory()
             dist.barrier()
-        else:
+        elif name in ("save", "load", "save_hf"):
             getattr(engine, name)(Path(argument))
+        else:
+            raise ValueError(f"rank 0 gave an order this rank does not know: {name!r}; are all ranks one vime version?")
     dist.destroy_process_group()
 
 
-def _shared_in_step(engine: Any, bucket_bytes: int,
+def _shared_in_step(engine: Any, orders: Orders, bucket_bytes: int,
                     dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
     """Every rank's part of :meth:`LeadingEngine.shared_buckets`: rank 0 yields each bucket with every rank's
     descriptor of it, then says whether the others go on to the next. They keep their buffer until it does
@@ -202,8 +233,8 @@ def _shared_in_step(engine: Any, bucket_bytes: int,
                 yield specs, offered
                 stop = False
             finally:
-                _broadcast(torch.tensor([int(stop)]), engine.device)
-        elif int(_broadcast(torch.zeros(1, dtype=torch.int64), engine.device)[0]):
+                orders.send(stop)
+        elif orders.receive()[0]:
             return
 
 
