@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -107,7 +108,8 @@ def vocab_parallel_gaps() -> list[float]:
 
 
 def lead_and_lose_a_follower(folder: str) -> None:
-    """Rank 0 as the trainer actor holds it: kill rank 1, then order a call; print what the leader says."""
+    """Rank 0 as the trainer actor holds it: kill rank 1, then order a call; print what the leader says. Then
+    hold a call open, as one stuck in a collective with the dead rank would be: the leader's process ends."""
     from vime.backends.tensor_parallel import LeadingEngine
     from vime.config import RunConfig
 
@@ -119,6 +121,9 @@ def lead_and_lose_a_follower(folder: str) -> None:
         engine.named_weights()
     except RuntimeError as error:
         print("REFUSED", error, flush=True)
+    with engine._lock:  # a call waiting on the dead rank, as an NCCL collective on one host would
+        time.sleep(60)
+    print("NOT STOPPED", flush=True)
 
 
 def lead_and_release(folder: str, out: str) -> None:

@@ -653,7 +653,8 @@ def test_the_leader_orders_its_followers_to_release_memory_and_stays_in_step(hf_
 
 def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_models):
     """The trainer actor's engine (rank 0) checks its followers before every order: a killed rank is
-    reported by number and exit code instead of a collective waiting forever."""
+    reported by number and exit code instead of a collective waiting forever. A call that is still running
+    some seconds after a rank died (an NCCL collective waiting on it) ends the leader's process, saying why."""
     import subprocess
     import sys
 
@@ -661,3 +662,5 @@ def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_mode
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_tp_worker.py")), "lose-a-follower",
                            str(folder)], capture_output=True, text=True, timeout=300)
     assert "REFUSED trainer rank 1 exited with code -9" in done.stdout, done.stderr[-3000:]
+    assert "NOT STOPPED" not in done.stdout and done.returncode == 1, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "a trainer rank died during a call that waits on it" in done.stdout and "exit_code=-9" in done.stdout

@@ -16,8 +16,11 @@ threads.
 
 A follower that dies is noticed before the next order (its process has an
 exit code), and the trainer stops with the rank and the code, rather than
-waiting on a collective that will never complete; followers die with the
-trainer's process (Linux's parent-death signal).
+waiting on a collective that will never complete. One that dies during a
+call ends the trainer's process a few seconds later, saying which rank, if
+the call has not failed by then (NCCL on one host would wait for the
+group's timeout); followers die with the trainer's process (Linux's
+parent-death signal).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -46,6 +51,7 @@ FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
 MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
+STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
 
 
 class Orders:
@@ -98,7 +104,9 @@ class LeadingEngine(TrainEngine):
             for follower in self.followers:  # else they wait in the group for its timeout
                 follower.kill()
             raise
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for the length of each call
+        self._closing = False
+        threading.Thread(target=self._watch, name="vime-trainer-ranks", daemon=True).start()
 
     @property
     def device(self) -> str:  # type: ignore[override]
@@ -154,11 +162,31 @@ class LeadingEngine(TrainEngine):
 
     def close(self) -> None:
         """Order the followers to stop and wait for them."""
+        self._closing = True
         with self._lock:
             if all(follower.poll() is None for follower in self.followers):
                 self._order("stop")
             for follower in self.followers:
                 follower.wait(timeout=60)
+
+    def _watch(self) -> None:
+        """End this process when a follower has died and a call has run for :data:`STUCK_S` since without
+        failing. The call's collectives wait on the dead rank: gloo notices the closed connection and fails
+        them, but NCCL on one host waits for the group's timeout (30 minutes), holding the actor. The trainer
+        actor's supervisor then reports the trainer's death, and the other followers die with this process."""
+        since = None
+        while not self._closing:
+            dead = [(rank, follower.returncode) for rank, follower in enumerate(self.followers, start=1)
+                    if follower.poll() is not None]
+            since = (since or time.monotonic()) if dead and self._lock.locked() else None
+            if since is not None and time.monotonic() - since > STUCK_S:
+                rank, code = dead[0]
+                structlog.get_logger().error(
+                    "a trainer rank died during a call that waits on it; stopping the trainer", rank=rank,
+                    exit_code=code, waited_s=STUCK_S,
+                    hint="its own error is in the trainer's log; restart the run from its last checkpoint")
+                os._exit(1)
+            time.sleep(1)
 
     def _order(self, name: str, argument: str = "") -> None:
         for rank, follower in enumerate(self.followers, start=1):
