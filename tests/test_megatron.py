@@ -227,6 +227,21 @@ def test_recomputed_layers_route_the_backward_pass_as_the_replayed_forward(hf_mo
     assert not torch.equal(routed, experts)  # the replayed experts are not the router's own
 
 
+def test_grouped_experts_run_a_pass_that_brings_them_no_tokens(hf_models):
+    """Under expert parallelism a rank can be sent no tokens for a layer (a short micro-batch); its experts
+    still take part in the forward and the backward, since the dispatcher's exchanges need every rank, and
+    add nothing to their gradients, whatever the layout of the gradient that comes back (grouped_mm's own
+    backward fails on an empty one with zero strides, as ``sum`` gives)."""
+    config = hf_models["qwen3_moe"][0].config
+    experts = _megatron_model(hf_models, "qwen3_moe").decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "GroupedExperts"
+    tokens = torch.zeros(0, config.hidden_size, requires_grad=True)
+    out, _ = experts(tokens, torch.zeros(config.num_experts, dtype=torch.int64), torch.zeros(0))
+    out.sum().backward()
+    assert out.shape == (0, config.hidden_size) and tokens.grad.shape == (0, config.hidden_size)
+    assert not experts.linear_fc1.weight.grad.any() and not experts.linear_fc2.weight.grad.any()
+
+
 def test_recomputing_trainer_takes_the_step_the_plain_one_does(hf_models):
     """``--recompute-activations`` reaches the model, and a step with replayed experts is the same step."""
     model, _, folder = hf_models["qwen3_moe"]

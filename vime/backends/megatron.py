@@ -251,13 +251,25 @@ class GroupedExperts(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``tokens [routed, hidden]`` sorted by expert, ``tokens_per_expert [experts]``, ``probs [routed]``."""
+        """``tokens [routed, hidden]`` sorted by expert, ``tokens_per_expert [experts]``, ``probs [routed]``.
+
+        A rank can get no tokens at all (expert parallelism, a short micro-batch), and grouped_mm's backward
+        fails without rows when the output's gradient has zero strides, as ``sum``'s backward makes it (torch
+        2.11 on CUDA, 2.13 on CPU): a zero row is then given to the last expert, which adds nothing to its
+        gradient, and dropped from the output. The empty input stays in the graph, so that the gradient still
+        flows back through the dispatcher's exchange, which every rank must join."""
         # the dispatchers hand the counts over on the host, once they have synchronised for them
+        routed = tokens.shape[0]
+        if not routed:
+            tokens = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
+            probs = torch.cat([probs, probs.new_zeros(1)])
+            tokens_per_expert = tokens_per_expert.clone()
+            tokens_per_expert[-1] = 1
         ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(tokens.device, non_blocking=True)
         gate, up = F.grouped_mm(tokens, self.linear_fc1.weight.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         hidden = F.silu(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=ends), None
+        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=ends)[:routed], None
 
 
 def _check_family(hf_config: Any) -> None:
