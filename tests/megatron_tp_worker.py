@@ -110,9 +110,11 @@ def vocab_parallel_gaps() -> list[float]:
 def lead_and_lose_a_follower(folder: str) -> None:
     """Rank 0 as the trainer actor holds it: kill rank 1, then order a call; print what the leader says. Then
     hold a call open, as one stuck in a collective with the dead rank would be: the leader's process ends."""
+    from vime import logs
     from vime.backends.tensor_parallel import LeadingEngine
     from vime.config import RunConfig
 
+    logs.configure()
     run = RunConfig().replace(model_path=folder, train_backend="megatron", tensor_model_parallel_size=2)
     engine = LeadingEngine(run, seed=0)
     engine.followers[0].kill()
@@ -171,10 +173,12 @@ def share_buckets(out: str) -> None:
     """Ranks share buckets as a tensor-parallel trainer does: rank 0 takes all three, then stops after the
     first, then takes all three again; each rank writes what it got and made, how many words of rank 0's it
     said or read, and which of them the store still holds."""
+    from torch.distributed import distributed_c10d
+
     from vime.backends.tensor_parallel import Orders, _shared_in_step
 
     dist.init_process_group("gloo")
-    engine, orders = _Buckets(), Orders()
+    engine, orders = _Buckets(), Orders(distributed_c10d._get_default_store())
     runs = []
     for stop_after in (None, 1, None):
         got = []

@@ -235,10 +235,11 @@ def test_grouped_experts_run_a_pass_that_brings_them_no_tokens(hf_models):
     config = hf_models["qwen3_moe"][0].config
     experts = _megatron_model(hf_models, "qwen3_moe").decoder.layers[0].mlp.experts
     assert type(experts).__name__ == "GroupedExperts"
-    tokens = torch.zeros(0, config.hidden_size, requires_grad=True)
-    out, _ = experts(tokens, torch.zeros(config.num_experts, dtype=torch.int64), torch.zeros(0))
+    tokens, probs = torch.zeros(0, config.hidden_size, requires_grad=True), torch.zeros(0, requires_grad=True)
+    out, _ = experts(tokens, torch.zeros(config.num_experts, dtype=torch.int64), probs)
     out.sum().backward()
     assert out.shape == (0, config.hidden_size) and tokens.grad.shape == (0, config.hidden_size)
+    assert probs.grad.shape == (0,)
     assert not experts.linear_fc1.weight.grad.any() and not experts.linear_fc2.weight.grad.any()
 
 
@@ -678,4 +679,6 @@ def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_mode
                            str(folder)], capture_output=True, text=True, timeout=300)
     assert "REFUSED trainer rank 1 exited with code -9" in done.stdout, done.stderr[-3000:]
     assert "NOT STOPPED" not in done.stdout and done.returncode == 1, (done.stdout[-3000:], done.stderr[-3000:])
-    assert "a trainer rank died during a call that waits on it" in done.stdout and "exit_code=-9" in done.stdout
+    logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [(line["event"], line["rank"], line["exit_code"]) for line in logged if line.get("level") == "error"] == [
+        ("a trainer rank died during a call that waits on it; stopping the trainer", 1, -9)]

@@ -56,15 +56,16 @@ STUCK_S = 10.0  # a call still running this long after a follower died is waitin
 
 class Orders:
     """Rank 0's words to the other ranks, in sequence: the calls it orders, and whether they go on to the next
-    weight bucket. They go through the default process group's key-value store (TCP, on the host), not through
-    a collective: a follower waiting in a collective would keep a kernel spinning on its GPU, which a colocated
+    weight bucket. They go through the process group's key-value store (TCP, on the host), not through a
+    collective: a follower waiting in a collective would keep a kernel spinning on its GPU, which a colocated
     rollout engine shares, for the whole rollout, and would be ended by the group's timeout if the trainer
-    had nothing to do for longer. Each word is deleted by the last rank to read it."""
+    had nothing to do for longer. A follower waits on a connection of its own (``store``), since a store
+    connection serves one request at a time and torch's process group uses its own. Each word is deleted
+    by the last rank to read it; orders are two words long and bucket answers one, so a follower that lost
+    its place fails at once instead of taking one for the other."""
 
-    def __init__(self) -> None:
-        from torch.distributed import distributed_c10d
-
-        self.store = distributed_c10d._get_default_store()
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
         self.followers = dist.get_world_size() - 1
         self.count = 0  # words said (rank 0) or read (the others)
 
@@ -99,7 +100,7 @@ class LeadingEngine(TrainEngine):
         try:
             _join(store, 0, size)
             self.engine = _engine(run, seed)
-            self._orders = Orders()
+            self._orders = Orders(store)
         except BaseException:
             for follower in self.followers:  # else they wait in the group for its timeout
                 follower.kill()
@@ -161,11 +162,15 @@ class LeadingEngine(TrainEngine):
             dist.barrier()
 
     def close(self) -> None:
-        """Order the followers to stop and wait for them."""
-        self._closing = True
+        """Order the followers to stop and wait for them; with one of them dead, the others cannot finish a
+        call either, and are killed."""
         with self._lock:
+            self._closing = True
             if all(follower.poll() is None for follower in self.followers):
                 self._order("stop")
+            else:
+                for follower in self.followers:
+                    follower.kill()
             for follower in self.followers:
                 follower.wait(timeout=60)
 
@@ -224,7 +229,7 @@ def follow(spec: dict[str, Any]) -> None:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _join(_store(rank, size), rank, size)
     engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
-    orders = Orders()
+    orders = Orders(_store(rank, size))
     while True:
         name, argument = orders.receive()
         if name == "stop":
@@ -262,8 +267,10 @@ def _shared_in_step(engine: Any, orders: Orders, bucket_bytes: int,
                 stop = False
             finally:
                 orders.send(stop)
-        elif orders.receive()[0]:
-            return
+        else:
+            (stop,) = orders.receive()
+            if stop:
+                return
 
 
 def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
