@@ -106,6 +106,7 @@ class LeadingEngine(TrainEngine):
                 follower.kill()
             raise
         self._lock = threading.Lock()  # held for the length of each call
+        self._polling = threading.Lock()  # Popen.poll in two threads at once can miss an exit
         self._closing = False
         threading.Thread(target=self._watch, name="vime-trainer-ranks", daemon=True).start()
 
@@ -166,7 +167,7 @@ class LeadingEngine(TrainEngine):
         call either, and are killed."""
         with self._lock:
             self._closing = True
-            if all(follower.poll() is None for follower in self.followers):
+            if not self._dead():
                 self._order("stop")
             else:
                 for follower in self.followers:
@@ -181,8 +182,7 @@ class LeadingEngine(TrainEngine):
         actor's supervisor then reports the trainer's death, and the other followers die with this process."""
         since = None
         while not self._closing:
-            dead = [(rank, follower.returncode) for rank, follower in enumerate(self.followers, start=1)
-                    if follower.poll() is not None]
+            dead = self._dead()
             since = (since or time.monotonic()) if dead and self._lock.locked() else None
             if since is not None and time.monotonic() - since > STUCK_S:
                 rank, code = dead[0]
@@ -193,11 +193,18 @@ class LeadingEngine(TrainEngine):
                 os._exit(1)
             time.sleep(1)
 
+    def _dead(self) -> list[tuple[int, int]]:
+        """``(rank, exit code)`` of each follower that has exited."""
+        with self._polling:
+            return [(rank, follower.returncode) for rank, follower in enumerate(self.followers, start=1)
+                    if follower.poll() is not None]
+
     def _order(self, name: str, argument: str = "") -> None:
-        for rank, follower in enumerate(self.followers, start=1):
-            if follower.poll() is not None:
-                raise RuntimeError(f"trainer rank {rank} exited with code {follower.returncode}; its "
-                                   "output is in the trainer's log. Restart the run from its last checkpoint")
+        dead = self._dead()
+        if dead:
+            rank, code = dead[0]
+            raise RuntimeError(f"trainer rank {rank} exited with code {code}; its output is in the trainer's "
+                               "log. Restart the run from its last checkpoint")
         self._orders.send(name, argument)
 
 
