@@ -171,8 +171,8 @@ class _Buckets:
 
 def share_buckets(out: str) -> None:
     """Ranks share buckets as a tensor-parallel trainer does: rank 0 takes all three, then stops after the
-    first, then takes all three again; each rank writes what it got and made, how many words of rank 0's it
-    said or read, and which of them the store still holds."""
+    first, then takes all three again; each rank writes what it got and made, how many of rank 0's messages
+    it sent or read, and which of them the store still holds."""
     from torch.distributed import distributed_c10d
 
     from vime.backends.tensor_parallel import Orders, _shared_in_step
@@ -190,10 +190,10 @@ def share_buckets(out: str) -> None:
                 break
         runs.append({"got": got, "made": engine.made})
         engine.made = []
-    dist.barrier()  # every rank has read every word: the store should hold none of them now
+    dist.barrier()  # every rank has read every message: the store should hold none of them now
     left = [key for key in (f"vime/order/{count}" for count in range(1, orders.count + 1)) if orders.store.check([key])]
     with open(f"{out}.{dist.get_rank()}", "w") as file:
-        json.dump({"runs": runs, "words": orders.count, "left": left}, file)
+        json.dump({"runs": runs, "messages": orders.count, "left": left}, file)
     dist.destroy_process_group()
 
 

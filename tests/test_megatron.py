@@ -632,7 +632,7 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
 def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_path):
     """Rank 0 gets every rank's descriptor of each weight bucket; the others keep pace, bucket by bucket, and
     when rank 0 stops early they stop after the same bucket, so the next publication starts in step. Whether
-    to go on reaches them through the group's store (waiting for it runs nothing on a GPU), one word per
+    to go on reaches them through the group's store (waiting for it runs nothing on a GPU), one message per
     bucket, each deleted once every rank has read it."""
     import subprocess
     import sys
@@ -648,7 +648,7 @@ def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_
     for follower in followers:
         assert [run["got"] for run in follower["runs"]] == [[], [], []]
         assert [run["made"] for run in follower["runs"]] == [[0, 1, 2], [0], [0, 1, 2]]
-    assert [rank["words"] for rank in (leader, *followers)] == [7] * 3 and leader["left"] == []
+    assert [rank["messages"] for rank in (leader, *followers)] == [7] * 3 and leader["left"] == []
 
 
 def test_the_leader_orders_its_followers_to_release_memory_and_stays_in_step(hf_models, tmp_path):

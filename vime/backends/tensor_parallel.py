@@ -55,31 +55,31 @@ STUCK_S = 10.0  # a call still running this long after a follower died is waitin
 
 
 class Orders:
-    """Rank 0's words to the other ranks, in sequence: the calls it orders, and whether they go on to the next
+    """Rank 0's messages to the other ranks, in sequence: the calls it orders, and whether they go on to the next
     weight bucket. They go through the process group's key-value store (TCP, on the host), not through a
     collective: a follower waiting in a collective would keep a kernel spinning on its GPU, which a colocated
     rollout engine shares, for the whole rollout, and would be ended by the group's timeout if the trainer
     had nothing to do for longer. A follower waits on a connection of its own (``store``), since a store
-    connection serves one request at a time and torch's process group uses its own. Each word is deleted
-    by the last rank to read it; orders are two words long and bucket answers one, so a follower that lost
-    its place fails at once instead of taking one for the other."""
+    connection serves one request at a time and torch's process group uses its own. Each message is
+    deleted by the last rank to read it; an order has two items and a bucket answer one, so a follower that
+    lost its place fails at once instead of taking one for the other."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
         self.followers = dist.get_world_size() - 1
-        self.count = 0  # words said (rank 0) or read (the others)
+        self.count = 0  # messages sent (rank 0) or read (the others)
 
-    def send(self, *words: Any) -> None:
-        self.store.set(self._key(), msgpack.packb(words))
+    def send(self, *items: Any) -> None:
+        self.store.set(self._key(), msgpack.packb(items))
 
     def receive(self) -> list[Any]:
         key = self._key()
         self.store.wait([key], IDLE)
-        words = msgpack.unpackb(self.store.get(key))
+        items = msgpack.unpackb(self.store.get(key))
         if self.store.add(f"{key}/read", 1) == self.followers:
             self.store.delete_key(key)
             self.store.delete_key(f"{key}/read")
-        return words
+        return items
 
     def _key(self) -> str:
         self.count += 1
