@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -888,13 +889,9 @@ class _VocabParallelStats(torch.autograd.Function):
                  entropy_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         logits, targets, peak, total, mean = ctx.saved_tensors
         grads = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        outs = _pieces(grads, ctx.tokens)
-
-        def per_token(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
-            return [None] * len(outs) if tensor is None else _pieces(tensor, ctx.tokens)
-
-        for piece, out, *stats in zip(_pieces(logits, ctx.tokens), outs, *map(per_token, (
-                peak, total, mean, targets, chosen_grad, entropy_grad))):
+        pieces = [itertools.repeat(None) if tensor is None else _pieces(tensor, ctx.tokens)
+                  for tensor in (logits, grads, peak, total, mean, targets, chosen_grad, entropy_grad)]
+        for piece, out, *stats in zip(*pieces):
             out.copy_(_share_grad(piece, *stats, ctx.temperature, ctx.first))
         return grads, None, None, None, None, None
 

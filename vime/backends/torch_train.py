@@ -247,7 +247,7 @@ class TorchTrainEngine(TrainEngine):
                 tokens = float(row_tokens[rows].sum()) if counted else 0.0
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training, counted).items():
-                    totals.setdefault(key, []).append((value if counted else value * 0, tokens))
+                    totals.setdefault(key, []).append((value, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
             totals.setdefault("grad_norm", []).append((norms[0], 1.0))
@@ -299,7 +299,9 @@ class TorchTrainEngine(TrainEngine):
                                                      self.ppo.value_clip, normalizer=value_normalizer)
             loss = loss + self.ppo.value_coef * value_loss
             stats.update(value_stats, value_loss=value_loss.detach())
-        (loss if counted else loss * 0).backward()
+        if not counted:  # a pass for the other copies' exchanges only
+            loss, stats = loss * 0, {key: value * 0 for key, value in stats.items()}
+        loss.backward()
         return stats
 
 
