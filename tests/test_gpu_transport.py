@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from vime.backends.base import TrainEngine
-from vime.transports.gpu import BroadcastGroup, buckets, dtype_named, open_shared, packed, share, specs, unpack
+from vime.transports import gpu
+from vime.transports.gpu import (BroadcastGroup, BucketMemory, SharedBuckets, buckets, dtype_named, open_shared, packed,
+                                 share, specs, unpack)
 
 
 def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -62,6 +64,65 @@ def test_packed_buckets_unpack_bit_exact_where_the_receiver_cuts_them(bucket_byt
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     if bucket_bytes > 1:  # a buffer is made again only where a tensor outgrows it ("big"), then reused
         assert len(buffers) == {1024: 2, 1 << 20: 1}[bucket_bytes]
+
+
+def _unpacked(tensors: dict[str, torch.Tensor], bucket_bytes: int, memory: BucketMemory) -> dict[str, torch.Tensor]:
+    got = {}
+    for flat, bucket in packed(tensors.items(), bucket_bytes, memory):
+        got |= {name: view.clone() for name, view in unpack(flat, bucket)}
+    return got
+
+
+def test_the_memory_buckets_are_packed_into_is_made_once_at_the_size_it_carries() -> None:
+    """Every call (a weight version) writes into the memory the first one made: one allocation for the run,
+    of exactly the set's size when it fits in one bucket (not a whole bucket for a model of a few bytes), of
+    one bucket otherwise. A larger set grows it once, keeping what the bucket being filled had already
+    written there. Mutation checked: allocating a buffer per call fails the first assertion on ``made``."""
+    tensors = _tensors()
+    total = sum(gpu._spec_bytes(spec) for spec in specs(tensors))
+    memory, made = BucketMemory(), set()
+    for version in range(30):
+        moved = {name: tensor + version if tensor.is_floating_point() else tensor for name, tensor in tensors.items()}
+        got = _unpacked(moved, 1 << 20, memory)
+        assert all(torch.equal(got[name], tensor) for name, tensor in moved.items()), version
+        made.add(id(memory.buffer))
+    assert len(made) == 1 and memory.buffer.numel() == total
+    larger = {"first": torch.ones(3), **tensors, "last": torch.arange(700.0)}  # outgrows it in mid-bucket
+    for _ in range(3):
+        got = _unpacked(larger, 1 << 20, memory)
+        assert all(torch.equal(got[name], tensor) for name, tensor in larger.items())
+        made.add(id(memory.buffer))
+    assert len(made) == 2 and memory.buffer.numel() == sum(gpu._spec_bytes(s) for s in specs(larger))
+    cut = BucketMemory()
+    for _ in range(3):
+        got = _unpacked(tensors, 1024, cut)  # several buckets: one bucket's memory ("big" alone outgrows it)
+        assert all(torch.equal(got[name], tensor) for name, tensor in tensors.items())
+    assert cut.buffer.numel() == 4096
+
+
+def test_weights_offered_over_cuda_ipc_are_shared_once_for_the_run(monkeypatch) -> None:
+    """The bookkeeping of the CUDA IPC sender, on CPU (share and release stood in): one share for every bucket
+    of every version, whether the publication ran to its end or stopped early (the receivers failed or
+    died: the caller closes the iterator); the sender gives up its hold only on memory it replaced. Before,
+    each version's buffer was shared anew and never freed once a receiver had opened it."""
+    shares, released = [], []
+    monkeypatch.setattr(gpu, "share", lambda tensor: shares.append(tensor) or {"buffer": len(shares)})
+    monkeypatch.setattr(gpu, "release", released.append)
+    offered = SharedBuckets()
+    tensors = _tensors()
+    for version in range(40):
+        publication = offered.offer(tensors.items(), 4096)
+        for index, (bucket, descriptor) in enumerate(publication):
+            assert descriptor == {"buffer": 1}
+            got = dict(unpack(offered.memory.buffer, bucket))
+            assert all(torch.equal(got[name], tensors[name]) for name, _, _ in bucket)
+            if version % 3 == 1 and index == 1:
+                publication.close()
+    assert offered.shares == 1 and len(shares) == 1 and shares[0] is offered.memory.buffer and released == []
+    more = {**tensors, "huge": torch.zeros(5000)}  # a bucket larger than the buffer: replaced, once
+    for _ in range(3):
+        list(offered.offer(more.items(), 4096))
+    assert offered.shares == 2 and released == [{"buffer": 1}]
 
 
 def test_a_bucket_that_does_not_match_its_specs_is_refused() -> None:
@@ -169,18 +230,22 @@ class _Weights(TrainEngine):
 
 
 @pytest.mark.gpu
-def test_shared_buckets_give_their_memory_back_though_nobody_opened_them() -> None:
-    """No engine on a rank's GPU, or a publication stopped early: the buffer is freed all the same. A buffer
-    written bucket after bucket is shared once (torch's bookkeeping of 20,000 shares of one buffer overflowed
-    the stack when it was freed)."""
+def test_shared_buckets_keep_one_buffer_for_every_version() -> None:
+    """Publication after publication, stopped early or not, the trainer's GPU memory stays where the first left
+    it: one buffer, of the bucket size, shared once (torch's bookkeeping of 20,000 shares of one buffer
+    overflowed the stack when it was freed)."""
     engine = _Weights({f"w{i}": torch.randn(256, 256, device="cuda") for i in range(16)})  # 256 KiB each
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     assert sum(1 for _ in engine.shared_buckets(1 << 18, torch.float32)) == 16
-    stopped = engine.shared_buckets(1 << 18, torch.float32)
-    next(stopped)
-    stopped.close()
-    assert torch.cuda.memory_allocated() == before
+    after_first = torch.cuda.memory_allocated()
+    assert after_first - before == 1 << 18
+    for _ in range(50):
+        stopped = engine.shared_buckets(1 << 18, torch.float32)
+        next(stopped)
+        stopped.close()
+        assert sum(1 for _ in engine.shared_buckets(1 << 18, torch.float32)) == 16
+    assert torch.cuda.memory_allocated() == after_first
     many = _Weights({f"w{i}": torch.full((1,), float(i), device="cuda") for i in range(25_000)})
     shares = {(descriptor["counter"], descriptor["counter_offset"])  # each share takes a counter of its own
               for _, buffers in many.shared_buckets(1, torch.float32) for descriptor in buffers}

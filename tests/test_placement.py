@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 import trio
 
@@ -435,3 +436,52 @@ async def test_a_worker_joining_over_nng_gets_the_chunks_already_made_without_a_
     count = len(trainer.chunks)
     assert gathers == ["cpu"] and count >= 1
     assert chunks == [("rollout-0", i) for i in range(count)] + [("rollout-1", i) for i in range(count)]
+
+
+async def test_a_colocated_trainer_shares_one_buffer_whatever_its_receivers_do(tmp_path, monkeypatch):
+    """Sixty versions over CUDA IPC (share stood in on CPU) from the real engine of the arithmetic scenario:
+    one receiver loads every bucket, one fails its loads from version 10 on, one dies at version 20. The
+    trainer shares one buffer of exactly the model's size for the whole run, and every receiver that answers
+    reads the version being published from it. Before, each version shared a new bucket-sized buffer that
+    torch never freed once opened: the colocated H200 runs died of it at step 96."""
+    from vime.messages import ErrorReply
+    from vime.runtime import PeerGone, RemoteError
+    from vime.transports import gpu
+
+    buffers: dict[int, object] = {}
+
+    def share(tensor):
+        buffers[len(buffers)] = tensor
+        return {"gpu": "GPU-a", "buffer": len(buffers) - 1}
+
+    monkeypatch.setattr(gpu, "share", share)
+    trainer, _, _ = _trainer(tmp_path, colocate=True)
+    engine = trainer.engine
+    read: dict[str, list[int]] = {"rollout-0": [], "rollout-1": [], "rollout-2": []}
+    dead: set[str] = set()
+
+    async def ask(worker: str, message, timeout: float) -> None:
+        if worker == "rollout-2" and engine.weight_version >= 20:
+            dead.add(worker)
+            raise PeerGone(worker)
+        if worker == "rollout-1" and engine.weight_version >= 10:
+            raise RemoteError(worker, ErrorReply(reason="handler failed", error="out of memory"))
+        if message.specs:
+            flat = buffers[message.buffers[0]["buffer"]]
+            expected = dict(engine.rollout_weights(torch.float32))
+            for name, view in gpu.unpack(flat, [tuple(spec) for spec in message.specs]):
+                assert torch.equal(view, expected[name]), (worker, name)
+        read[worker].append(engine.weight_version)
+
+    trainer.ask = ask
+    receivers = list(read)
+    for version in range(60):
+        engine.weight_version = version
+        with torch.no_grad():
+            next(iter(engine.named_weights().values())).add_(1.0)  # the version's own weights
+        failed = await trainer._share(receivers)  # the caller sends those theirs over nng from now on
+        receivers = [worker for worker in receivers if worker not in failed and worker not in dead]
+    model_bytes = sum(gpu._spec_bytes(gpu._spec(name, tensor)) for name, tensor in engine.rollout_weights(torch.float32))
+    assert len(buffers) == 1 and buffers[0].numel() == model_bytes < trainer.run.job.weight_bucket_mb << 20
+    assert sorted(set(read["rollout-0"])) == list(range(60))
+    assert sorted(set(read["rollout-1"])) == list(range(10)) and sorted(set(read["rollout-2"])) == list(range(20))

@@ -4,13 +4,13 @@ Only plain data describes the tensors (msgpack-safe: names, shapes, dtype names,
 bytes themselves never cross an nng socket. Both paths move weights in buckets: :func:`packed` copies
 consecutive tensors into one flat byte buffer of about ``bucket_bytes``, and the receiver cuts the same
 buffer back into tensors (:func:`unpack`) from their specs. A bucket at a time bounds what either side
-holds beside the model to one bucket, and a transfer is one operation per bucket, not one per tensor.
+holds beside the model to about one bucket (the sender's buffer, :class:`BucketMemory`, no larger than
+what it carries), and a transfer is one operation per bucket, not one per tensor.
 
 * CUDA IPC (sender and receiver on the same GPU): :func:`share` turns a CUDA tensor into a
-  descriptor of its memory; :func:`open_shared` maps it in the receiving process, no copy. A
-  buffer written bucket after bucket is shared once: the sender waits for its own writes before
-  offering a bucket, keeps the memory until every receiver has answered, and then gives up its
-  hold (:func:`release`). A descriptor names its
+  descriptor of its memory; :func:`open_shared` maps it in the receiving process, no copy. The
+  sender writes every bucket of every version into one buffer, shared once for the run
+  (:class:`SharedBuckets`). A descriptor names its
   GPU by UUID, because device indices differ between processes with different
   ``CUDA_VISIBLE_DEVICES``; a tensor-parallel trainer offers each bucket on every one of its GPUs,
   and each receiver opens the one on its own.
@@ -85,10 +85,11 @@ def open_shared(descriptors: list[dict[str, Any]]) -> torch.Tensor:
 
 
 def release(descriptor: dict[str, Any]) -> None:
-    """The sender's own hold on memory it shared, given up once every receiver is done with it. torch counts
-    one reader per :func:`share` and frees the memory once the count is down to zero (each opening and
-    closing takes one off; a buffer opened bucket after bucket goes below zero): memory no process opened
-    (no engine on that GPU, or one that failed) would otherwise never be freed."""
+    """The sender's own hold on memory it shared and no longer offers. torch counts one reader per
+    :func:`share` and frees the memory once the count is back to exactly zero (each opening takes one
+    off, once closed): memory nobody opened (no engine on that GPU) is then freed with the sender's last
+    reference; memory that was opened is not (the count has gone below zero), which is why
+    :class:`SharedBuckets` shares one buffer for the run."""
     torch.UntypedStorage._release_ipc_counter_cuda(descriptor["counter"], descriptor["counter_offset"])
 
 
@@ -124,27 +125,104 @@ def buckets(spec_list: list[Spec], bucket_bytes: int) -> list[list[Spec]]:
     return grouped
 
 
-def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[Spec]]]:
+class BucketMemory:
+    """The buffer :func:`packed` writes buckets into, kept from one call to the next: every publication of a run
+    reuses it. It is allocated when a bucket first needs it, at that bucket's size when nothing follows (a set
+    that fits in one bucket gets a buffer of exactly its size) and otherwise at the bucket size, and replaced
+    only by a larger one when a later bucket outgrows it (a single tensor larger than every bucket so far).
+
+    Why it is kept: memory offered over CUDA IPC is shared once for the run. torch frees shared memory only
+    once its count of readers is back to exactly zero, and readers that open one buffer bucket after bucket
+    take that count below zero; memory shared anew for each weight version was never freed (a bucket per
+    version, until the GPU was full)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def holds(self, nbytes: int, device: torch.device) -> bool:
+        """Whether the buffer has room for ``nbytes`` on ``device``."""
+        return self.buffer is not None and self.buffer.device == device and self.buffer.numel() >= nbytes
+
+    def grow(self, nbytes: int, device: torch.device, kept: int) -> None:
+        """A buffer of ``nbytes`` on ``device`` in place of the current one, whose first ``kept`` bytes it keeps."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if kept:
+            buffer[:kept].copy_(self.buffer[:kept])
+        self.buffer = buffer
+
+
+def packed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+           memory: BucketMemory | None = None) -> Iterator[tuple[torch.Tensor, list[Spec]]]:
     """The tensors of ``named`` copied into flat byte buffers cut as :func:`buckets` cuts their specs, each
     buffer with its specs. Tensors are taken one at a time (a tensor-parallel trainer gathers each as it
-    is asked for), and the next bucket is written into the same memory once the consumer asks for it:
-    the consumer must be done with a buffer by then."""
-    buffer: torch.Tensor | None = None
+    is asked for) and copied into ``memory`` (a new :class:`BucketMemory` when None) as they come; only
+    while the memory has no room yet for the bucket being filled (the first bucket ever, or one that outgrows
+    it) are its tensors held until the bucket is complete and its size known. The next bucket is written
+    into the same memory once the consumer asks for it: the consumer must be done with a buffer by then."""
+    memory = BucketMemory() if memory is None else memory
     bucket: list[Spec] = []
+    waiting: list[tuple[int, torch.Tensor]] = []  # (offset, tensor) of this bucket's tensors not yet written
     used = 0
     for name, tensor in named:
         spec = _spec(name, tensor)
         nbytes = _spec_bytes(spec)
         if bucket and used + nbytes > bucket_bytes:
-            yield buffer[:used], bucket
-            bucket, used = [], 0
-        if not bucket and (buffer is None or buffer.numel() < nbytes or buffer.device != tensor.device):
-            buffer = torch.empty(max(bucket_bytes, nbytes), dtype=torch.uint8, device=tensor.device)
-        buffer[used:used + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            yield _written(memory, waiting, used, bucket_bytes), bucket
+            bucket, waiting, used = [], [], 0
+        if waiting or not memory.holds(used + nbytes, tensor.device):
+            waiting.append((used, tensor))
+        else:
+            _write(memory.buffer, used, tensor)
         bucket.append(spec)
         used += nbytes
     if bucket:
-        yield buffer[:used], bucket
+        yield _written(memory, waiting, used, used), bucket
+
+
+def _write(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
+    buffer[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def _written(memory: BucketMemory, waiting: list[tuple[int, torch.Tensor]], used: int,
+             size: int) -> torch.Tensor:
+    """The first ``used`` bytes of ``memory`` once the ``waiting`` tensors are in it; memory without room for
+    them grows to ``size`` (or ``used``, if more)."""
+    if waiting:
+        kept, first = waiting[0]
+        if not memory.holds(used, first.device):
+            memory.grow(max(used, size), first.device, kept)
+        for offset, tensor in waiting:
+            _write(memory.buffer, offset, tensor)
+    return memory.buffer[:used]
+
+
+class SharedBuckets:
+    """Buckets offered over CUDA IPC from one buffer (a :class:`BucketMemory`) kept for the run: shared once,
+    when first offered, whatever the number of buckets and versions written into it. The sender waits for
+    its own writes before offering a bucket (the event a descriptor carries is the one of its share, long
+    past), and writes the next into the same memory once the consumer asks for it, after every receiver has
+    answered. A buffer replaced by a larger one gives up the sender's hold on the old (:func:`release`);
+    the memory is the process's until it ends."""
+
+    def __init__(self) -> None:
+        self.memory = BucketMemory()
+        self.shares = 0  # how many buffers were shared: one per run, unless a later set outgrew the first
+        self._buffer: torch.Tensor | None = None  # the buffer self.descriptor describes
+        self.descriptor: dict[str, Any] | None = None
+
+    def offer(self, named: Iterable[tuple[str, torch.Tensor]],
+              bucket_bytes: int) -> Iterator[tuple[list[Spec], dict[str, Any]]]:
+        """Each bucket :func:`packed` makes of ``named``, with the descriptor of the buffer it is in."""
+        for flat, specs in packed(named, bucket_bytes, self.memory):
+            if self._buffer is not self.memory.buffer:
+                replaced = self.descriptor
+                self._buffer, self.descriptor = self.memory.buffer, share(self.memory.buffer)
+                self.shares += 1
+                if replaced is not None:
+                    release(replaced)
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
+            yield specs, self.descriptor
 
 
 def unpack(flat: torch.Tensor, spec_list: list[Spec]) -> list[tuple[str, torch.Tensor]]:

@@ -209,8 +209,10 @@ class JobConfig:
                                        "the trainer's GPU, a broadcast group when on other GPUs, nng otherwise), "
                                        "nng, ipc, or broadcast (NCCL; gloo when both sides are on CPU)")
     weight_chunk_mb: int = setting(64, "over nng, weights travel to rollout workers in chunks of about this size")
-    weight_bucket_mb: int = setting(1024, "weights over CUDA IPC or broadcast go in buckets of about this size, one "
-                                             "transfer each: the trainer's extra GPU memory while it publishes")
+    weight_bucket_mb: int = setting(1024, "weights over CUDA IPC or broadcast go in buckets of at most this size (a "
+                                             "larger tensor alone), one transfer each; with CUDA IPC the trainer "
+                                             "keeps one buffer per GPU, of this size or the model's if smaller, "
+                                             "for the whole run")
     save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none")
     save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")

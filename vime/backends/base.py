@@ -16,7 +16,7 @@ import torch
 
 from vime.backends.hf import checkpoint_names
 from vime.settings import setting
-from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, packed, release, share, unpack
+from vime.transports.gpu import BroadcastGroup, SharedBuckets, Spec, gpu_uuid, open_shared, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,27 +249,15 @@ class TrainEngine(abc.ABC):
                        dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
         """:meth:`rollout_weights` packed into buckets of about ``bucket_bytes`` on the policy's GPU(s), each
         offered over CUDA IPC: its specs, and a descriptor of the buffer holding it on every GPU of the
-        engine. A consumer is done with a bucket when it asks for the next (the buffer is reused); one that
-        stops early must close the iterator.
+        engine. A consumer is done with a bucket when it asks for the next (the buffer is reused, for the
+        next bucket and the next version: :class:`~vime.transports.gpu.SharedBuckets`); one that stops early
+        must close the iterator."""
+        if self._offered is None:
+            self._offered = SharedBuckets()
+        for specs, descriptor in self._offered.offer(self.rollout_weights(dtype), bucket_bytes):
+            yield specs, [descriptor]
 
-        A buffer is shared once, whatever the number of buckets written into it (each share adds to what
-        torch keeps until the memory is freed), so the writes are waited for here rather than by the
-        receiver (the event a descriptor carries is the one of its share)."""
-        whole: torch.Tensor | None = None  # the buffer being shared, all of it
-        descriptor: dict[str, Any] = {}
-        try:
-            for flat, specs in packed(self.rollout_weights(dtype), bucket_bytes):
-                if whole is None or flat.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
-                    new = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
-                    shared = share(new)
-                    if whole is not None:
-                        release(descriptor)
-                    whole, descriptor = new, shared
-                torch.cuda.current_stream(flat.device).synchronize()
-                yield specs, [descriptor]
-        finally:
-            if whole is not None:
-                release(descriptor)
+    _offered: SharedBuckets | None = None  # the buffer shared_buckets offers, kept for the run
 
     def gpus(self) -> list[str]:
         """UUIDs of the GPUs the policy trains on, one per rank; empty on CPU. Rollout engines placed on them
