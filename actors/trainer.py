@@ -45,7 +45,9 @@ an engine built later (a restarted worker) asks for its turn (MayBuildEngine)
 and gets it between two steps, the next of which waits until it is built.
 
 The row also has ``train_tflops_per_gpu``: the model FLOPs of the step's training (``vime.flops``) over its
-time, per trainer GPU (per process on CPU); over a GPU's bf16 matmul peak, the train phase's MFU.
+time, per trainer GPU (per process on CPU); over a GPU's bf16 matmul peak, the train phase's MFU. And the
+trainer's memory once the step's version is published, in MiB: ``trainer_rss_mib`` (host) and, on a GPU,
+``trainer_gpu_allocated_mib`` (what torch holds on rank 0's GPU): a leak per version is a line that climbs.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch (and for an engine being built on our GPU), ``time_sleep_s`` waiting for
@@ -339,6 +341,7 @@ class Trainer(Actor):
                 "time_weight_sync_s": synced - trained,
                 "time_checkpoint_s": time.perf_counter() - synced,
                 "group_ids": sorted({s.group_id for s in samples}),
+                **_memory_mib(self.gpus),
                 **batch.stats,
                 **metrics,
             }
@@ -572,3 +575,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _memory_mib(gpus: list[str]) -> dict[str, float]:
+    """This process's resident host memory and, when it trains on GPUs, what torch has allocated on its own."""
+    memory = {}
+    with contextlib.suppress(OSError):  # /proc is Linux's
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        memory["trainer_rss_mib"] = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    if gpus:
+        memory["trainer_gpu_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+    return memory

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +433,50 @@ async def test_a_colocated_engine_restarted_mid_run_is_built_between_training_st
     ready = next(i for i, e in enumerate(events) if i > turns[1] and e["event"] == "weight path"
                  and e.get("worker") == "rollout-1")
     assert not [e for e in events[turns[1]:ready] if e["event"] == "step"]  # no step ended while it was built
+
+
+def _engine_gpu_mib(pid: int) -> float:
+    """What nvidia-smi says ``pid`` holds on the GPU (vLLM runs in its rollout worker's process); the device's
+    whole used memory where nvidia-smi does not list the process (a container's pids)."""
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True).stdout
+    held = {int(p): float(m) for p, m in (line.split(",") for line in apps.splitlines() if line.strip())}
+    if pid in held:
+        return held[pid]
+    used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True).stdout
+    return sum(float(line) for line in used.split())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sleep_mode", [False, True], ids=["awake", "sleep-mode"])
+async def test_two_hundred_weight_versions_over_cuda_ipc_leave_the_gpu_memory_where_it_was(tmp_path, sleep_mode,
+                                                                                           cpu_environment):
+    """Issue 28: a colocated run published each version in a new bucket-sized buffer that torch kept (a
+    GiB per version with the default buckets; the H200 filled at step 96). After version 200 the trainer's
+    allocated memory and the engine's GPU memory must be within one bucket of what they were after version
+    10 (64 MiB here, against a growth of 190 buckets before the fix)."""
+    pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
+    from vime.metrics import MetricsFollower
+    from vime.pipeline import train
+
+    bucket_mib = 64
+    seen: dict[int, tuple[float, float]] = {}
+
+    async def look(job, row: dict) -> None:
+        if row["weight_version"] in (10, 200):
+            seen[row["weight_version"]] = (row["trainer_gpu_allocated_mib"], _engine_gpu_mib(job.actors["rollout-0"].pid))
+
+    run_dir = tmp_path / "run"
+    engine_args = dict(ENGINE_ARGS, enable_sleep_mode=True) if sleep_mode else ENGINE_ARGS
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=205, rollout_batch_size=16, updates_per_step=1, train_backend="megatron", rollout_backend="vllm",
+        dtype="bf16", vllm_args=engine_args, rollout_threads=0, weight_bucket_mb=bucket_mib,
+        actor_num_gpus_per_node=1, colocate=True, save_every=0, eval_every=0))
+    await train(config, run_dir, on_step=look, timeout_s=900)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == list(range(1, 206))
+    (trainer_10, engine_10), (trainer_200, engine_200) = seen[10], seen[200]
+    print("sleep mode" if sleep_mode else "awake", "MiB after versions 10 and 200: trainer", trainer_10, trainer_200,
+          "engine", engine_10, engine_200)
+    assert abs(trainer_200 - trainer_10) <= bucket_mib and abs(engine_200 - engine_10) <= bucket_mib
