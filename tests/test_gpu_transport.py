@@ -113,7 +113,7 @@ def test_weights_offered_over_cuda_ipc_are_shared_once_for_the_run(monkeypatch) 
     for version in range(40):
         publication = offered.offer(tensors.items(), 4096)
         for index, (bucket, descriptor) in enumerate(publication):
-            assert descriptor == {"buffer": 1}
+            assert descriptor == {"buffer": 1, "event_sync": False}  # written before it is offered: no event
             got = dict(unpack(offered.memory.buffer, bucket))
             assert all(torch.equal(got[name], tensors[name]) for name, _, _ in bucket)
             if version % 3 == 1 and index == 1:
@@ -122,7 +122,7 @@ def test_weights_offered_over_cuda_ipc_are_shared_once_for_the_run(monkeypatch) 
     more = {**tensors, "huge": torch.zeros(5000)}  # a bucket larger than the buffer: replaced, once
     for _ in range(3):
         list(offered.offer(more.items(), 4096))
-    assert offered.shares == 2 and released == [{"buffer": 1}]
+    assert offered.shares == 2 and released == [{"buffer": 1, "event_sync": False}]
 
 
 def test_a_bucket_that_does_not_match_its_specs_is_refused() -> None:

@@ -455,17 +455,19 @@ async def test_two_hundred_weight_versions_over_cuda_ipc_leave_the_gpu_memory_wh
     """Issue 28: a colocated run published each version in a new bucket-sized buffer that torch kept (a
     GiB per version with the default buckets; the H200 filled at step 96). After version 200 the trainer's
     allocated memory and the engine's GPU memory must be within one bucket of what they were after version
-    10 (64 MiB here, against a growth of 190 buckets before the fix)."""
+    10: 64 MiB here, where the code before the fix left 64 MiB per version (12 GiB by version 200), and a
+    buffer of the model's size made per version (0.6 MiB) would still add 114 MiB."""
     pytest.importorskip("megatron.core", reason="the trainer on a GPU is Megatron's")
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
 
     bucket_mib = 64
-    seen: dict[int, tuple[float, float]] = {}
+    trainer: dict[int, float] = {}
+    engine: dict[int, float] = {}
 
     async def look(job, row: dict) -> None:
-        if row["weight_version"] in (10, 200):
-            seen[row["weight_version"]] = (row["trainer_gpu_allocated_mib"], _engine_gpu_mib(job.actors["rollout-0"].pid))
+        trainer[row["weight_version"]] = row["trainer_gpu_allocated_mib"]
+        engine[row["weight_version"]] = _engine_gpu_mib(job.actors["rollout-0"].pid)
 
     run_dir = tmp_path / "run"
     engine_args = dict(ENGINE_ARGS, enable_sleep_mode=True) if sleep_mode else ENGINE_ARGS
@@ -476,7 +478,10 @@ async def test_two_hundred_weight_versions_over_cuda_ipc_leave_the_gpu_memory_wh
     await train(config, run_dir, on_step=look, timeout_s=900)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 206))
-    (trainer_10, engine_10), (trainer_200, engine_200) = seen[10], seen[200]
-    print("sleep mode" if sleep_mode else "awake", "MiB after versions 10 and 200: trainer", trainer_10, trainer_200,
-          "engine", engine_10, engine_200)
-    assert abs(trainer_200 - trainer_10) <= bucket_mib and abs(engine_200 - engine_10) <= bucket_mib
+    # the engine's memory as the driver sees it: a sleeping engine has given its KV cache back, so a window's
+    # largest reading (the engine awake at one of its rows at least) is compared, not one reading
+    early, late = range(10, 30), range(181, 201)
+    print("sleep mode" if sleep_mode else "awake", "MiB at versions 10 and 200: trainer", trainer[10], trainer[200],
+          "engine (largest of 20 readings)", max(engine[v] for v in early), max(engine[v] for v in late))
+    assert abs(trainer[200] - trainer[10]) <= bucket_mib
+    assert abs(max(engine[v] for v in late) - max(engine[v] for v in early)) <= bucket_mib

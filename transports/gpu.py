@@ -145,6 +145,8 @@ class BucketMemory:
 
     def grow(self, nbytes: int, device: torch.device, kept: int) -> None:
         """A buffer of ``nbytes`` on ``device`` in place of the current one, whose first ``kept`` bytes it keeps."""
+        if device.type == "cuda":  # a segment of its own, not a piece of one the training step left cached,
+            torch.cuda.empty_cache()  # which the buffer would keep from ever going back to the device
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if kept:
             buffer[:kept].copy_(self.buffer[:kept])
@@ -199,8 +201,8 @@ def _written(memory: BucketMemory, waiting: list[tuple[int, torch.Tensor]], used
 class SharedBuckets:
     """Buckets offered over CUDA IPC from one buffer (a :class:`BucketMemory`) kept for the run: shared once,
     when first offered, whatever the number of buckets and versions written into it. The sender waits for
-    its own writes before offering a bucket (the event a descriptor carries is the one of its share, long
-    past), and writes the next into the same memory once the consumer asks for it, after every receiver has
+    its own writes before offering a bucket (so the descriptor asks no receiver to wait on the share's event),
+    and writes the next into the same memory once the consumer asks for it, after every receiver has
     answered. A buffer replaced by a larger one gives up the sender's hold on the old (:func:`release`);
     the memory is the process's until it ends."""
 
@@ -216,7 +218,9 @@ class SharedBuckets:
         for flat, specs in packed(named, bucket_bytes, self.memory):
             if self._buffer is not self.memory.buffer:
                 replaced = self.descriptor
-                self._buffer, self.descriptor = self.memory.buffer, share(self.memory.buffer)
+                # no event to wait for: each bucket is offered once its writes are done (below), and a receiver
+                # opening the share's event would open one more CUDA event per bucket, never destroyed
+                self._buffer, self.descriptor = self.memory.buffer, dict(share(self.memory.buffer), event_sync=False)
                 self.shares += 1
                 if replaced is not None:
                     release(replaced)
