@@ -50,7 +50,7 @@ megatron-core cannot do without; MoE layers use the ``alltoall`` token
 dispatcher there too, over gloo.
 """
 
-from vime.backends.megatron.conversion import FAMILIES, hf_to_megatron, megatron_to_hf, transformer_config
+from vime.backends.megatron.conversion import FAMILIES, hf_to_megatron, transformer_config
 from vime.backends.megatron.engine import MegatronTrainEngine
 from vime.backends.megatron.logprobs import token_logprobs, vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
@@ -63,6 +63,6 @@ from vime.backends.megatron.weights import (CheckpointFiles, hf_tensors, hf_weig
 __all__ = [
     "FAMILIES", "CheckpointFiles", "ForwardOutput", "GroupedExperts", "MegatronTrainEngine", "SDPAttention",
     "SequenceParallelRMSNorm", "build_model", "end_replay", "forward", "hf_tensors", "hf_to_megatron", "hf_weights",
-    "init_parallel", "load_hf_weights", "megatron_to_hf", "model_tensors", "read_hf_folder", "token_logprobs",
-    "transformer_config", "unsharded_weights", "vocab_parallel_token_stats", "write_hf_folder",
+    "init_parallel", "load_hf_weights", "model_tensors", "read_hf_folder", "token_logprobs", "transformer_config",
+    "unsharded_weights", "vocab_parallel_token_stats", "write_hf_folder",
 ]

@@ -232,21 +232,6 @@ def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> Iterator
         yield tensor_map.megatron_name, tensor_map.fuse([hf_state[name] for name in tensor_map.hf_names])
 
 
-def megatron_to_hf(megatron_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`hf_to_megatron`: Hugging Face checkpoint names and layouts, contiguous tensors.
-
-    This is what ``save_pretrained`` writes and vLLM loads. A tied model gives
-    ``model.embed_tokens.weight`` only, as Hugging Face saves it.
-    """
-    state = dict(megatron_state)
-    out: dict[str, torch.Tensor] = {}
-    for tensor_map in _tensor_maps(hf_config):
-        out.update(_split_to_hf(tensor_map, state.pop(tensor_map.megatron_name)))
-    if state:
-        raise ValueError(f"Megatron tensors with no Hugging Face counterpart: {sorted(state)[:5]}")
-    return out
-
-
 def _split_to_hf(tensor_map: _TensorMap, tensor: torch.Tensor,
                  device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One Megatron tensor as its Hugging Face tensors, contiguous, on ``device`` (None: where it is)."""
