@@ -1,5 +1,6 @@
-"""Process groups and ranks: setting up torch.distributed and megatron-core's groups, and the collectives
-the other files share (a batched sum of tensors, a gather of the sequence-parallel shares).
+"""Process groups and ranks: setting up torch.distributed and megatron-core's groups, which ranks split a
+sequence, and two collectives over those groups: a gather of the sequence-parallel shares (recorded
+experts, for ``model.forward``) and a bucketed sum of tensors (gradients, for ``engine``).
 
 What a rank holds of each tensor, and the gathers that make it whole again, are in ``weights``; the
 vocabulary-parallel log-probs' collectives are in ``logprobs``.
