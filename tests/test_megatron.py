@@ -24,6 +24,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 import transformers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
+from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
@@ -35,6 +36,7 @@ from vime.backends.hf import scaled_logprobs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
+from vime.flops import moe_layer_pattern  # noqa: E402
 from vime.tools.make_tiny_model import tiny_config  # noqa: E402
 
 VOCAB = 256
@@ -82,7 +84,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[transformers.PreTrainedModel,
     return models
 
 
-def _megatron_model(hf_models, case: str, **kwargs) -> megatron.GPTModel:
+def _megatron_model(hf_models, case: str, **kwargs) -> GPTModel:
     model, checkpoint, _ = hf_models[case]
     policy = megatron.build_model(model.config, **kwargs)
     megatron.load_hf_weights(policy, checkpoint, model.config)
@@ -262,11 +264,11 @@ def test_padding_for_sequence_parallelism_gets_distinct_experts(hf_models, monke
     padding must name top_k distinct ones, never one expert twice."""
     policy = _megatron_model(hf_models, "qwen3_moe", routing_replay=True)
     config = hf_models["qwen3_moe"][0].config
-    monkeypatch.setattr(megatron, "_sequence_ranks", lambda model: (1, 2))
+    monkeypatch.setattr(megatron.routing, "_sequence_ranks", lambda model: (1, 2))
     generator = torch.Generator().manual_seed(0)
     experts = torch.rand(2, 3, config.num_hidden_layers, config.num_experts, generator=generator).argsort(-1)
     experts = experts[..., :config.num_experts_per_tok]
-    with megatron._routing(policy, (2, 3), 4, experts, record=False) as handles:
+    with megatron.routing._routing(policy, (2, 3), 4, experts, record=False) as handles:
         targets = [handle.target_topk_idx.clone() for handle in handles]
     for layer, target in enumerate(targets):
         assert torch.equal(target[:2], experts[:, 2, layer])  # position 2 of both rows, sequence-major
@@ -343,8 +345,8 @@ def _batch(seed: int, config: transformers.PretrainedConfig | None = None, sampl
     responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (6, 3, 9, 4, 7, 2)]
     logprobs = [(-5.0 + torch.randn(len(r), generator=generator)).tolist() for r in responses]
     experts = None
-    if config is not None and any(megatron.moe_layer_pattern(config)):
-        layers, count = sum(megatron.moe_layer_pattern(config)), megatron.transformer_config(config).num_moe_experts
+    if config is not None and any(moe_layer_pattern(config)):
+        layers, count = sum(moe_layer_pattern(config)), megatron.transformer_config(config).num_moe_experts
         experts = [torch.rand(len(p) + len(r) - 1, layers, count, generator=generator).argsort(-1)
                    [..., :config.num_experts_per_tok].to(torch.int16) for p, r in zip(prompts, responses)]
     return collate(prompts[:samples], responses[:samples], logprobs[:samples],

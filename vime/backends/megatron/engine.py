@@ -1,0 +1,232 @@
+"""``MegatronTrainEngine``: the reference trainer's step (``vime.backends.torch_train``) on the GPTModel.
+
+The engine supplies the model and its weights' ways in and out, and completes the gradients over the
+ranks before clipping; the step itself is inherited. Building the model, its forward, the weights'
+conversion and the vocabulary-parallel log-probs are in the other files of this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from vime.algorithms import grpo, ppo
+from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.backends.base import TensorBatch
+from vime.backends.megatron.logprobs import vocab_parallel_token_stats
+from vime.backends.megatron.model import ForwardOutput, build_model, forward
+from vime.backends.megatron.parallel import _sum_over
+from vime.backends.megatron.routing import _check_replayable, _route_free_tokens, end_replay
+from vime.backends.megatron.weights import (hf_tensors, hf_weights, load_hf_weights, read_hf_folder,
+                                            unsharded_weights, write_hf_folder)
+from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
+from vime.backends.torch_train import TorchTrainEngine
+from vime.config import OptimConfig
+
+
+class _AsCausalLM(torch.nn.Module):
+    """A GPTModel called the way the reference trainer calls a transformers causal LM.
+
+    The reference trainer's step (score, advantages, mini- and micro-batches,
+    loss, clipping, AdamW, schedule) is written against
+    ``model(input_ids=, attention_mask=, position_ids=).logits``; answering
+    that call lets :class:`MegatronTrainEngine` run the very same step. The
+    trainer's batches are right-padded and trimmed, so the mask and positions
+    it passes are those the causal GPTModel assumes anyway. Under tensor
+    parallelism its logits are this rank's share of the vocabulary, which the
+    engine's ``_token_stats`` takes as they are; anything else must gather them.
+    """
+
+    def __init__(self, model: GPTModel, config: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.config = config  # the Hugging Face config, as a transformers model carries it
+        self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> ForwardOutput:
+        """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
+        the ranks."""
+        return forward(self.model, input_ids, replay_experts=self.replay_experts, whole_vocabulary=False)
+
+
+class MegatronTrainEngine(TorchTrainEngine):
+    """The trainer on a megatron-core GPTModel, with the reference trainer's training step.
+
+    Everything algorithmic -- log-prob recomputation, advantages, the policy
+    loss of ``vime.algorithms``, mini- and micro-batches, clipping, AdamW and
+    the schedule -- is inherited from :class:`TorchTrainEngine`, so the two
+    backends cannot drift apart; this class supplies the model (built from
+    the Hugging Face config, weights converted on load) and the conversions
+    back to Hugging Face names for weight sync, ``save_hf`` and checkpoints.
+    ``dtype="bf16"`` trains bf16 weights with fp32 masters, as the reference
+    trainer does.
+
+    With several ranks (``tensor_parallel`` x ``data_parallel``, of a
+    ``torchrun`` launch or led by ``vime.backends.tensor_parallel`` in the
+    pipeline) every rank builds this engine and makes the same calls with
+    the same batches: each holds its shard of the weights (with
+    ``expert_parallel``, whole experts of its own), masters and optimizer
+    state; each data-parallel copy runs its share of the samples
+    (:func:`~vime.backends.torch_train.replica_micro_batches`) and the
+    gradients are summed over the copies; the gradient norm is taken over
+    the whole model, and ``named_weights`` gathers whole tensors on every
+    rank. Rank 0 writes the Hugging Face folder; each rank writes its own
+    trainer state.
+
+    GRPO only for now: PPO's value model is a Hugging Face backbone there.
+    """
+
+    def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
+                 grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
+                 total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
+                 data_parallel: int = 1, recompute: bool = False) -> None:
+        if algo != "grpo":
+            raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
+                                      "use the torch trainer for ppo")
+        self.hf_config, self._checkpoint = read_hf_folder(model_path)
+        self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
+        self.data_parallel = data_parallel
+        super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
+                         ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
+                         seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
+        del self._checkpoint
+        # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
+        # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms and
+        # routers act on the rank's share of the tokens, q/k norms on its own heads
+        trained = [(name, param) for name, param in self.policy.named_parameters() if param.requires_grad]
+        tensors = self.optimizer.param_groups[0]["params"]  # the trainable parameters' (or masters'), in order
+        self._split = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
+                       if getattr(param, "tensor_model_parallel", False)}
+        self._partial = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
+                         if getattr(param, "sequence_parallel", False)}
+        self._experts = {id(tensor) for tensor, (_, param) in zip(tensors, trained) if hasattr(param, "expert_split")}
+        self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
+        self.layout = {"train_backend": "megatron", "tensor_parallel": tensor_parallel,
+                       "data_parallel": data_parallel, "expert_parallel": expert_parallel}
+
+    def _load_policy(self, model_path: str) -> _AsCausalLM:
+        return self._policy(self._checkpoint)
+
+    @contextlib.contextmanager
+    def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
+        """R3 through megatron-core's RouterReplay, which needs an expert for every position: the free ones
+        (-1: a response's last token, padding) get any valid ids, since no kept log-prob depends on them. That
+        the others are all there is checked once per step, for the whole batch (:meth:`train_step`)."""
+        if experts is None:
+            yield
+            return
+        model.replay_experts = _route_free_tokens(experts).to(self.device)
+        try:
+            yield
+        finally:
+            model.replay_experts = None
+
+    def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
+        model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
+                            tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
+                            data_parallel=self.data_parallel, recompute=self.recompute)
+        load_hf_weights(model, checkpoint, self.hf_config)
+        return _AsCausalLM(model, self.hf_config).eval()
+
+    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor,
+                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tensor_parallel == 1:
+            return super()._token_stats(logits, targets, entropy_grad)
+        return vocab_parallel_token_stats(logits, targets, self.temperature, entropy_grad)
+
+    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
+        """The reference trainer's step; the experts the last micro-batch replayed, kept for its backward pass
+        when the layers recompute, are dropped after it. Experts that cannot be replayed are refused first, by
+        every rank (each holds the whole batch): one refusing in a micro-batch that the other data-parallel
+        copies do not run would leave them waiting in their next collective."""
+        batch = batch.to(self.device)  # checked where the step reads them (on the host, seconds for a large batch)
+        if batch.routed_experts is not None:
+            _check_replayable(batch.routed_experts)
+        try:
+            return super().train_step(batch)
+        finally:
+            if self.recompute:
+                end_replay(self.policy.model)
+
+    def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Complete the gradients, then take the norm over the whole model and clip to it.
+
+        Each data-parallel copy's gradients are of its share of the batch's samples (the loss normalised
+        by the whole batch), so they are summed over the copies: an expert's over the copies that hold it.
+        Under tensor parallelism the norms' and routers' gradients are of the rank's share of the positions
+        and are summed over its copy's ranks. The norm then counts each shard once (squares summed over the
+        ranks that divide the tensor) and each whole tensor once, since every rank now holds the same
+        gradient of it."""
+        grads = {id(param): param.grad for param in params if param.grad is not None}
+        experts = [grad for key, grad in grads.items() if key in self._experts]
+        _sum_over([grad for key, grad in grads.items() if key not in self._experts],
+                  parallel_state.get_data_parallel_group())
+        _sum_over(experts, parallel_state.get_expert_data_parallel_group())
+        if dist.get_world_size() == 1:
+            return super()._clip_gradients(params, max_norm)
+        _sum_over([grad for key, grad in grads.items() if key in self._partial],
+                  parallel_state.get_tensor_model_parallel_group())
+        squares = torch.zeros((), device=self.device)
+        for shards, group in (([grad for key, grad in grads.items() if key in self._split and key not in self._experts],
+                               parallel_state.get_tensor_model_parallel_group()),
+                              (experts, parallel_state.get_expert_tensor_and_model_parallel_group())):
+            part = (torch.nn.utils.get_total_norm(shards) ** 2).to(self.device)  # a CPU zero when there are none
+            dist.all_reduce(part, group=group)
+            squares += part
+        whole = [grad for key, grad in grads.items() if key not in self._split]
+        total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(list(grads.values()), max_norm, total)
+        return total
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.data_parallel == 1:
+            return tensor
+        summed = tensor.to(self.device)
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        return summed.to(tensor.device)
+
+    def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
+        """Hugging Face checkpoint names, as vLLM loads them (the fused q/k/v and gate/up are split into copies);
+        whole tensors, so under tensor parallelism every rank must call this or :meth:`join_weight_gather`."""
+        return hf_weights(self.policy.model, self.hf_config, device)
+
+    def rollout_weights(self, dtype: torch.dtype, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in hf_tensors(self.policy.model, self.hf_config):  # converted where it was gathered
+            yield name, tensor.to(dtype).to(device)
+
+    def join_weight_gather(self) -> None:
+        """A follower rank's part of the leader's :meth:`named_weights`: the same gathers, nothing kept."""
+        for _ in unsharded_weights(self.policy.model):
+            pass
+
+    def save_hf(self, folder: Path) -> None:
+        """Rank 0 writes the folder from host copies, one tensor gathered at a time; the others join."""
+        if dist.get_rank() == 0:
+            write_hf_folder(folder, self.hf_config, self.named_weights("cpu"))
+        else:
+            self.join_weight_gather()
+        dist.barrier()
+
+    def save(self, folder: Path) -> None:
+        """Returns once every rank has written its part: the checkpoint is complete when the caller seals it."""
+        super().save(folder)
+        dist.barrier()
+
+    def _state_file(self, folder: Path) -> Path:
+        if dist.get_world_size() == 1:
+            return super()._state_file(folder)
+        copy = f"-dp{parallel_state.get_data_parallel_rank()}" if self.data_parallel > 1 else ""
+        experts = "-ep" if self.expert_parallel > 1 else ""  # its optimizer state holds other tensors
+        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{copy}{experts}.pt"
+
+    def _load_policy_weights(self, folder: Path) -> None:
+        load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)

@@ -1,0 +1,114 @@
+"""The GPTModel of a Hugging Face config, and its forward pass: logits, routing freely, recording or
+replaying experts.
+
+:func:`build_model` puts vime's layers (``modules``) in megatron-core's layer spec for the config that
+``conversion`` maps; it leaves the weights uninitialised (``weights.load_hf_weights`` fills them). How
+experts are recorded and replayed is ``routing``'s; log-probs from the logits are ``logprobs``'.
+
+The rotary embedding uses positions ``0..seq-1`` of each row, so batches are right-padded (as
+``vime.backends.base.collate`` pads them): padding then sits after every real token and, under causal
+attention, cannot change a real token's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+from vime.backends.megatron.conversion import transformer_config
+from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm
+from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
+from vime.backends.megatron.routing import _routing
+from vime.flops import moe_layer_pattern
+
+
+def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
+                tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1,
+                recompute: bool = False) -> GPTModel:
+    """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
+
+    ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
+    :func:`forward` to record or replay experts. With ``tensor_parallel`` > 1
+    this process holds its rank's shard, and its logits cover its share of
+    the vocabulary (:func:`forward` gathers them); ``expert_parallel`` and
+    ``data_parallel`` (see :func:`init_parallel`) decide how an MoE model's
+    experts are shared; ``recompute``: see :func:`transformer_config`.
+    """
+    if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
+        raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
+                         f"{hf_config.model_type} model has none: leave it at 1")
+    init_parallel(tensor_parallel, expert_parallel, data_parallel)
+    config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
+                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    block.layer_norm = SequenceParallelRMSNorm
+    replaced = 0
+    for layer_spec in block.layer_specs:
+        layers = layer_spec.submodules
+        layers.input_layernorm = layers.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layers.self_attention.submodules
+        attention.core_attention = SDPAttention
+        if config.qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+        mlp = getattr(layers.mlp, "keywords", {}).get("submodules")
+        if isinstance(mlp, MoESubmodules):
+            mlp.experts = GroupedExperts
+            replaced += 1
+    if replaced != sum(moe_layer_pattern(hf_config)):
+        raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
+                           "its GroupedExperts; install megatron-core 0.19.2")
+    rope = hf_config.rope_parameters
+    model = GPTModel(
+        config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+        rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """What one forward gives: the logits, and the experts chosen when they were recorded."""
+
+    logits: torch.Tensor  # [batch, seq, vocab], or this rank's share of the vocabulary (whole_vocabulary=False)
+    experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
+
+
+def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.Tensor | None = None,
+            record_experts: bool = False, whole_vocabulary: bool = True) -> ForwardOutput:
+    """Logits of right-padded ``input_ids [batch, seq]``, routing freely, recording, or replaying experts.
+
+    ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
+    layer send each token to those experts; the gate weights are the router's
+    live scores at them, so the router still learns. Positions past a row's
+    last real token may hold any top_k distinct expert ids. ``record_experts`` returns
+    the experts the routers chose, in that same layout. Under tensor
+    parallelism each rank computes the logits of its share of the vocabulary;
+    ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
+    for what needs no gathering).
+    """
+    batch, seq = input_ids.shape
+    _, ranks = _sequence_ranks(model)
+    width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
+    input_ids = F.pad(input_ids, (0, width - seq))
+    positions = torch.arange(width, device=input_ids.device).expand(batch, width)
+    with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles:
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)[:, :seq]
+        if whole_vocabulary and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+        experts = None
+        if record_experts:
+            recorded = _gather_sequence(torch.stack([handle.get_recorded_indices() for handle in handles]), ranks)
+            experts = recorded.reshape(len(handles), width, batch, -1).permute(2, 1, 0, 3)[:, :seq].contiguous()
+    return ForwardOutput(logits=logits, experts=experts)

@@ -1,0 +1,158 @@
+"""The model's weights in and out: a Hugging Face checkpoint loaded into the model, each rank taking its
+shard of every split tensor; the weights gathered whole again under Hugging Face names, for weight sync
+and ``save_hf``; and Hugging Face folders read (lazily, tensor by tensor) and written.
+
+Which Megatron tensor is made of which Hugging Face tensors is ``conversion``'s; here is only where
+each piece of a tensor lives (``_shard``/``_unshard``) and the I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from vime.backends.hf import check_model_folder
+from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_maps
+
+
+def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out)."""
+    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if isinstance(tensor, torch.Tensor)}
+
+
+def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int, dist.ProcessGroup] | None:
+    """How a whole tensor divides among ranks: ``(dim, parts, group)``, or None when every rank holds it whole.
+    A gated ``linear_fc1`` is ``[gate; up]``, and each rank holds ``[its gate; its up]``;
+    :class:`GroupedExperts`' weights say their own rule and are split among the expert ranks."""
+    if not getattr(live, "tensor_model_parallel", False):
+        return None
+    parts = getattr(live, "partition_parts", 2 if name.endswith("linear_fc1.weight") else 1)
+    return live.partition_dim, parts, _split_group(live)
+
+
+def _split_group(live: torch.Tensor) -> dist.ProcessGroup:
+    """The ranks among which a split tensor is divided, in the order of its parts."""
+    split = getattr(live, "expert_split", None)
+    if split == "model":
+        return parallel_state.get_expert_model_parallel_group()
+    if split == "tensor":
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` (the model's own layout of the tensor ``live`` holds)."""
+    rule = _split_rule(name, live)
+    if rule is None:
+        return whole
+    dim, parts, group = rule
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return torch.cat([part.chunk(size, dim)[rank] for part in whole.chunk(parts, dim)], dim)
+
+
+def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered from the ranks that share it (a collective: every rank calls it)."""
+    rule = _split_rule(name, live)
+    if rule is None:
+        return live
+    dim, parts, group = rule
+    size = dist.get_world_size(group)
+    if size == 1:
+        return live
+    pieces = [torch.empty_like(live) for _ in range(size)]
+    dist.all_gather(pieces, live.detach().contiguous(), group=group)
+    per_rank = [piece.chunk(parts, dim) for piece in pieces]  # each rank's [its gate; its up], or its one part
+    return torch.cat([chunks[part] for part in range(parts) for chunks in per_rank], dim)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid);
+    under tensor parallelism each rank takes its shard of the whole checkpoint, one tensor at a time."""
+    live = model_tensors(model)
+    names = {tensor_map.megatron_name for tensor_map in _tensor_maps(hf_config)}
+    if names != set(live):
+        raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - names)[:5]},"
+                         f" unknown {sorted(names - set(live))[:5]}")
+    for name, tensor in _converted(hf_state, hf_config):
+        live[name].copy_(_shard(name, tensor, live[name]))
+
+
+def hf_weights(model: GPTModel, hf_config: Any, device: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face checkpoint names: :func:`hf_tensors`, all of them."""
+    return dict(hf_tensors(model, hf_config, device))
+
+
+def hf_tensors(model: GPTModel, hf_config: Any, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
+    whole, on ``device`` (None: the model's), one at a time: under tensor parallelism every rank must take them
+    or call :func:`unsharded_weights`. Each tensor is gathered, converted and moved before the next, so on
+    another device the model's own holds one whole tensor at a time."""
+    maps = {tensor_map.megatron_name: tensor_map for tensor_map in _tensor_maps(hf_config)}
+    for name, whole in unsharded_weights(model):
+        yield from _split_to_hf(maps[name], whole, device)
+
+
+def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of the model's tensors whole, by Megatron name, one gather at a time: a rank that only takes part
+    in the gathers and drops each tensor holds one whole tensor at a time, not the whole model."""
+    for name, tensor in model_tensors(model).items():
+        yield name, _unshard(name, tensor).detach()
+
+
+class CheckpointFiles(Mapping[str, torch.Tensor]):
+    """A Hugging Face folder's safetensors tensors by name, each read from its file when asked for.
+
+    Every trainer rank loads the checkpoint to keep its share; read whole, it would sit in each rank's host
+    memory at once (Qwen3-30B-A3B: 61 GB, eight times over on an 8-GPU host)."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Any] = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            for name in handle.keys():
+                if name in self._where:
+                    raise ValueError(f"{name} is in two safetensors files of {file.parent} (the second: {file.name}); "
+                                     "remove the stale one")
+                self._where[name] = handle
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_hf_folder(folder: str | Path) -> tuple[Any, CheckpointFiles]:
+    """The config and the safetensors tensors of a Hugging Face model folder (read as they are used)."""
+    from transformers import AutoConfig
+
+    folder = check_model_folder(folder, tokenizer=False)
+    return AutoConfig.from_pretrained(folder), CheckpointFiles(sorted(folder.glob("*.safetensors")))
+
+
+def write_hf_folder(folder: str | Path, hf_config: Any, hf_state: Mapping[str, torch.Tensor]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` as ``save_pretrained`` would (one shard)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(folder)
+    save_file({name: tensor.contiguous() for name, tensor in hf_state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
