@@ -306,8 +306,8 @@ class RolloutWorker(Actor):
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        if self.draining or self.engine.asleep or self.weights.loading is not None:  # the GPU is the colocated trainer's
-            return  # until the next weights, or they are arriving
+        if self.draining or self.engine.asleep or self.weights.loading is not None:
+            return  # the GPU is the colocated trainer's until the next weights, or they are arriving
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []

@@ -9,8 +9,6 @@ older one.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from vime.transports.records import message
