@@ -488,3 +488,21 @@ async def test_a_colocated_trainer_shares_one_buffer_whatever_its_receivers_do(t
     assert len(buffers) == 1 and buffers[0].numel() == model_bytes < trainer.run.job.weight_bucket_mb << 20
     assert sorted(set(read["rollout-0"])) == list(range(60))
     assert sorted(set(read["rollout-1"])) == list(range(10)) and sorted(set(read["rollout-2"])) == list(range(20))
+
+
+async def test_a_worker_forgotten_before_it_is_served_leaves_no_group_and_is_not_brought_back(tmp_path):
+    """A broadcast group is formed before its worker is served (outside the weights lock); a worker that dies
+    or asks again meanwhile must leave no group behind, or the next publication would broadcast to a dead
+    peer. A worker forgotten while its GPU load failed is not put back on nng."""
+    from vime.weights import Broadcast, Nng
+
+    trainer, _, _ = _trainer(tmp_path, colocate=False)
+    groups = trainer.weights.half(Broadcast).groups
+    groups["rollout-0"] = object()  # attached, not yet served
+    trainer._forget("rollout-0")
+    assert "rollout-0" not in groups and not trainer.weights.serves("rollout-0")
+    trainer.weights.serve("rollout-1", Nng)
+    trainer._forget("rollout-1")
+    with pytest.raises(LookupError, match="no longer served"):
+        trainer.weights.fall_back("rollout-1")
+    assert not trainer.weights.serves("rollout-1")

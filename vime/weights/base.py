@@ -125,13 +125,17 @@ class WeightSender:
         return worker in self.paths
 
     def detach(self, worker: str) -> None:
-        """Stop serving ``worker``; its path forgets it."""
-        path = self.paths.pop(worker, None)
-        if path is not None:
-            self.halves[path].detach(worker)
+        """Stop serving ``worker``; every path forgets it, also one attached but not yet served (a broadcast
+        group formed for a worker that died, or asked again, before it was served must not be sent to)."""
+        self.paths.pop(worker, None)
+        for half in self.halves.values():
+            half.detach(worker)
 
     def fall_back(self, worker: str) -> None:
-        """``worker``'s weights go over the fallback path from now on."""
+        """``worker``'s weights go over the fallback path from now on; a LookupError when it is no longer
+        served (forgotten meanwhile: it is not brought back)."""
+        if worker not in self.paths:
+            raise LookupError(f"{worker} is no longer served")
         self.detach(worker)
         self.paths[worker] = self.fallback
 
@@ -150,8 +154,9 @@ class WeightSender:
         rest = [worker for worker in workers if not self.paths[worker].together]
         for path in together:
             for worker in await self.halves[path].send([w for w in workers if self.paths[w] is path], {}):
-                self.fall_back(worker)
-                rest.append(worker)
+                if self.serves(worker):
+                    self.fall_back(worker)
+                    rest.append(worker)
         wanted = [where for worker in rest if (where := self.halves[self.paths[worker]].wants()) is not None]
         tensors = self.outgoing(all(where == "host" for where in wanted)) if wanted else {}
         for worker in rest:
