@@ -4,13 +4,11 @@ Generation runs in a loop beside the message handlers: between two engine
 steps the worker applies the newest complete set of weights, admits the
 groups whose ``min_weight_version`` it now holds, and sends each finished
 group to the reward actor (and tells the router it is done). Weights arrive
-from the trainer over nng in chunks; a version is applied only once all of its
-chunks are in, and a newer complete version supersedes an older one.
-By the GPU paths (CUDA IPC on the trainer's GPUs, a broadcast group across
-GPUs; the trainer picks from the GPUs the worker names in WorkerReady), the
-trainer asks, and the worker answers once the engine has loaded the weights
-between two steps; over CUDA IPC they come a bucket per ask, and the engine
-generates nothing from the first bucket to the last.
+by the path the trainer picked from the GPUs the worker names in WorkerReady
+(nng chunks, CUDA IPC, a broadcast group): the worker hands every weight
+message to its :class:`~vime.weights.WeightReceiver`, which has the engine
+load them between two steps; over CUDA IPC they come a bucket per ask, and
+the engine generates nothing from the first bucket to the last.
 
 A weight update that lands while sequences are running does not restart
 them: they continue under the new weights (a partial rollout), and every
@@ -67,7 +65,6 @@ from vime.config import RunConfig
 from vime.placement import visible_gpus
 from vime.protocol import (
     BUILD_TURN_RETRY_S,
-    BroadcastJoin,
     EngineAsleep,
     GenerateGroup,
     GroupDone,
@@ -75,16 +72,13 @@ from vime.protocol import (
     RolloutGroup,
     Sample,
     SleepEngine,
-    WeightsBroadcast,
-    WeightsChunk,
-    WeightsLoaded,
-    WeightsShared,
     WorkerLeaving,
     WorkerReady,
 )
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports import http
 from vime.transports.codec import Envelope
+from vime.weights import RECEIVED, WeightReceiver
 
 
 class _Group:
@@ -121,13 +115,10 @@ class RolloutWorker(Actor):
         self.stepped = trio.lowlevel.ParkingLot()  # woken after every engine step (streaming replies watch it)
         self.endpoint: AgentEndpoint | None = None
         self.next_request = 0
-        self.chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # version -> index -> tensors
-        self.complete: tuple[int, dict[str, torch.Tensor]] | None = None  # newest full set not yet applied
         self.engine_calls: collections.deque[_EngineCall] = collections.deque()  # to run between two steps
         self.wake = trio.Event()
         self.applied = trio.lowlevel.ParkingLot()  # woken whenever a weight version is applied
         self.draining = False  # finishing the running responses before the engine sleeps (SleepEngine)
-        self.loading: int | None = None  # the version whose buckets are arriving over CUDA IPC: do not step
         self.leaving = False
 
     async def on_start(self) -> None:
@@ -138,6 +129,7 @@ class RolloutWorker(Actor):
             await self._wait_for_build_turn()
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
         self.engine = await trio.to_thread.run_sync(self._build_engine)
+        self.weights = WeightReceiver(self.engine, self._between_steps, lambda: self.wake.set())
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         agent = self.run.agent
         self.toolbox = Toolbox(agent.tool, Limits(seconds=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb)) \
@@ -238,32 +230,10 @@ class RolloutWorker(Actor):
         self.waiting.append((msg, params))
         self.wake.set()
 
-    @handles(WeightsChunk)
-    async def _on_weights(self, msg: WeightsChunk, envelope: Envelope) -> None:
-        if msg.version <= self.engine.weight_version:
-            return
-        parts = self.chunks.setdefault(msg.version, {})
-        parts[msg.index] = msg.tensors
-        if len(parts) == msg.count:
-            merged = {name: tensor for index in sorted(parts) for name, tensor in parts[index].items()}
-            self.chunks = {v: p for v, p in self.chunks.items() if v > msg.version}
-            if self.complete is None or self.complete[0] < msg.version:
-                self.complete = (msg.version, merged)
-            self.wake.set()
-
-    @handles(WeightsShared)
-    async def _on_shared(self, msg: WeightsShared, envelope: Envelope) -> WeightsLoaded:
-        """A bucket of weights over CUDA IPC. Until the last is in, the engine holds a mix of two versions and
-        generates nothing; if a bucket fails, it stays so until a full set arrives another way."""
-        self.loading = msg.version
-
-        def load() -> None:  # runs between two steps: the loop must see the update done when it goes on
-            self.engine.load_shared(msg.specs, msg.buffers, msg.version, msg.index, msg.last)
-            if msg.last:
-                self.loading = None
-
-        await self._between_steps(load)
-        return WeightsLoaded(version=msg.version)
+    @handles(*RECEIVED)
+    async def _on_weights(self, msg: Any, envelope: Envelope) -> Any:
+        """Weights by any path: the receiver half of that path handles them (``vime.weights``)."""
+        return await self.weights.receive(msg)
 
     @handles(SleepEngine)
     async def _on_sleep(self, msg: SleepEngine, envelope: Envelope) -> EngineAsleep:
@@ -286,16 +256,6 @@ class RolloutWorker(Actor):
         them rather than sleep through the step they belong to."""
         if self.engine.weight_version <= version:
             self.engine.sleep(level)
-
-    @handles(BroadcastJoin)
-    async def _on_broadcast_join(self, msg: BroadcastJoin, envelope: Envelope) -> WeightsLoaded:
-        await self._between_steps(self.engine.join_broadcast, msg.address, 1, msg.world_size, msg.device)
-        return WeightsLoaded(version=self.engine.weight_version)
-
-    @handles(WeightsBroadcast)
-    async def _on_broadcast(self, msg: WeightsBroadcast, envelope: Envelope) -> WeightsLoaded:
-        await self._between_steps(self.engine.receive_broadcast, msg.specs, msg.bucket_bytes, msg.version)
-        return WeightsLoaded(version=msg.version)
 
     async def _between_steps(self, fn: Callable[..., None], *args: Any) -> None:
         """Have the generation loop run ``fn(*args)`` between two engine steps, where nothing else uses the
@@ -326,9 +286,10 @@ class RolloutWorker(Actor):
                 self.by_request.clear()
                 return
             await self._run_engine_calls()
-            self._apply_weights()
+            if self.weights.apply():
+                self._weights_applied()
             self._admit()
-            if not self.engine.busy or self.loading is not None:
+            if not self.engine.busy or self.weights.loading is not None:
                 await self.wake.wait()
                 self.wake = trio.Event()
                 continue
@@ -336,14 +297,6 @@ class RolloutWorker(Actor):
             self.stepped.unpark_all()
             for sequence in finished:
                 await self._finish(sequence)
-
-    def _apply_weights(self) -> None:
-        if self.complete is None:
-            return
-        version, tensors = self.complete
-        self.complete = self.loading = None
-        self.engine.load_weights(tensors, version)
-        self._weights_applied()
 
     def _weights_applied(self) -> None:
         """Wake whoever waits for a version (joining), and count the update."""
@@ -353,8 +306,8 @@ class RolloutWorker(Actor):
 
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        if self.draining or self.engine.asleep or self.loading is not None:  # the GPU is the colocated trainer's
-            return  # until the next weights, or they are arriving
+        if self.draining or self.engine.asleep or self.weights.loading is not None:
+            return  # the GPU is the colocated trainer's until the next weights, or they are arriving
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []

@@ -8,15 +8,11 @@ the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
 later gets the latest published weights as soon as it says WorkerReady.
 
 Weights travel by the path the worker's placement allows (``--weight-sync
-auto``), chosen when it says WorkerReady from the GPUs it names: CUDA IPC
-when its engine is on the trainer's own GPUs (only descriptors cross the
-socket), a broadcast group of their own (NCCL) when it is on other GPUs, and
-nng chunks otherwise (CPU, or an engine that spans the trainer's GPUs and
-others). Both GPU paths go in buckets of ``--weight-bucket-mb``: over CUDA
-IPC every tensor-parallel rank gathers each bucket on its own GPU, and each
-GPU of an engine copies from the rank beside it, so that a trainer rank holds
-about a bucket beside its shard of the model, not the whole model. Names are
-the checkpoint's and the dtype the rollout's (``--dtype``).
+auto``), chosen when it says WorkerReady from the GPUs it names: CUDA IPC,
+a broadcast group or nng chunks; ``vime.weights`` holds the paths, their
+choice and the fallback to nng, and the trainer hands every version to its
+:class:`~vime.weights.WeightSender`. Names are the checkpoint's and the
+dtype the rollout's (``--dtype``).
 After the last step the policy is saved to RUN_DIR/checkpoint, and every
 ``save_hf_every`` steps to RUN_DIR/hf/step_N: Hugging Face folders, usable
 as ``--model-path``.
@@ -67,7 +63,6 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 import torch
 import transformers
@@ -75,7 +70,7 @@ import trio
 
 from vime import checkpoint
 from vime.backends.base import TrainEngine, collate
-from vime.backends.hf import DTYPES, load_tokenizer
+from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.flops import training_flops
@@ -84,7 +79,6 @@ from vime.placement import visible_gpus
 from vime.protocol import (
     BUILD_TURN_KEPT_S,
     ENGINE_BUILD_S,
-    BroadcastJoin,
     BuildTurn,
     EnginesStarted,
     EvalResult,
@@ -93,15 +87,12 @@ from vime.protocol import (
     SnapshotQuery,
     TrainBatch,
     WantBatch,
-    WeightsBroadcast,
-    WeightsChunk,
     WeightsPublished,
-    WeightsShared,
     WorkerReady,
 )
 from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
-from vime.transports.gpu import BroadcastGroup, specs
+from vime.weights import WeightPath, WeightSender
 
 
 class Trainer(Actor):
@@ -115,11 +106,8 @@ class Trainer(Actor):
             torch.set_num_threads(run.job.train_threads)
         self.engine = train_engine(run, settings.seed)
         self.workers: set[str] = set()  # those sent every new version
-        self.paths: dict[str, str] = {}  # worker -> nng, ipc or broadcast
-        self.groups: dict[str, BroadcastGroup] = {}  # broadcast path: worker -> its group
         self.sharing_gpu: set[str] = set()  # workers whose engine is on our GPU (colocated): put to sleep
         self.weights_lock = trio.Lock()  # held while the weights change or travel
-        self.chunks: list[WeightsChunk] = []  # nng path: a CPU copy of the newest version, made when first needed
         self.batches_in, self.batches = trio.open_memory_channel[TrainBatch](1)
         self.run_dir = Path(settings.run_dir or ".")
         self.tokenizer = load_tokenizer(run.model.model_path)
@@ -145,6 +133,7 @@ class Trainer(Actor):
             self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
         self.version_out = self.engine.weight_version  # the newest version sent to the workers
         self.gpus = self.engine.gpus()  # every rank's
+        self.weights = WeightSender(self, self.engine, run, self._forget)  # every worker's path
 
     async def on_start(self) -> None:
         self.start_soon(self._train_loop)
@@ -161,54 +150,36 @@ class Trainer(Actor):
     def _forget(self, worker: str) -> None:
         self.workers.discard(worker)
         self.sharing_gpu.discard(worker)
-        self.paths.pop(worker, None)
-        self.groups.pop(worker, None)
+        self.weights.detach(worker)
 
     @handles(WorkerReady)
     async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
         """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         self._built(envelope.sender)
-        path = weight_path(self.run.job.weight_sync, self.gpus, msg.gpus)
-        self.log.info("weight path", worker=envelope.sender, path=path, gpus=msg.gpus)
+        path = self.weights.choose(self.gpus, msg.gpus)
+        self.log.info("weight path", worker=envelope.sender, path=path.name, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
         return WeightsPublished(version=self.version_out)
 
-    async def _bring_in(self, worker: str, path: str, gpus: list[str], version: int) -> None:
+    async def _bring_in(self, worker: str, path: type[WeightPath], gpus: list[str], version: int) -> None:
         """Set up the worker's path (a broadcast group meets here, outside the weights lock, so that training
         goes on meanwhile), send it the newest weights if it lacks them, and from then on every new version
         (and, when its engine shares our GPU, a SleepEngine before every step)."""
         self._forget(worker)
         try:
-            if path == "broadcast":
-                path = await self._form_group(worker, 1 + max(len(gpus), 1))
+            path = await self.weights.attach(worker, path, gpus)
             async with self.weights_lock:
-                self.paths[worker] = path
+                self.weights.serve(worker, path)
                 if version < self.version_out:
-                    await self._send_version([worker])
-                    if worker not in self.paths:  # gone meanwhile
+                    await self.weights.publish([worker])
+                    if not self.weights.serves(worker):  # gone meanwhile
                         return
                 self.workers.add(worker)
                 if set(gpus) & set(self.gpus):
                     self.sharing_gpu.add(worker)
         except (PeerGone, LookupError):
             self._forget(worker)
-
-    async def _form_group(self, worker: str, world_size: int) -> str:
-        """A broadcast group between us (rank 0) and the worker's engine, meeting on our host; "broadcast",
-        or "nng" when the group cannot form (a port the worker cannot reach, say)."""
-        host = urlsplit(self.settings.listen).hostname if self.settings.listen.startswith(("tcp", "tls")) else None
-        device = torch.device(self.engine.device).type
-        group = BroadcastGroup(f"tcp://{host or '127.0.0.1'}:0", 0, world_size, device=device, timeout_s=600.0)
-        try:
-            await self.ask(worker, BroadcastJoin(address=group.address, world_size=world_size, device=device),
-                           timeout=120.0)
-        except (RemoteError, TimeoutError) as err:
-            self.log.warning("no broadcast group with this worker: its weights go over nng", worker=worker,
-                             address=group.address, error=str(err))
-            return "nng"
-        self.groups[worker] = group
-        return "broadcast"
 
     @handles(MayBuildEngine)
     async def _on_may_build(self, msg: MayBuildEngine, envelope: Envelope) -> BuildTurn:
@@ -397,162 +368,11 @@ class Trainer(Actor):
         self.engine.save_hf(folder)
         self.tokenizer.save_pretrained(folder)
 
-    def _outgoing(self, paths: list[str]) -> dict[str, torch.Tensor]:
-        """The weights as rollout engines load them (:meth:`TrainEngine.rollout_weights`), on our device, or
-        on the host when every path to serve (``paths``) goes through it: a tensor-parallel trainer, which
-        gathers each tensor whole, then holds one at a time on its GPU instead of the whole model."""
-        host = all(path == "nng" for path in paths)
-        return dict(self.engine.rollout_weights(DTYPES[self.run.model.dtype], "cpu" if host else None))
-
-    def _chunked(self) -> bool:
-        """Whether the nng chunks of the current version are made."""
-        return bool(self.chunks) and self.chunks[0].version == self.engine.weight_version
-
-    def _nng_chunks(self, tensors: dict[str, torch.Tensor]) -> list[WeightsChunk]:
-        """A CPU copy of the current version cut into chunks of about ``weight_chunk_mb`` each, made once per
-        version: the outbox may still be sending them while the optimizer writes the next version. Host
-        tensors of a GPU trainer are such copies already (:meth:`_outgoing`); a CPU trainer's are its own."""
-        if self._chunked():
-            return self.chunks
-        version = self.engine.weight_version
-        limit = self.run.job.weight_chunk_mb << 20
-        parts: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in tensors.items():
-            if parts[-1] and size + tensor.nbytes > limit:
-                parts.append({})
-                size = 0
-            parts[-1][name] = tensor.to("cpu", copy=self.engine.device == "cpu")
-            size += tensor.nbytes
-        self.chunks = [WeightsChunk(version=version, index=i, count=len(parts), tensors=p) for i, p in enumerate(parts)]
-        return self.chunks
-
-    async def _send_weights(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
-        """The current version to one worker by nng or broadcast; returns once it holds them (broadcast) or they
-        are queued (nng)."""
-        version = self.engine.weight_version
-        if self.paths[worker] == "nng":
-            for chunk in self._nng_chunks(tensors):
-                await self.tell(worker, chunk, weight_version=version)
-            return
-        bucket_bytes = self.run.job.weight_bucket_mb << 20
-        message = WeightsBroadcast(version=version, specs=[list(s) for s in specs(tensors)], bucket_bytes=bucket_bytes)
-        failure: Exception | None = None
-        group = self.groups[worker]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._send_buckets, group, tensors, bucket_bytes)
-            try:
-                await self.ask(worker, message, timeout=600.0)
-            except (PeerGone, LookupError, RemoteError, TimeoutError) as err:
-                failure = err
-                group.abort()  # a collective stuck on a dead peer must not hold our GPU stream
-                nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-
-    async def _share(self, workers: list[str]) -> list[str]:
-        """The current version over CUDA IPC to ``workers`` (engines on our GPUs), a bucket at a time, each
-        bucket to all of them at once: every rank packs it on its GPU, each engine copies from its own GPU's,
-        and the memory is reused for the next. A last message, with no bucket, ends the version; with sleep mode
-        it comes once every rank has given back what the publication used, so that a sleeping engine wakes its
-        KV cache beside the trainer's steady memory only. Returns the workers whose load failed or did not
-        answer."""
-        version, failed, gone = self.engine.weight_version, [], set()
-
-        async def load(worker: str, message: WeightsShared) -> None:
-            try:
-                await self.ask(worker, message, timeout=600.0)
-            except (PeerGone, LookupError):
-                gone.add(worker)
-                self._forget(worker)
-            except (RemoteError, TimeoutError) as err:
-                self.log.warning("weights over CUDA IPC failed", worker=worker, error=str(err))
-                failed.append(worker)
-
-        def receivers() -> list[str]:
-            return [worker for worker in workers if worker not in failed and worker not in gone]
-
-        async def to_receivers(specs: list[list[Any]], buffers: list[dict[str, Any]], index: int, last: bool) -> None:
-            message = WeightsShared(version=version, specs=specs, buffers=buffers, index=index, last=last)
-            async with trio.open_nursery() as nursery:
-                for worker in receivers():
-                    nursery.start_soon(load, worker, message)
-
-        buckets = self.engine.shared_buckets(self.run.job.weight_bucket_mb << 20, DTYPES[self.run.model.dtype])
-        count = 0
-        with contextlib.closing(buckets):  # stopping early stops every rank after the same bucket
-            for bucket, buffers in buckets:
-                await to_receivers([list(spec) for spec in bucket], buffers, count, last=False)
-                if not receivers():
-                    break  # before the next bucket is gathered
-                count += 1
-        if self.run.rollout.vllm_args.get("enable_sleep_mode"):  # also before the failed ones get theirs by nng
-            await trio.to_thread.run_sync(self.engine.release_memory)
-        if receivers():
-            await to_receivers([], [], count, last=True)
-        return failed
-
-    async def _send_version(self, workers: list[str]) -> None:
-        """The current version to each of ``workers`` by its path; one whose GPU path fails (its load raised, or
-        it did not answer) gets it over nng instead, from now on."""
-        shared = [worker for worker in workers if self.paths[worker] == "ipc"]
-        rest = [worker for worker in workers if self.paths[worker] != "ipc"]
-        failed = await self._share(shared) if shared else []
-        for worker in failed:
-            self.paths[worker] = "nng"
-            rest.append(worker)
-        gathering = [self.paths[worker] for worker in rest if self.paths[worker] != "nng" or not self._chunked()]
-        tensors = self._outgoing(gathering) if gathering else {}  # a tensor-parallel trainer gathers the model
-        for worker in rest:
-            try:
-                await self._deliver(worker, tensors)
-            except (PeerGone, LookupError):
-                self._forget(worker)
-
-    async def _deliver(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
-        """:meth:`_send_weights`; a worker whose broadcast fails gets the weights over nng instead, from now on."""
-        try:
-            await self._send_weights(worker, tensors)
-        except (RemoteError, TimeoutError) as err:
-            if self.paths[worker] == "nng":
-                raise
-            self.log.warning("weight path failed: this worker's weights go over nng from now on", worker=worker,
-                             path=self.paths[worker], error=str(err))
-            self.paths[worker] = "nng"
-            self.groups.pop(worker, None)
-            await self._send_weights(worker, tensors)
-
-    async def _send_buckets(self, group: BroadcastGroup, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
-        """The sender's half of a broadcast. If the group breaks, the receiver's half fails too, and its
-        answer (or its absence) is what the caller acts on."""
-        try:
-            await trio.to_thread.run_sync(group.send, tensors, bucket_bytes, abandon_on_cancel=True)
-        except Exception as err:
-            self.log.warning("weight broadcast failed", error=f"{type(err).__name__}: {err}")
-
     async def _publish(self) -> None:
         """Weights of the new version to every worker, then the news to the buffer."""
-        await self._send_version(sorted(self.workers))  # none: nothing gathered, nothing converted
+        await self.weights.publish(sorted(self.workers))  # none: nothing gathered, nothing converted
         self.version_out = self.engine.weight_version
         await self.tell("buffer", WeightsPublished(version=self.version_out))
-
-
-def weight_path(mode: str, trainer_gpus: list[str], worker_gpus: list[str]) -> str:
-    """The path weights take to a worker whose engine is on ``worker_gpus``, from a trainer on ``trainer_gpus``
-    (UUIDs; empty: CPU), under ``--weight-sync mode``; a ValueError says what to pass when the placement does not
-    allow the mode asked for."""
-    ours, theirs = set(trainer_gpus), set(worker_gpus)
-    on_ours = bool(theirs) and theirs <= ours  # every GPU of the engine has a trainer rank on it
-    apart = bool(ours) and bool(theirs) and not ours & theirs
-    if mode == "auto":
-        return "ipc" if on_ours else "broadcast" if apart else "nng"
-    where = f"(trainer: {trainer_gpus or 'CPU'}, engine: {worker_gpus or 'CPU'}); use --weight-sync auto"
-    if mode == "ipc" and not on_ours:
-        raise ValueError(f"--weight-sync ipc needs the rollout engine on the trainer's GPUs and on no other {where}")
-    if mode == "broadcast" and not (apart or not (ours or theirs)):
-        raise ValueError(f"--weight-sync broadcast needs the rollout engine on GPUs other than the trainer's (NCCL) "
-                         f"or both on CPU (gloo) {where}")
-    return mode
 
 
 def train_engine(run: RunConfig, seed: int) -> TrainEngine:

@@ -17,10 +17,11 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.data import prompt_ids
-from vime.protocol import GenerateGroup, RolloutGroup, WeightsShared
+from vime.protocol import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.tools.make_tiny_model import make_tiny_model
+from vime.weights import WeightsShared
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
 
@@ -260,12 +261,12 @@ async def test_a_worker_generates_nothing_while_the_buckets_of_an_update_arrive(
     async with trio.open_nursery() as nursery:
         worker._nursery = nursery
         await worker.on_start()
-        await worker._on_shared(WeightsShared(version=8, specs=[], buffers=[], index=0, last=False), None)
+        await worker._on_weights(WeightsShared(version=8, specs=[], buffers=[], index=0, last=False), None)
         await worker._on_group(GenerateGroup(group_id=0, prompt_ids=[1, 4], messages=[], label="x", metadata={},
                                              group_size=1, min_weight_version=7, sampling=sampling), None)
         await trio.sleep(0.3)
         assert log == ["bucket 0"]
-        await worker._on_shared(WeightsShared(version=8, specs=[], buffers=[], index=1, last=True), None)
+        await worker._on_weights(WeightsShared(version=8, specs=[], buffers=[], index=1, last=True), None)
         with trio.fail_after(10):
             while not any(isinstance(e.payload, RolloutGroup) for e in sent):
                 await trio.sleep(0.01)

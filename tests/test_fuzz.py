@@ -37,7 +37,6 @@ from vime.protocol import (
     SnapshotQuery,
     TrainBatch,
     WantBatch,
-    WeightsChunk,
     WeightsPublished,
     WorkerLeaving,
     WorkerReady,
@@ -46,6 +45,7 @@ from vime.roles import resolve_role
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.transports.codec import MAGIC, Envelope, encode, encode_frame
+from vime.weights import WeightsChunk
 
 FRAMES = int(os.environ.get("FUZZ_FRAMES", "100000"))
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # bytes frames are read-only

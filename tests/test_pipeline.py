@@ -15,12 +15,12 @@ import trio
 
 from vime import rewards
 from vime.actors.rollout import forced_lengths
-from vime.actors.trainer import weight_path
 from vime.config import RunConfig
 from vime.metrics import MetricsFollower
 from vime.pipeline import RunFailed, train
 from vime.replay import replay
 from vime.scenarios import arithmetic
+from vime.weights import choose
 
 TESTS = Path(__file__).parent
 
@@ -128,7 +128,7 @@ async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):
     ("nng", ["GPU-a"], ["GPU-a"], "nng"), ("broadcast", [], [], "broadcast"), ("ipc", ["GPU-a"], ["GPU-a"], "ipc"),
 ])
 def test_the_weight_path_follows_placement(mode, trainer, engine, path):
-    assert weight_path(mode, trainer, engine) == path
+    assert choose(mode, trainer, engine).name == path
 
 
 @pytest.mark.parametrize("mode, trainer, engine", [
@@ -138,7 +138,7 @@ def test_the_weight_path_follows_placement(mode, trainer, engine, path):
 ])
 def test_a_weight_path_the_placement_cannot_take_is_refused_with_what_to_pass(mode, trainer, engine):
     with pytest.raises(ValueError, match=f"--weight-sync {mode} needs .* use --weight-sync auto"):
-        weight_path(mode, trainer, engine)
+        choose(mode, trainer, engine)
 
 
 def test_reward_contract_accepts_built_ins_and_plugins_and_names_the_breach(monkeypatch):

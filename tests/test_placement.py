@@ -15,6 +15,7 @@ from conftest import open_job
 from vime.config import RunConfig
 from vime.pipeline import _spawn_rollouts, engines_sharing_gpus
 from vime.placement import Placement, place, visible_gpus
+from vime.weights import CudaIpc
 
 GPU_RUN = RunConfig().replace(train_backend="megatron", rollout_backend="vllm")
 
@@ -391,9 +392,10 @@ async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_lef
 
     trainer, _, _ = _trainer(tmp_path, colocate=True)
     if sleeping:
-        trainer.run = trainer.run.replace(rollout_backend="vllm", vllm_args={"enable_sleep_mode": True})
+        trainer.run = trainer.weights.run = trainer.run.replace(rollout_backend="vllm",
+                                                                vllm_args={"enable_sleep_mode": True})
     events: list = []
-    trainer.engine = engine = _Buckets(events)
+    trainer.engine = trainer.weights.engine = engine = _Buckets(events)
 
     async def ask(worker: str, message, timeout: float) -> None:
         events.append((worker, message.index, message.last))
@@ -402,14 +404,15 @@ async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_lef
 
     trainer.ask = ask
     released = ["released"] if sleeping else []
-    assert await trainer._share(["rollout-0", "rollout-1"]) == ["rollout-0"]
+    ipc = trainer.weights.half(CudaIpc)
+    assert await ipc.send(["rollout-0", "rollout-1"], {}) == ["rollout-0"]
     assert [e for e in events if e == "released" or e[0] == "rollout-1"] == [
         ("rollout-1", 0, False), ("rollout-1", 1, False), ("rollout-1", 2, False), *released, ("rollout-1", 3, True)]
     assert [e for e in events if e[0] == "rollout-0"] == [("rollout-0", 0, False)]
     assert engine.made == [0, 1, 2]
     events.clear()
     engine.made = []
-    assert await trainer._share(["rollout-0"]) == ["rollout-0"]
+    assert await ipc.send(["rollout-0"], {}) == ["rollout-0"]
     assert events == [("rollout-0", 0, False), *released] and engine.made == [0]
 
 
@@ -417,7 +420,7 @@ async def test_a_worker_joining_over_nng_gets_the_chunks_already_made_without_a_
     """The chunks of the current version are kept until the next (the outbox may still be sending them), so a
     worker that joins or falls back to nng later in the step gets them as they are: a tensor-parallel trainer
     would otherwise gather the whole model again."""
-    from vime.protocol import WeightsChunk
+    from vime.weights import Nng, WeightsChunk
 
     trainer, sent, _ = _trainer(tmp_path, colocate=False)
     gathers = []
@@ -428,12 +431,12 @@ async def test_a_worker_joining_over_nng_gets_the_chunks_already_made_without_a_
         return weights(device)
 
     trainer.engine.named_weights = named_weights
-    trainer.paths = {"rollout-0": "nng", "rollout-1": "nng"}
-    await trainer._send_version(["rollout-0"])
-    await trainer._send_version(["rollout-1"])
+    trainer.weights.paths = {"rollout-0": Nng, "rollout-1": Nng}
+    await trainer.weights.publish(["rollout-0"])
+    await trainer.weights.publish(["rollout-1"])
     chunks = [(envelope.receiver, envelope.payload.index) for envelope in sent
               if isinstance(envelope.payload, WeightsChunk)]
-    count = len(trainer.chunks)
+    count = len(trainer.weights.half(Nng).chunks)
     assert gathers == ["cpu"] and count >= 1
     assert chunks == [("rollout-0", i) for i in range(count)] + [("rollout-1", i) for i in range(count)]
 
@@ -479,9 +482,27 @@ async def test_a_colocated_trainer_shares_one_buffer_whatever_its_receivers_do(t
         engine.weight_version = version
         with torch.no_grad():
             next(iter(engine.named_weights().values())).add_(1.0)  # the version's own weights
-        failed = await trainer._share(receivers)  # the caller sends those theirs over nng from now on
+        failed = await trainer.weights.half(CudaIpc).send(receivers, {})  # the caller: nng for those from now on
         receivers = [worker for worker in receivers if worker not in failed and worker not in dead]
     model_bytes = sum(gpu._spec_bytes(gpu._spec(name, tensor)) for name, tensor in engine.rollout_weights(torch.float32))
     assert len(buffers) == 1 and buffers[0].numel() == model_bytes < trainer.run.job.weight_bucket_mb << 20
     assert sorted(set(read["rollout-0"])) == list(range(60))
     assert sorted(set(read["rollout-1"])) == list(range(10)) and sorted(set(read["rollout-2"])) == list(range(20))
+
+
+async def test_a_worker_forgotten_before_it_is_served_leaves_no_group_and_is_not_brought_back(tmp_path):
+    """A broadcast group is formed before its worker is served (outside the weights lock); a worker that dies
+    or asks again meanwhile must leave no group behind, or the next publication would broadcast to a dead
+    peer. A worker forgotten while its GPU load failed is not put back on nng."""
+    from vime.weights import Broadcast, Nng
+
+    trainer, _, _ = _trainer(tmp_path, colocate=False)
+    groups = trainer.weights.half(Broadcast).groups
+    groups["rollout-0"] = object()  # attached, not yet served
+    trainer._forget("rollout-0")
+    assert "rollout-0" not in groups and not trainer.weights.serves("rollout-0")
+    trainer.weights.serve("rollout-1", Nng)
+    trainer._forget("rollout-1")
+    with pytest.raises(LookupError, match="no longer served"):
+        trainer.weights.fall_back("rollout-1")
+    assert not trainer.weights.serves("rollout-1")

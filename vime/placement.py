@@ -10,7 +10,7 @@ its ``CUDA_VISIBLE_DEVICES``, so inside it the first GPU is always its own.
 
 The weight path follows from where the processes land (``--weight-sync auto``, the default): the
 trainer compares the GPUs a worker's engine reports with its own (CUDA IPC on the same GPUs, a broadcast group
-across GPUs; see ``weight_path`` in ``actors/trainer.py``). Workers joined from other hosts keep the
+across GPUs; see ``vime.weights.choose``). Workers joined from other hosts keep the
 GPUs their own environment gives them.
 
 With none of the GPU flags given, nothing is placed: every process inherits the driver's view.

@@ -3,8 +3,7 @@
 The flow (see DESIGN.md)::
 
     buffer --GenerateGroup--> router --GenerateGroup--> rollout --RolloutGroup--> reward --ScoredGroup--> buffer
-    trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsChunk--> rollout
-    (or, by placement: trainer --WeightsShared / BroadcastJoin, WeightsBroadcast--> rollout --WeightsLoaded--> trainer)
+    trainer --WantBatch--> buffer --TrainBatch--> trainer --(weights, by their path: vime.weights)--> rollout
     trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
     trainer --SleepEngine--> a colocated rollout worker --EngineAsleep--> trainer (before training, with sleep mode)
@@ -139,60 +138,6 @@ class EvalResult:
 
     version: int
     metrics: dict[str, float]
-
-
-@message
-class WeightsChunk:
-    """trainer -> rollout worker: part ``index`` of ``count`` of the weights of ``version``."""
-
-    version: int
-    index: int
-    count: int
-    tensors: dict[str, torch.Tensor]
-
-
-@message
-class WeightsShared:
-    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded):
-    message ``index`` of the weights of ``version`` over CUDA IPC, a bucket each. ``buffers`` describe its bytes
-    on each trainer GPU (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype
-    name] each, ``vime.transports.gpu.unpack``); the trainer reuses the memory once answered. The ``last``
-    message may carry no bucket: after it the engine holds ``version``; from the first to the last it
-    generates nothing."""
-
-    version: int
-    specs: list[list[Any]]
-    buffers: list[dict[str, Any]]
-    index: int
-    last: bool
-
-
-@message
-class BroadcastJoin:
-    """trainer -> a rollout worker on other GPUs or hosts (ask, answered with WeightsLoaded of the version it
-    holds): join the trainer's broadcast group at ``address`` (the trainer is rank 0, the engine's GPUs the next)."""
-
-    address: str
-    world_size: int
-    device: str  # "cuda" (NCCL) or "cpu" (gloo): the members must agree
-
-
-@message
-class WeightsBroadcast:
-    """trainer -> a worker in its broadcast group (ask, answered with WeightsLoaded): the full weights of
-    ``version`` are being broadcast now, in the buckets ``vime.transports.gpu.buckets`` makes of ``specs``."""
-
-    version: int
-    specs: list[list[Any]]  # [name, shape, dtype name] per tensor
-    bucket_bytes: int
-
-
-@message
-class WeightsLoaded:
-    """rollout worker -> trainer: the engine holds weights of ``version`` (of a WeightsShared bucket but the
-    last: it has loaded that bucket)."""
-
-    version: int
 
 
 @message

@@ -96,8 +96,8 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Replace the named weights (a full set) and stamp later tokens with ``version``."""
 
-    # The GPU weight paths (vime.transports.gpu). These defaults serve a single-process engine;
-    # an engine whose model lives in other processes (vLLM's workers) overrides them.
+    # What the GPU weight paths (vime.weights.cuda_ipc, vime.weights.nccl) have the engine load. These defaults
+    # serve a single-process engine; an engine whose model lives in other processes (vLLM's workers) overrides them.
 
     def gpus(self) -> list[str]:
         """UUIDs of the GPUs holding the engine's model, one per rank; empty on CPU. The trainer picks
