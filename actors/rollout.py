@@ -58,7 +58,7 @@ from vime.agent.endpoint import AgentEndpoint
 from vime.agent.episode import Episode, ToolCall, parse_tool_calls, tool_messages, turn_ids, turn_text
 from vime.agent.sandbox import Limits
 from vime.agent.tools import Toolbox
-from vime.backends.base import RolloutEngine, SamplingParams, Sequence
+from vime.backends.base import RolloutEngine, SamplingParams, Sequence, sampling_seed
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
@@ -319,10 +319,12 @@ class RolloutWorker(Actor):
         now = time.monotonic()
         for request, params in ready:
             sequences = []
-            for length in forced_lengths(self.run.rollout.forced_response_lengths, params.max_new_tokens,
-                                         self.run.job.seed, request.group_id, request.group_size):
+            for index, length in enumerate(forced_lengths(self.run.rollout.forced_response_lengths,
+                                                          params.max_new_tokens, self.run.job.seed, request.group_id,
+                                                          request.group_size)):
                 sequences.append(Sequence(self.next_request, list(request.prompt_ids), params if length is None
-                                          else dataclasses.replace(params, max_new_tokens=length, stop_token_ids=())))
+                                          else dataclasses.replace(params, max_new_tokens=length, stop_token_ids=()),
+                                          seed=sampling_seed(self.run.job.seed, request.group_id, index)))
                 self.next_request += 1
             group = self.groups[request.group_id] = _Group(request, sequences, now)
             if self.endpoint is not None:  # external agents drive the responses

@@ -58,7 +58,8 @@ def measure(rows: int, vocab: int, repeats: int) -> list[dict[str, object]]:
     logprobs = torch.log_softmax(torch.randn(rows, vocab, generator=generator), dim=-1)
     pairs = {
         "draw a token": (lambda: torch.multinomial(torch.softmax(logprobs, -1), 1, generator=generator),
-                         lambda: _sample_tokens(logprobs, generator)),
+                         lambda: _sample_tokens(logprobs, torch.rand((rows, 1), generator=generator,
+                                                                     dtype=torch.float64))),
         "top-k 1 filter": (lambda: _sorted_top_k(logprobs, 1),
                            lambda: _top_k_top_p(logprobs, [1] * rows, [1.0] * rows)),
     }

@@ -23,7 +23,7 @@ import vime.rewards
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
+from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate, sampling_seed
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
@@ -253,6 +253,30 @@ def test_seeded_sampling_is_reproducible(model):
     first = run(7)
     assert run(7) == first
     assert run(8) != first
+
+
+def test_a_seeded_sequence_samples_the_same_whatever_shares_its_batches(model):
+    """What a response samples depends on its own seed only: alone, in one batch with the others in another
+    order, or in batches of two. One stream for the whole batch made the demo give different rewards at the
+    same --seed from its first step (the requests' arrival decides the batches). Mutation checked: drawing
+    the rows from one engine-wide stream fails the first comparison."""
+    folder, _, prompts = model
+    params = SamplingParams(max_new_tokens=6)
+    seeds = [sampling_seed(5, group_id=3, index=i) for i in range(len(prompts))]
+
+    def run(order: list[int], max_batch_size: int) -> dict[int, list[int]]:
+        engine = TorchRolloutEngine(folder, seed=99, max_batch_size=max_batch_size)
+        sequences = [Sequence(i, prompts[i], params, seed=seeds[i]) for i in order]
+        engine.add(sequences)
+        while engine.busy:
+            engine.step()
+        return {s.request_id: s.response_ids for s in sequences}
+
+    together = run(list(range(len(prompts))), 1024)
+    assert run(list(reversed(range(len(prompts)))), 1024) == together
+    assert run(list(range(len(prompts))), 2) == together
+    assert {i: run([i], 1)[i] for i in range(len(prompts))} == together
+    assert len({sampling_seed(5, 3, 0), sampling_seed(5, 3, 1), sampling_seed(5, 4, 0), sampling_seed(6, 3, 0)}) == 4
 
 
 # -- top-k / top-p ----------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ class TorchRolloutEngine(RolloutEngine):
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_batch_size = max_batch_size
         self.weight_version = 0
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # seeds the sequences that bring no seed
+        self._draws: dict[int, torch.Generator] = {}  # each unfinished sequence's own stream, by request id
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._cache = None
@@ -55,6 +56,10 @@ class TorchRolloutEngine(RolloutEngine):
         return bool(self._waiting or self._running)
 
     def add(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            seed = sequence.seed if sequence.seed is not None else int(
+                torch.randint(2**62, (1,), generator=self.generator))
+            self._draws[sequence.request_id] = torch.Generator().manual_seed(seed)
         self._waiting.extend(sequences)
 
     def abort(self, request_ids: list[int]) -> None:
@@ -62,6 +67,8 @@ class TorchRolloutEngine(RolloutEngine):
         batch ends (static batching)."""
         stop = set(request_ids)
         self._waiting = collections.deque(s for s in self._waiting if s.request_id not in stop)
+        for request_id in stop:
+            self._draws.pop(request_id, None)
         for sequence in self._running:
             if sequence.request_id in stop and sequence.finish_reason is None:
                 sequence.finish_reason = "abort"
@@ -146,7 +153,7 @@ class TorchRolloutEngine(RolloutEngine):
         logprobs = scaled_logprobs(logits, temperature)
         filtered = _top_k_top_p(logprobs, [s.params.top_k for s in self._running],
                                 [s.params.top_p for s in self._running])
-        tokens = _sample_tokens(filtered, self.generator)
+        tokens = _sample_tokens(filtered, self._uniforms())
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         self._last_tokens = tokens
         finished = []
@@ -163,16 +170,25 @@ class TorchRolloutEngine(RolloutEngine):
             if sequence.finish_reason is not None:
                 if self._routed:
                     sequence.routed_experts = torch.cat(self._routed[row])
+                self._draws.pop(sequence.request_id, None)
                 finished.append(sequence)
         self._end_batch_if_done()
         return finished
 
+    def _uniforms(self) -> torch.Tensor:
+        """One uniform draw per running row ([rows, 1], float64), each from its sequence's own stream; a row
+        whose sequence has finished (its batch goes on) draws nothing."""
+        draws = [torch.rand(1, generator=self._draws[s.request_id], dtype=torch.float64)
+                 if s.request_id in self._draws else torch.zeros(1, dtype=torch.float64) for s in self._running]
+        return torch.stack(draws).to(self.device)
 
-def _sample_tokens(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logprobs), by inverting the row's CDF (float64) at one uniform
-    draw: exact like torch.multinomial, which on CPU is about 20 times slower over a 150k vocabulary."""
+
+def _sample_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(logprobs), by inverting the row's CDF (float64) at the row's uniform
+    draw (``uniforms``, [rows, 1] in [0, 1)): exact like torch.multinomial, which on CPU is about 20 times
+    slower over a 150k vocabulary."""
     cdf = torch.cumsum((logprobs - logprobs.max(dim=-1, keepdim=True).values).double().exp(), dim=-1)
-    draw = torch.rand((cdf.shape[0], 1), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    draw = uniforms * cdf[:, -1:]
     return torch.searchsorted(cdf, draw, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
 
 
