@@ -65,7 +65,7 @@ def padded_tokens(batch: TensorBatch, micro_batch_size: int) -> int:
 
 def run_one(args: argparse.Namespace, micro_batch_size: int) -> dict[str, Any]:
     """Time ``--steps`` train steps after ``--warmup`` at one micro-batch size; one result row."""
-    from vime.actors.trainer import train_engine
+    from vime.backends import train_engine
     from vime.config import RunConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from vime import rewards
-from vime.actors.rollout import forced_lengths
+from vime.groups import forced_lengths
 from vime.config import RunConfig
 from vime.metrics import MetricsFollower
 from vime.pipeline import RunFailed, train

@@ -13,7 +13,8 @@ import trio
 
 from conftest import open_job
 from vime.config import RunConfig
-from vime.pipeline import _spawn_rollouts, engines_sharing_gpus
+from vime.gpu_turns import engines_sharing_gpus
+from vime.pipeline import _spawn_rollouts
 from vime.placement import Placement, place, visible_gpus
 from vime.weights import CudaIpc
 
@@ -144,7 +145,7 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
 async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autojump_clock, departure):
     """A worker that exited cleanly is not restarted (the job says it is gone for good), so nothing waits for it;
     one that never answers is waited for ENGINE_BUILD_S at most. The trainer hears either way."""
-    from vime.protocol import ENGINE_BUILD_S
+    from vime.gpu_turns import ENGINE_BUILD_S
     from vime.runtime import PeerGone
 
     calls = []
@@ -234,15 +235,15 @@ async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path,
     from vime.protocol import BuildTurn, EnginesStarted, MayBuildEngine, WorkerReady
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr("vime.actors.trainer.ENGINE_BUILD_S", 3.0 if release == "silent" else 600.0)
-    monkeypatch.setattr("vime.actors.trainer.BUILD_TURN_KEPT_S", 1.0)  # the step below lasts longer
+    monkeypatch.setattr("vime.gpu_turns.ENGINE_BUILD_S", 3.0 if release == "silent" else 600.0)
+    monkeypatch.setattr("vime.gpu_turns.BUILD_TURN_KEPT_S", 1.0)  # the step below lasts longer
     trainer, _, deliver = _trainer(tmp_path, colocate=True)
     await deliver("driver", EnginesStarted())
     in_step, step_may_end, busy_in_steps = threading.Event(), threading.Event(), []
     train_step = trainer.engine.train_step
 
     def long_step(batch):
-        busy_in_steps.append(trainer.gpu_busy)
+        busy_in_steps.append(trainer.gpu.busy)
         in_step.set()
         step_may_end.wait(60)
         return train_step(batch)
@@ -276,10 +277,10 @@ async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path,
         step_may_end.set()
         with trio.fail_after(60):
             for _ in range(2):
-                order.append(f"row {(await trainer.rows.receive())['step']}")
+                order.append(f"row {(await trainer.rows.unwritten.receive())['step']}")
         nursery.cancel_scope.cancel()
     assert order == ["refused", "row 0", "granted", *(["released"] if release != "silent" else []), "row 1"]
-    assert busy_in_steps == [True, True] and not trainer.builds and not trainer.queued
+    assert busy_in_steps == [True, True] and not trainer.gpu.builds and not trainer.gpu.queued
 
 
 async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at_once(tmp_path, monkeypatch):
@@ -294,10 +295,10 @@ async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at
         assert await deliver("rollout-1", here) == BuildTurn(granted=False)  # two profiles would see each other
         assert await deliver("elsewhere", MayBuildEngine(host="another-host", gpus=["0"])) == BuildTurn(granted=True)
         assert await deliver("other-gpu", MayBuildEngine(host=here.host, gpus=["1"])) == BuildTurn(granted=True)
-        assert set(trainer.builds) == {"rollout-0"} and set(trainer.queued) == {"rollout-1"}
+        assert set(trainer.gpu.builds) == {"rollout-0"} and set(trainer.gpu.queued) == {"rollout-1"}
         await deliver("rollout-0", WorkerReady(capacity=4, weight_version=0, gpus=["0"]))
         assert await deliver("rollout-1", here) == BuildTurn(granted=True)
-        assert set(trainer.builds) == {"rollout-1"} and not trainer.queued
+        assert set(trainer.gpu.builds) == {"rollout-1"} and not trainer.gpu.queued
         nursery.cancel_scope.cancel()
 
 

@@ -12,6 +12,12 @@ The newest ``KEEP`` checkpoints are kept.
 Records are stored in the wire format (``vime.transports.codec``), so a
 checkpoint is read back with the same validation as a message; ``trainer.pt``
 is read with ``torch.load(weights_only=True)``, which refuses code objects.
+
+The trainer's writes are here too: :func:`save_training` (a resumable
+checkpoint of the engine, its tokenizer and the buffer's state) and
+:func:`export_hf` (the policy as a Hugging Face folder, usable as
+``--model-path``: RUN_DIR/checkpoint after the last step, RUN_DIR/hf/step_N
+every ``--save-hf-every`` steps).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from vime.transports.codec import BadMessage, Envelope, decode_frame, encode, encode_frame
+
+if TYPE_CHECKING:
+    from vime.backends.base import TrainEngine
 
 KEEP = 2
 
@@ -55,6 +64,26 @@ def save(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
     for old in sorted(root.glob("step_*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_training(run_dir: str | Path, step: int, engine: TrainEngine, tokenizer: Any, buffer_state: Any) -> Path:
+    """A resumable checkpoint after ``step`` steps: the engine's state, its tokenizer beside the policy, and the
+    buffer's state (asked for right after the step's version was published, so the two agree)."""
+    def write(folder: Path) -> None:
+        engine.save(folder)
+        tokenizer.save_pretrained(folder / "model")
+        write_record(folder / "buffer.vmsg", buffer_state)
+
+    return save(run_dir, step, write)
+
+
+def export_hf(folder: Path, engine: TrainEngine, tokenizer: Any) -> Path:
+    """The policy and its tokenizer as a Hugging Face folder (loadable as --model-path), written whole."""
+    def write(tmp: Path) -> None:
+        engine.save_hf(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return write_folder(folder, write)
 
 
 def latest(run_dir: str | Path) -> Path | None:

@@ -4,15 +4,33 @@ RUN_DIR/metrics.jsonl is the record of a run; each line is written and
 flushed as the step ends, so a crashed run keeps every finished step and
 the driver can follow the file while the run goes. TensorBoard event files
 go to RUN_DIR/tensorboard when the ``tensorboard`` package is importable.
+
+The trainer's rows (:class:`StepRows`): with evaluation on, a step's row waits
+(in a writer task; training goes on) for the ``eval/*`` metrics of the version
+the step produced when that version is evaluated, so metrics.jsonl holds them
+beside the step's own; every eval result, version 0's included, is also
+appended to RUN_DIR/eval.jsonl as it arrives. :func:`step_row` is a step's row.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import math
+import os
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from vime.tasks import Changed
+
+if TYPE_CHECKING:
+    from vime.backends.base import TensorBatch
+    from vime.protocol import Sample
 
 
 class MetricsWriter:
@@ -35,6 +53,97 @@ class MetricsWriter:
         self._file.close()
         if self._board is not None:
             self._board.close()
+
+
+class StepRows:
+    """The trainer's rows, appended to metrics.jsonl in step order by :meth:`write_loop` (a task of the
+    trainer's), each with the ``eval/*`` metrics of its version when that version is evaluated (``evaluated``).
+    ``written`` counts the steps whose row is in the file (a resumed run starts with those before it)."""
+
+    def __init__(self, run_dir: Path, eval_versions: Iterable[int], written: int) -> None:
+        self.run_dir = run_dir
+        self.writer = MetricsWriter(run_dir)
+        self._in, self.unwritten = trio.open_memory_channel[dict[str, Any]](math.inf)
+        self.eval_versions = set(eval_versions)
+        self.eval_results: dict[int, dict[str, float]] = {}
+        self.written = written
+        self.changed = Changed()  # a row was written or an eval result arrived
+
+    async def add(self, row: dict[str, Any]) -> None:
+        """Queue a step's row; it is written once its version's eval metrics are in (if it is evaluated)."""
+        await self._in.send(row)
+
+    def evaluated(self, version: int, metrics: dict[str, float]) -> None:
+        """The ``eval/*`` metrics of ``version``: into eval.jsonl now, into its step's row when that is written."""
+        self.eval_results[version] = metrics
+        with (self.run_dir / "eval.jsonl").open("a") as file:
+            file.write(json.dumps({"weight_version": version, **metrics}) + "\n")
+        self.changed.notify()
+
+    async def write_loop(self) -> None:
+        """Append each step's row in order, with its version's eval metrics when that version is evaluated."""
+        async for row in self.unwritten:
+            version = row["weight_version"]
+            if version in self.eval_versions:
+                await self.changed.until(lambda: version in self.eval_results)
+                row.update(self.eval_results[version])
+            self.writer.write({k: plain(v) for k, v in row.items()})
+            self.written = row["step"] + 1
+            self.changed.notify()
+
+    async def until_written(self, steps: int, version: int) -> None:
+        """Return once the rows of the first ``steps`` steps are written and, when ``version`` is evaluated, its
+        result is in: a checkpoint written then makes a resumed run neither lose nor repeat a row."""
+        await self.changed.until(lambda: self.written == steps and (
+            version not in self.eval_versions or version in self.eval_results))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def step_row(step: int, weight_version: int, samples: list[Sample], tensors: TensorBatch, times: dict[str, float],
+             tflops: float, memory: dict[str, float], stats: dict[str, float],
+             metrics: dict[str, Any]) -> dict[str, Any]:
+    """A training step's row: what it trained on, its time split (``times``: the ``time_*`` seconds and
+    ``step_time_s``), ``train_tflops_per_gpu``, the trainer's memory, the batch's stats and the engine's
+    metrics."""
+    response_tokens = int(tensors.response_mask.sum())
+    return {
+        "step": step,
+        "weight_version": weight_version,
+        "raw_reward": statistics.fmean(s.reward for s in samples),
+        "samples": len(samples),
+        "response_tokens": response_tokens,
+        "step_time_s": times["step_time_s"],
+        "rollout_tokens_per_s": response_tokens / max(stats["time_generate_s"], 1e-9),
+        **{key: times[key] for key in ("time_wait_s", "time_sleep_s", "time_drain_s", "time_train_s")},
+        "train_tflops_per_gpu": tflops,
+        **{key: times[key] for key in ("time_weight_sync_s", "time_checkpoint_s")},
+        "group_ids": sorted({s.group_id for s in samples}),
+        **memory,
+        **stats,
+        **metrics,
+    }
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe: NaN/inf become None so that metrics.jsonl stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def trainer_memory_mib(gpus: list[str]) -> dict[str, float]:
+    """This process's resident host memory and, when it trains on GPUs, what torch has allocated on its own."""
+    memory = {}
+    with contextlib.suppress(OSError):  # /proc is Linux's
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        memory["trainer_rss_mib"] = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    if gpus:
+        import torch
+
+        memory["trainer_gpu_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+    return memory
 
 
 def _tensorboard(folder: Path) -> Any:

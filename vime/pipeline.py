@@ -16,7 +16,6 @@ from the checkpoint's state; the rollout workers get its weights.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -34,12 +33,11 @@ from vime.cluster import Cluster
 from vime.config import RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
+from vime.gpu_turns import start_engines_in_turn
 from vime.messages import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
-from vime.runtime import PeerGone
 from vime.plugins import import_function
-from vime.protocol import ENGINE_BUILD_S, EnginesStarted
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -211,48 +209,14 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:
-    """Start the rollout workers; those sharing GPUs one after another, each once the one before has built its
-    engine (it answers a status query only then): vLLM sizes its KV cache from the memory it sees the GPU
-    use while it profiles, which an engine starting beside it would change. Once every engine is built (or
-    gone, or past ``ENGINE_BUILD_S``), tell the trainer, which waits for that before training on a GPU it
-    shares. The waits only order the starts (they run beside the run's watch, which reports a worker that
-    fails)."""
-    async def built(name: str) -> None:
-        """Return once ``name`` has built its engine, through its restarts, or once it is gone for good, or
-        ``ENGINE_BUILD_S`` after it was started."""
-        with trio.move_on_after(ENGINE_BUILD_S):
-            while True:
-                try:
-                    await job.ask(name, StatusQuery(), timeout=ENGINE_BUILD_S)
-                    return
-                except TimeoutError:
-                    return
-                except (PeerGone, LookupError):  # it died, or is not back yet
-                    if job.gone_for_good(name):
-                        return
-                    await trio.sleep(1.0)
+    """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
+    async def spawn(index: int) -> str:
+        name = f"rollout-{index}"
+        await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
+                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
+        return name
 
-    async def start_in_turn(indices: list[int]) -> None:
-        for index in indices:
-            name = f"rollout-{index}"
-            await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
-                            restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
-            await built(name)
-
-    async with trio.open_nursery() as nursery:
-        for indices in engines_sharing_gpus(placed):
-            nursery.start_soon(start_in_turn, indices)
-    with contextlib.suppress(PeerGone, LookupError):  # a trainer gone is the watch's to report
-        await job.tell("trainer", EnginesStarted())
-
-
-def engines_sharing_gpus(placed: Placement) -> list[list[int]]:
-    """The rollout workers in groups that start in turn: one group per set of GPUs; a worker without GPUs
-    placed for it is a group of its own."""
-    groups: dict[str, list[int]] = {}
-    for index, devices in enumerate(placed.engines):
-        groups.setdefault(devices or f"unplaced-{index}", []).append(index)
-    return list(groups.values())
+    await start_engines_in_turn(job, placed, spawn)
 
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,

@@ -166,11 +166,6 @@ class EnginesStarted:
     restarted later waits for its turn instead (MayBuildEngine)."""
 
 
-ENGINE_BUILD_S = 1800.0  # the longest anyone waits for one rollout worker to build its engine
-BUILD_TURN_RETRY_S = 0.5  # a refused worker asks for its turn again this often
-BUILD_TURN_KEPT_S = 30.0  # a refused worker's place is kept this long after it last asked
-
-
 @message
 class MayBuildEngine:
     """rollout worker -> trainer (ask, answered with BuildTurn), with ``--colocate``, before it builds its engine

@@ -22,6 +22,12 @@ Backpressure: an actor's inbox holds at most ``inbox_capacity`` messages.
 When it is full the actor stops reading its socket, the senders' outboxes
 fill, and ``tell`` waits. Replies bypass the inbox, and while an ask is
 pending the inbox may overflow, so a reply is never stuck behind a full one.
+
+Concurrency: a loop an actor starts beside its handlers (``start_soon``) runs
+between their awaits. Handlers and loops wait on each other through
+:class:`Changed`, :class:`Wakeup` and :class:`BetweenSteps` (``vime.tasks``),
+not through flags polled or events swapped by hand. A lock is needed only where
+two tasks change the same state across an await (``vime.tasks`` says which).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from vime.messages import (
     Status,
     StatusQuery,
 )
+from vime.tasks import BetweenSteps, Changed, Wakeup  # noqa: F401 (the runtime's primitives)
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter
 from vime.transports.shm import SegmentPool, map_segment

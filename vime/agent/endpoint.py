@@ -18,11 +18,15 @@ token-exact and is refused. Sampling is the run's (the trainer recomputes log-pr
 temperature): a request asking another temperature or top-p is refused; ``max_tokens`` only
 shortens a reply. A reply's ``<tool_call>`` blocks come back as OpenAI ``tool_calls``; the choice
 also carries ``token_ids``, the reply's tokens.
+
+:func:`serve_agents` starts the HTTP server (``vime.transports.http``) for a worker and writes its URL to
+RUN_DIR/endpoints/NAME; the worker offers each response of a group it admits (:meth:`AgentEndpoint.offer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -30,13 +34,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from vime.agent.episode import Episode, parse_tool_calls, turn_ids, turn_text
 from vime.backends.base import SamplingParams, Sequence
+from vime.tasks import Changed
+from vime.transports import http
 from vime.transports.http import HTTPError, Request, Response
+
+if TYPE_CHECKING:
+    from vime.config import AgentConfig
 
 _CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 _EPISODE = re.compile(r"^/episodes/([0-9a-f]{32})(/v1/chat/completions|/end)$")
@@ -46,7 +56,7 @@ class TurnHost(Protocol):
     """What the endpoint needs from the rollout worker that serves it."""
 
     tokenizer: Any
-    stepped: trio.lowlevel.ParkingLot  # woken after every engine step
+    stepped: Changed  # notified after every engine step
     counters: Any  # collections.Counter of the worker's status
 
     def start_turn(self, prompt_ids: list[int], params: SamplingParams,
@@ -75,6 +85,28 @@ class _Open:
     busy: bool = False
     claimed: bool = False
     active: float = 0.0  # trio.current_time() of the agent's latest request or reply
+
+
+async def serve_agents(host: TurnHost, nursery: trio.Nursery, agent: AgentConfig, thinking: bool, run_dir: Path,
+                       name: str) -> AgentEndpoint:
+    """Serve the endpoint of ``host`` (a rollout worker named ``name``) at ``--openai-endpoint`` HOST:PORT (port 0:
+    any free one) in ``nursery``; its URL goes to RUN_DIR/endpoints/NAME. Claimed episodes whose agent stays silent
+    for ``--episode-timeout-s`` are offered again."""
+    served: list[AgentEndpoint] = []  # the endpoint needs the URL, known once the server has bound its port
+
+    async def handle(request: Request) -> Response:
+        return await served[0].handle(request)
+
+    bind, _, port = agent.openai_endpoint.rpartition(":")
+    bound = await nursery.start(functools.partial(http.serve, handle, bind, int(port)))
+    endpoint = AgentEndpoint(host, f"http://{bind}:{bound}", thinking=thinking,
+                             max_response_tokens=agent.max_response_tokens)
+    served.append(endpoint)
+    host.start_soon(endpoint.expire_idle, agent.episode_timeout_s)
+    folder = run_dir / "endpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(endpoint.url + "\n")
+    return endpoint
 
 
 class AgentEndpoint:
@@ -175,7 +207,7 @@ class AgentEndpoint:
             await done.wait()
             reply.update(self._record(episode, sequence, bool(body.get("logprobs"))))
             recorded.set()
-            self.host.stepped.unpark_all()  # a stream waiting for the next step learns it was the last
+            self.host.stepped.notify()  # a stream waiting for the next step learns it was the last
 
         self.host.start_soon(record)
         created, model = int(time.time()), str(body.get("model", ""))
@@ -261,7 +293,7 @@ class AgentEndpoint:
             if finished:
                 break
             if not recorded.is_set():  # (it may have been set while the last chunk was being written)
-                await self.host.stepped.park()
+                await self.host.stepped.wait()
         if "tool_calls" in reply["message"]:
             yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["message"]["tool_calls"])]})
         yield chunk({}, reply["finish_reason"], token_ids=reply["token_ids"], logprobs=reply["logprobs"])

@@ -4,4 +4,45 @@
 ``torch_rollout`` and ``torch_train`` (plain PyTorch on a Hugging Face model,
 CPU or GPU), ``vllm_rollout`` (vLLM), and ``megatron`` (a megatron-core trainer,
 a package of its own) with ``tensor_parallel`` leading its ranks in the pipeline.
+:func:`train_engine` and :func:`rollout_engine` build the engine the run asks for.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vime.backends.base import RolloutEngine, TrainEngine
+    from vime.config import RunConfig
+
+
+def train_engine(run: RunConfig, seed: int) -> TrainEngine:
+    """The trainer engine of ``--train-backend``; megatron-core is imported only when asked for. With
+    several ranks (tensor x data parallel) this process is rank 0 and starts the others."""
+    arguments = run.train_engine_arguments(seed)
+    if run.job.train_backend != "megatron":
+        from vime.backends.torch_train import TorchTrainEngine
+
+        return TorchTrainEngine(**arguments)
+    if run.job.trainer_ranks > 1:
+        from vime.backends.tensor_parallel import LeadingEngine
+
+        return LeadingEngine(run, seed)
+    from vime.backends.megatron import MegatronTrainEngine
+
+    return MegatronTrainEngine(**arguments)
+
+
+def rollout_engine(run: RunConfig, seed: int) -> RolloutEngine:
+    """The rollout engine of ``--rollout-backend``; vLLM is imported only when asked for."""
+    model, rollout = run.model, run.rollout
+    shared = dict(dtype=model.dtype, max_batch_size=rollout.rollout_max_batch_size, seed=seed,
+                  record_experts=rollout.use_rollout_routing_replay)
+    if rollout.rollout_backend == "vllm":
+        from vime.backends.vllm_rollout import VllmRolloutEngine
+
+        return VllmRolloutEngine(model.model_path, gpus=rollout.rollout_num_gpus_per_engine,
+                                 engine_args=rollout.vllm_args, **shared)
+    from vime.backends.torch_rollout import TorchRolloutEngine
+
+    return TorchRolloutEngine(model.model_path, **shared)
