@@ -22,7 +22,7 @@ from vime.backends.base import RolloutEngine, SamplingParams
 from vime.config import RunConfig
 from vime.protocol import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
-from vime.tools.make_tiny_model import make_tiny_model
+from vime.devtools.make_tiny_model import make_tiny_model
 
 openai = pytest.importorskip("openai", reason="the endpoint tests drive it with the openai client: pip install openai")
 

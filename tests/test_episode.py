@@ -20,7 +20,7 @@ from vime.data import prompt_ids
 from vime.protocol import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
-from vime.tools.make_tiny_model import make_tiny_model
+from vime.devtools.make_tiny_model import make_tiny_model
 from vime.weights import WeightsShared
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
