@@ -4,7 +4,7 @@ Generation runs in a loop beside the message handlers: between two engine
 steps the worker applies the newest complete set of weights, admits the
 groups whose ``min_weight_version`` it now holds, and sends each finished
 group to the reward actor (and tells the router it is done). Weights arrive
-by the path the trainer picked from the GPUs the worker names in WorkerReady
+by the path the trainer picked from the GPUs the worker names in WantWeights
 (nng chunks, CUDA IPC, a broadcast group): the worker hands every weight
 message to its :class:`~vime.weights.WeightReceiver`, which has the engine
 load them between two steps; over CUDA IPC they come a bucket per ask, and
@@ -62,23 +62,13 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.config import RunConfig
+from vime.messages.gpu_turns import BUILD_TURN_RETRY_S, EngineAsleep, MayBuildEngine, SleepEngine
+from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, Sample, WorkerLeaving, WorkerReady
 from vime.placement import visible_gpus
-from vime.protocol import (
-    BUILD_TURN_RETRY_S,
-    EngineAsleep,
-    GenerateGroup,
-    GroupDone,
-    MayBuildEngine,
-    RolloutGroup,
-    Sample,
-    SleepEngine,
-    WorkerLeaving,
-    WorkerReady,
-)
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports import http
 from vime.transports.codec import Envelope
-from vime.weights import RECEIVED, WeightReceiver
+from vime.weights import RECEIVED, WantWeights, WeightReceiver
 
 
 class _Group:
@@ -198,16 +188,15 @@ class RolloutWorker(Actor):
     async def _join(self) -> None:
         """Get the trainer's current weights, then ask the router for work."""
         gpus = await trio.to_thread.run_sync(self.engine.gpus)
-        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version,
-                            gpus=gpus)
+        ready = WantWeights(weight_version=self.engine.weight_version, gpus=gpus)
         await self.wait_for_peer("trainer", timeout=600.0)
         current = await self.ask("trainer", ready, timeout=600.0)
         while self.engine.weight_version < current.version:
             await self.applied.park()
         self.log.info("joined", weight_version=self.engine.weight_version)
         await self.wait_for_peer("router", timeout=600.0)
-        await self.tell("router", WorkerReady(capacity=ready.capacity, weight_version=self.engine.weight_version,
-                                              gpus=gpus))
+        await self.tell("router", WorkerReady(capacity=self.run.rollout.rollout_capacity,
+                                              weight_version=self.engine.weight_version))
 
     async def on_stop(self) -> None:
         self.leaving = True

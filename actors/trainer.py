@@ -5,10 +5,10 @@ wait; train on it in a worker thread (the engine recomputes log-probs, takes
 the algorithm's optimizer steps); send the new weights, version v+1, to
 every rollout worker; tell the buffer the version is out; append
 the step's metrics to RUN_DIR/metrics.jsonl. A rollout worker that joins
-later gets the latest published weights as soon as it says WorkerReady.
+later gets the latest published weights as soon as it asks WantWeights.
 
 Weights travel by the path the worker's placement allows (``--weight-sync
-auto``), chosen when it says WorkerReady from the GPUs it names: CUDA IPC,
+auto``), chosen when it asks WantWeights from the GPUs it names: CUDA IPC,
 a broadcast group or nng chunks; ``vime.weights`` holds the paths, their
 choice and the fallback to nng, and the trainer hands every version to its
 :class:`~vime.weights.WeightSender`. Names are the checkpoint's and the
@@ -21,7 +21,7 @@ Every ``save_every`` steps it writes a resumable checkpoint (``vime.checkpoint``
 its own state and the buffer's, asked for right after the version is
 published -- so the two agree on which groups were trained. Started with a
 checkpoint (``--resume``), it continues from there and sends the restored
-weights to every worker that says WorkerReady.
+weights to every worker that asks WantWeights.
 
 With evaluation on, a step's row waits (in a writer task; training goes on)
 for the ``eval/*`` metrics of the version the step produced when that version
@@ -74,25 +74,20 @@ from vime.backends.hf import load_tokenizer
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.flops import training_flops
-from vime.metrics import MetricsWriter
-from vime.placement import visible_gpus
-from vime.protocol import (
+from vime.messages.gpu_turns import (
     BUILD_TURN_KEPT_S,
     ENGINE_BUILD_S,
     BuildTurn,
     EnginesStarted,
-    EvalResult,
     MayBuildEngine,
     SleepEngine,
-    SnapshotQuery,
-    TrainBatch,
-    WantBatch,
-    WeightsPublished,
-    WorkerReady,
 )
+from vime.messages.pipeline import EvalResult, SnapshotQuery, TrainBatch, WantBatch, WeightsPublished
+from vime.metrics import MetricsWriter
+from vime.placement import visible_gpus
 from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
-from vime.weights import WeightPath, WeightSender
+from vime.weights import WantWeights, WeightPath, WeightsComing, WeightSender
 
 
 class Trainer(Actor):
@@ -152,15 +147,15 @@ class Trainer(Actor):
         self.sharing_gpu.discard(worker)
         self.weights.detach(worker)
 
-    @handles(WorkerReady)
-    async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
+    @handles(WantWeights)
+    async def _on_worker(self, msg: WantWeights, envelope: Envelope) -> WeightsComing:
         """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         self._built(envelope.sender)
         path = self.weights.choose(self.gpus, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path.name, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
-        return WeightsPublished(version=self.version_out)
+        return WeightsComing(version=self.version_out)
 
     async def _bring_in(self, worker: str, path: type[WeightPath], gpus: list[str], version: int) -> None:
         """Set up the worker's path (a broadcast group meets here, outside the weights lock, so that training
@@ -201,7 +196,7 @@ class Trainer(Actor):
         return BuildTurn(granted=True)
 
     def _built(self, worker: str) -> None:
-        """``worker`` no longer holds back training: its engine is built (WorkerReady), or it is gone."""
+        """``worker`` no longer holds back training: its engine is built (WantWeights), or it is gone."""
         if (self.builds.pop(worker, None), self.queued.pop(worker, None)) != (None, None):
             self._notify()
 

@@ -17,7 +17,7 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.data import prompt_ids
-from vime.protocol import GenerateGroup, RolloutGroup
+from vime.messages.pipeline import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.devtools.make_tiny_model import make_tiny_model

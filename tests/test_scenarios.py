@@ -14,7 +14,7 @@ import torch
 
 from vime.config import EvalConfig, RunConfig
 from vime.evaluation import eval_metrics
-from vime.protocol import Sample
+from vime.messages.pipeline import Sample
 from vime.settings import help_of
 from vime.devtools.make_tiny_model import make_tiny_model
 

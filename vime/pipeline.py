@@ -34,12 +34,12 @@ from vime.cluster import Cluster
 from vime.config import RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
-from vime.messages import StatusQuery
+from vime.messages.gpu_turns import ENGINE_BUILD_S, EnginesStarted
+from vime.messages.runtime import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.runtime import PeerGone
 from vime.plugins import import_function
-from vime.protocol import ENGINE_BUILD_S, EnginesStarted
 from vime.report import write_report
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
