@@ -45,8 +45,7 @@ from vime.backends.hf import load_tokenizer, stop_token_ids
 from vime.config import RunConfig
 from vime.data import PromptSource, check_row, load_rows, prompt_ids, prompt_messages
 from vime.evaluation import eval_metrics, eval_rows
-from vime.plugins import import_function
-from vime.protocol import (
+from vime.messages.pipeline import (
     BufferState,
     EvalResult,
     GenerateGroup,
@@ -59,7 +58,8 @@ from vime.protocol import (
     WantBatch,
     WeightsPublished,
 )
-from vime.messages import Status
+from vime.messages.runtime import Status
+from vime.plugins import import_function
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
 

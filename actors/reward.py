@@ -20,7 +20,7 @@ import trio
 
 from vime import rewards
 from vime.config import RunConfig
-from vime.protocol import RolloutGroup, ScoredGroup
+from vime.messages.pipeline import RolloutGroup, ScoredGroup
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
 

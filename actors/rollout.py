@@ -46,18 +46,11 @@ from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.gpu_turns import EngineSleep, wait_for_build_turn
 from vime.groups import Group, forced_lengths
-from vime.protocol import (
-    EngineAsleep,
-    GenerateGroup,
-    GroupDone,
-    RolloutGroup,
-    SleepEngine,
-    WorkerLeaving,
-    WorkerReady,
-)
+from vime.messages.gpu_turns import EngineAsleep, SleepEngine
+from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
 from vime.transports.codec import Envelope
-from vime.weights import RECEIVED, WeightReceiver
+from vime.weights import RECEIVED, WantWeights, WeightReceiver
 
 
 class RolloutWorker(Actor):
@@ -120,15 +113,14 @@ class RolloutWorker(Actor):
     async def _join(self) -> None:
         """Get the trainer's current weights, then ask the router for work."""
         gpus = await trio.to_thread.run_sync(self.engine.gpus)
-        ready = WorkerReady(capacity=self.run.rollout.rollout_capacity, weight_version=self.engine.weight_version,
-                            gpus=gpus)
+        ready = WantWeights(weight_version=self.engine.weight_version, gpus=gpus)
         await self.wait_for_peer("trainer", timeout=600.0)
         current = await self.ask("trainer", ready, timeout=600.0)
         await self.applied.until(lambda: self.engine.weight_version >= current.version)
         self.log.info("joined", weight_version=self.engine.weight_version)
         await self.wait_for_peer("router", timeout=600.0)
-        await self.tell("router", WorkerReady(capacity=ready.capacity, weight_version=self.engine.weight_version,
-                                              gpus=gpus))
+        await self.tell("router", WorkerReady(capacity=self.run.rollout.rollout_capacity,
+                                              weight_version=self.engine.weight_version))
 
     async def on_stop(self) -> None:
         self.leaving = True

@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from vime.messages import Status
-from vime.protocol import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
+from vime.messages.pipeline import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
+from vime.messages.runtime import Status
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
 

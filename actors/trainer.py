@@ -5,13 +5,13 @@ wait; train on it in a worker thread (the engine recomputes log-probs, takes
 the algorithm's optimizer steps); send the new weights, version v+1, to
 every rollout worker; tell the buffer the version is out; queue the step's
 row for RUN_DIR/metrics.jsonl. A rollout worker that joins later gets the
-latest published weights as soon as it says WorkerReady.
+latest published weights as soon as it asks WantWeights.
 
 It delegates each concern to its module:
 
 * weight sync -- ``vime.weights``: the path of each worker (CUDA IPC, a
   broadcast group or nng chunks, chosen from the GPUs it names in
-  WorkerReady under ``--weight-sync``), every version sent, the fallback to
+  WantWeights under ``--weight-sync``), every version sent, the fallback to
   nng. Names are the checkpoint's and the dtype the rollout's (``--dtype``).
 * GPU turns -- ``vime.gpu_turns``: with ``--colocate``, training starts once
   the engines are built (EnginesStarted), an engine built later gets its turn
@@ -58,21 +58,16 @@ from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.flops import training_flops
 from vime.gpu_turns import TrainerGpu
-from vime.metrics import StepRows, step_row, trainer_memory_mib
-from vime.protocol import (
+from vime.messages.gpu_turns import (
     BuildTurn,
     EnginesStarted,
-    EvalResult,
     MayBuildEngine,
-    SnapshotQuery,
-    TrainBatch,
-    WantBatch,
-    WeightsPublished,
-    WorkerReady,
 )
+from vime.messages.pipeline import EvalResult, SnapshotQuery, TrainBatch, WantBatch, WeightsPublished
+from vime.metrics import StepRows, step_row, trainer_memory_mib
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
-from vime.weights import WeightPath, WeightSender
+from vime.weights import WantWeights, WeightPath, WeightsComing, WeightSender
 
 
 class Trainer(Actor):
@@ -123,15 +118,15 @@ class Trainer(Actor):
         self.gpu.drop(worker)
         self.weights.detach(worker)
 
-    @handles(WorkerReady)
-    async def _on_worker(self, msg: WorkerReady, envelope: Envelope) -> WeightsPublished:
+    @handles(WantWeights)
+    async def _on_worker(self, msg: WantWeights, envelope: Envelope) -> WeightsComing:
         """A worker (new, restarted or joined) gets the latest weights; the answer says which version.
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         self.gpu.built(envelope.sender)
         path = self.weights.choose(self.gpus, msg.gpus)
         self.log.info("weight path", worker=envelope.sender, path=path.name, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
-        return WeightsPublished(version=self.version_out)
+        return WeightsComing(version=self.version_out)
 
     async def _bring_in(self, worker: str, path: type[WeightPath], gpus: list[str], version: int) -> None:
         """Set up the worker's path (a broadcast group meets here, outside the weights lock, so that training

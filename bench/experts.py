@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vime.tools.make_tiny_model import SHAPES, full_config
+from vime.devtools.make_tiny_model import SHAPES, full_config
 
 
 def routed_tokens(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype,

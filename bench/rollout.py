@@ -41,7 +41,7 @@ VLLM = dict(gpu_memory_utilization=0.45, max_model_len=2048, attention_backend="
 
 def _config(shape: str):
     """The published Qwen3 config of ``shape`` (0.6b, 4b), as ``make_tiny_model --shape`` writes it."""
-    from vime.tools.make_tiny_model import full_config
+    from vime.devtools.make_tiny_model import full_config
 
     config = full_config(f"qwen3-{shape}", bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
     config.architectures = ["Qwen3ForCausalLM"]

@@ -75,7 +75,7 @@ BACKENDS = ("megatron", "megatron-compile", "hf")
 def qwen3_config(shape: str, seq_len: int) -> Any:
     from transformers import Qwen3Config
 
-    from vime.tools.make_tiny_model import full_config, tiny_config
+    from vime.devtools.make_tiny_model import full_config, tiny_config
 
     if shape in MOE_SHAPES:
         layers = MOE_SHAPES[shape]

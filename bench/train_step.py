@@ -9,7 +9,7 @@ policy loss, clipping and AdamW on fp32 masters. The batch is ``--samples`` resp
 ids, rewards of 1 and 0 by turns (so advantages are not zero), ``--updates-per-step`` optimizer steps (1, as in
 the TRL-settings runs: the training pass's log-probs are the old ones, so there is no scoring pass); the
 model is the one at ``--model-path``
-(a random full-size Qwen3 from ``python -m vime.tools.make_tiny_model --shape ...``). Each micro-batch
+(a random full-size Qwen3 from ``python -m vime.devtools.make_tiny_model --shape ...``). Each micro-batch
 size runs in a process of its own: running out of memory costs only its row.
 
 Usage::

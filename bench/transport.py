@@ -65,7 +65,8 @@ import trio
 
 from vime import Cluster
 from vime.logs import configure
-from vime.probe import Blob, CountQuery, Note, Ping
+from vime.scenarios.selfcheck import Blob, CountQuery, Note, Ping
+from vime.scenarios.selfcheck import ECHO as ECHO_ROLE
 
 PAYLOAD = b"x" * 64  # with its envelope, a request of about 100 bytes on every transport
 NOTE_BODY = b"y" * 60
@@ -216,7 +217,7 @@ class VimeLink:
 async def open_vime(transport: str) -> AsyncIterator[VimeLink]:
     with tempfile.TemporaryDirectory(prefix="vime-bench-") as run_dir:
         async with Cluster.open(run_dir, transport=transport) as cluster:
-            await cluster.spawn("echo", name=ECHO)
+            await cluster.spawn(ECHO_ROLE, name=ECHO)
             yield VimeLink(cluster)
 
 

@@ -53,7 +53,7 @@ def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int 
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from vime.tools.make_tiny_model import tiny_config
+    from vime.devtools.make_tiny_model import tiny_config
 
     vocab = {token: index for index, token in enumerate(_SPECIAL + _SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -38,5 +38,5 @@ def prepare(run_dir: Path, config: RunConfig) -> RunConfig:
     if not config.model.model_path:
         raise ValueError("pass --model-path: a local Hugging Face folder of the model (config.json, "
                          "*.safetensors, tokenizer files), or a tiny stand-in made with "
-                         "python -m vime.tools.make_tiny_model --arch ARCH --tokenizer TOKENIZER --out DIR")
+                         "python -m vime.devtools.make_tiny_model --arch ARCH --tokenizer TOKENIZER --out DIR")
     return config

@@ -13,7 +13,7 @@ import trio
 
 from vime import checkpoint
 from vime.cluster import Cluster
-from vime.messages import StatusQuery
+from vime.messages.runtime import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.pipeline import RunFailed, train
 from vime.scenarios import arithmetic

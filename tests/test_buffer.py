@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vime.actors.buffer import Buffer
-from vime.protocol import (
+from vime.messages.pipeline import (
     EvalResult,
     GenerateGroup,
     InjectPrompts,

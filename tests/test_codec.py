@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vime.probe import Blob, Note, Ping
+from vime.scenarios.selfcheck import Blob, Note, Ping
 from vime.transports.codec import (
     TORCH_DTYPES,
     BadMessage,

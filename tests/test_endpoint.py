@@ -20,9 +20,9 @@ from vime.agent.calculator import SCHEMA
 from vime.agent.episode import tool_messages, turn_ids
 from vime.backends.base import RolloutEngine, SamplingParams
 from vime.config import RunConfig
-from vime.protocol import GenerateGroup, RolloutGroup
+from vime.messages.pipeline import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
-from vime.tools.make_tiny_model import make_tiny_model
+from vime.devtools.make_tiny_model import make_tiny_model
 
 openai = pytest.importorskip("openai", reason="the endpoint tests drive it with the openai client: pip install openai")
 

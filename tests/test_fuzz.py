@@ -26,8 +26,7 @@ import pytest
 import torch
 import trio
 
-from vime.messages import ErrorReply, StatusQuery
-from vime.protocol import (
+from vime.messages.pipeline import (
     GenerateGroup,
     GroupDone,
     InjectPrompts,
@@ -41,11 +40,12 @@ from vime.protocol import (
     WorkerLeaving,
     WorkerReady,
 )
+from vime.messages.runtime import ErrorReply, StatusQuery
 from vime.roles import resolve_role
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.transports.codec import MAGIC, Envelope, encode, encode_frame
-from vime.weights import WeightsChunk
+from vime.weights import WantWeights, WeightsChunk
 
 FRAMES = int(os.environ.get("FUZZ_FRAMES", "100000"))
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # bytes frames are read-only
@@ -61,10 +61,11 @@ EXAMPLES = [
     GenerateGroup(group_id=3, prompt_ids=[1, 5, 6], messages=[{"role": "user", "content": "1+5="}], label="4",
                   metadata={}, group_size=2, min_weight_version=0,
                   sampling={"max_new_tokens": 2}),
-    WorkerReady(capacity=4, weight_version=0, gpus=[]), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
+    WorkerReady(capacity=4, weight_version=0), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
     RolloutGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1),
     ScoredGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1, reward_s=0.01),
     WantBatch(step=0), TrainBatch(step=0, samples=[sample()], stats={"x": 1.0}),
+    WantWeights(weight_version=0, gpus=[]),
     WeightsChunk(version=1, index=0, count=1, tensors={"w": torch.ones(4, 4)}), WeightsPublished(version=1),
     InjectPrompts(prompts=[{"prompt": "1+1=", "label": "2"}]), SnapshotQuery(step=1), StatusQuery(),
 ]

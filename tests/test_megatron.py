@@ -37,7 +37,7 @@ from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
 from vime.flops import moe_layer_pattern  # noqa: E402
-from vime.tools.make_tiny_model import tiny_config  # noqa: E402
+from vime.devtools.make_tiny_model import tiny_config  # noqa: E402
 
 VOCAB = 256
 TEMPERATURE = 0.7

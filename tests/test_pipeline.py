@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from vime.groups import forced_lengths
 from vime.config import RunConfig
 from vime.metrics import MetricsFollower
 from vime.pipeline import RunFailed, train
-from vime.replay import replay
+from vime.replay import replay, show
 from vime.scenarios import arithmetic
 from vime.weights import choose
 
@@ -95,6 +96,12 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
     result = await trio.to_thread.run_sync(replay, run_dir / "messages" / "buffer.vlog")
     assert result.divergence is None, str(result.divergence)
     assert result.compared > 30 * 16
+    result = await trio.to_thread.run_sync(replay, run_dir / "messages" / "router.vlog")  # WorkerReady among them
+    assert result.divergence is None and result.compared > 0, str(result.divergence)
+    shown = io.StringIO()
+    show(run_dir / "messages" / "trainer.vlog", shown)
+    kinds = {line.split()[3] for line in shown.getvalue().splitlines()[2:] if len(line.split()) > 3}
+    assert {"WantWeights", "WeightsComing", "WeightsChunk", "WeightsPublished", "TrainBatch"} <= kinds, kinds
 
 
 async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):

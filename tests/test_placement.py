@@ -16,6 +16,7 @@ from vime.config import RunConfig
 from vime.gpu_turns import engines_sharing_gpus
 from vime.pipeline import _spawn_rollouts
 from vime.placement import Placement, place, visible_gpus
+from vime.scenarios.selfcheck import ECHO
 from vime.weights import CudaIpc
 
 GPU_RUN = RunConfig().replace(train_backend="megatron", rollout_backend="vllm")
@@ -199,7 +200,8 @@ def _trainer(tmp_path: Path, colocate: bool):
 
 @pytest.mark.parametrize("colocate", [True, False])
 async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are_built(tmp_path, colocate):
-    from vime.protocol import EnginesStarted, WantBatch
+    from vime.messages.gpu_turns import EnginesStarted
+    from vime.messages.pipeline import WantBatch
 
     trainer, sent, deliver = _trainer(tmp_path, colocate)
 
@@ -217,7 +219,7 @@ async def test_a_colocated_trainer_asks_for_its_first_batch_once_the_engines_are
 
 
 def _one_group_batch(step: int):
-    from vime.protocol import Sample, TrainBatch
+    from vime.messages.pipeline import Sample, TrainBatch
 
     samples = [Sample(group_id=step, index=i, prompt_ids=[5, 6, 7], response_ids=[8, 9], logprobs=[-1.0, -1.0],
                       versions=[0, 0], finish_reason="length", label="", metadata={}, reward=float(i))
@@ -228,11 +230,12 @@ def _one_group_batch(step: int):
 @pytest.mark.parametrize("release", ["ready", "gone", "silent"])
 async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path, monkeypatch, release):
     """A worker (a restarted one, say) asking to build its engine on the trainer's GPU during a long step is
-    refused but keeps its place; the next step then waits until it has been let build and has said WorkerReady
+    refused but keeps its place; the next step then waits until it has been let build and has asked WantWeights
     (or died, or stayed silent past ENGINE_BUILD_S): no engine profiles its memory beside training."""
     import threading
 
-    from vime.protocol import BuildTurn, EnginesStarted, MayBuildEngine, WorkerReady
+    from vime.messages.gpu_turns import BuildTurn, EnginesStarted, MayBuildEngine
+    from vime.weights import WantWeights
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr("vime.gpu_turns.ENGINE_BUILD_S", 3.0 if release == "silent" else 600.0)
@@ -262,7 +265,7 @@ async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path,
             await trio.sleep(1.0)  # it builds
             order.append("released")
             if release == "ready":
-                await deliver("rollout-1", WorkerReady(capacity=4, weight_version=0, gpus=["0"]))
+                await deliver("rollout-1", WantWeights(weight_version=0, gpus=["0"]))
             else:
                 await trainer.on_peer_gone("rollout-1")
 
@@ -284,7 +287,8 @@ async def test_a_colocated_engine_is_built_only_between_training_steps(tmp_path,
 
 
 async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at_once(tmp_path, monkeypatch):
-    from vime.protocol import BuildTurn, MayBuildEngine, WorkerReady
+    from vime.messages.gpu_turns import BuildTurn, MayBuildEngine
+    from vime.weights import WantWeights
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     trainer, _, deliver = _trainer(tmp_path, colocate=True)
@@ -296,7 +300,7 @@ async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at
         assert await deliver("elsewhere", MayBuildEngine(host="another-host", gpus=["0"])) == BuildTurn(granted=True)
         assert await deliver("other-gpu", MayBuildEngine(host=here.host, gpus=["1"])) == BuildTurn(granted=True)
         assert set(trainer.gpu.builds) == {"rollout-0"} and set(trainer.gpu.queued) == {"rollout-1"}
-        await deliver("rollout-0", WorkerReady(capacity=4, weight_version=0, gpus=["0"]))
+        await deliver("rollout-0", WantWeights(weight_version=0, gpus=["0"]))
         assert await deliver("rollout-1", here) == BuildTurn(granted=True)
         assert set(trainer.gpu.builds) == {"rollout-1"} and not trainer.gpu.queued
         nursery.cancel_scope.cancel()
@@ -305,7 +309,7 @@ async def test_engines_on_the_trainers_gpu_are_built_one_at_a_time_and_others_at
 @pytest.mark.parametrize("colocate", [True, False])
 async def test_a_colocated_worker_builds_its_engine_only_once_the_trainer_lets_it(tmp_path, colocate):
     from vime.actors.rollout import RolloutWorker
-    from vime.protocol import BuildTurn
+    from vime.messages.gpu_turns import BuildTurn
     from vime.runtime import ActorSettings
     from vime.scenarios import arithmetic
 
@@ -356,7 +360,7 @@ def _environment(pid: int) -> dict[str, str]:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads a process's environment from /proc")
 async def test_a_placed_process_keeps_its_gpus_across_a_restart(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0", restart=True, env={"CUDA_VISIBLE_DEVICES": "1"})
+        info = await job.spawn(ECHO, "echo0", restart=True, env={"CUDA_VISIBLE_DEVICES": "1"})
         assert _environment(info.pid)["CUDA_VISIBLE_DEVICES"] == "1"
         os.kill(info.pid, signal.SIGKILL)
         await job.wait_event("restarted", "echo0", timeout=30)
@@ -388,7 +392,7 @@ async def test_weights_over_cuda_ipc_stop_being_gathered_once_no_receiver_is_lef
     get them all, then the message that ends the version, which engines put to sleep get only once the
     trainer has given back what the publication used. Once no receiver is left the trainer's ranks stop
     gathering."""
-    from vime.messages import ErrorReply
+    from vime.messages.runtime import ErrorReply
     from vime.runtime import RemoteError
 
     trainer, _, _ = _trainer(tmp_path, colocate=True)
@@ -448,7 +452,7 @@ async def test_a_colocated_trainer_shares_one_buffer_whatever_its_receivers_do(t
     trainer shares one buffer of exactly the model's size for the whole run, and every receiver that answers
     reads the version being published from it. Before, each version shared a new bucket-sized buffer that
     torch never freed once opened: the colocated H200 runs died of it at step 96."""
-    from vime.messages import ErrorReply
+    from vime.messages.runtime import ErrorReply
     from vime.runtime import PeerGone, RemoteError
     from vime.transports import gpu
 

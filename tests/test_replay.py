@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
 from conftest import open_job
-from vime.probe import Add, Blob, Snapshot, Total, Totals
+from vime.scenarios.selfcheck import ECHO, TALLY, Add, Blob, Snapshot, Total, Totals
 from vime.replay import replay
 from vime.transports.codec import decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter, scan
@@ -53,7 +54,7 @@ def test_corruption_in_the_middle_stops_reading_there(tmp_path):
 
 async def record_tally_run(run_dir: Path) -> Path:
     async with open_job(run_dir, record=True) as job:
-        await job.spawn("tally", "tally0", seed=7)
+        await job.spawn(TALLY, "tally0", seed=7)
         totals = {}
         for i in range(40):
             total = await job.ask("tally0", Add(key=f"k{i % 4}", amount=i))
@@ -64,15 +65,26 @@ async def record_tally_run(run_dir: Path) -> Path:
 
 async def test_replay_of_a_recorded_actor_shows_no_divergence(tmp_path):
     log_path = await record_tally_run(tmp_path)
-    result = await trio.to_thread.run_sync(replay, log_path)
+    result = await trio.to_thread.run_sync(replay, log_path, TALLY)
     assert result.divergence is None, str(result.divergence)
     assert result.compared == 41 and result.problem is None
-    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(log_path)], capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(log_path), "--role", TALLY], capture_output=True,
+                         text=True)
     assert cli.returncode == 0 and "no divergence" in cli.stdout
-    shown = subprocess.run([sys.executable, "-m", "vime.replay", "show", str(log_path)],
+    shown = subprocess.run([sys.executable, "-m", "vime.replay", "show", str(log_path), "--role", TALLY],
                            capture_output=True, text=True)
     assert shown.returncode == 0
     assert "Add" in shown.stdout and "Total" in shown.stdout and "role=tally" in shown.stdout
+
+
+async def test_a_log_names_no_module_to_import(tmp_path):
+    """The logged role is looked up among the built-in roles only; another actor's class is named on our own
+    command line, never taken from the log."""
+    log_path = await record_tally_run(tmp_path)
+    with pytest.raises(LookupError, match="unknown role 'tally'.*--role package.module:Class"):
+        replay(log_path)
+    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(log_path)], capture_output=True, text=True)
+    assert cli.returncode == 2 and "--role package.module:Class" in cli.stderr
 
 
 async def test_replay_finds_a_planted_divergence(tmp_path):
@@ -92,18 +104,19 @@ async def test_replay_finds_a_planted_divergence(tmp_path):
                     frame = bytes(encode_frame("x", None, [encode(message)]))
         writer.write(record.direction, record.peer, frame, record.attachments, wall_time=record.wall_time)
     writer.close()
-    result = await trio.to_thread.run_sync(replay, tampered)
+    result = await trio.to_thread.run_sync(replay, tampered, TALLY)
     assert result.divergence is not None
     assert result.divergence.index == 16 and result.divergence.field == "payload"
-    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(tampered)], capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "-m", "vime.replay", str(tampered), "--role", TALLY], capture_output=True,
+                         text=True)
     assert cli.returncode == 1 and "first divergence at sent message #16" in cli.stdout
 
 
 async def test_replay_restores_shared_memory_tensors_from_the_log(tmp_path):
     async with open_job(tmp_path, record=True) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         tensor = torch.randn(1 << 19)  # 2 MiB: over the shared-memory threshold
         reply = await job.ask("echo0", Blob(tensor=tensor, echo=True))
         assert torch.equal(reply.tensor, tensor)
-    result = await trio.to_thread.run_sync(replay, tmp_path / "messages" / "echo0.vlog")
+    result = await trio.to_thread.run_sync(replay, tmp_path / "messages" / "echo0.vlog", ECHO)
     assert result.divergence is None and result.compared == 1

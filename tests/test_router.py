@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vime.actors.router import Router
-from vime.protocol import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
+from vime.messages.pipeline import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
 from vime.runtime import ActorSettings
 from vime.transports.codec import Envelope
 
@@ -29,7 +29,7 @@ async def router_with_work(capacities: list[int], requests: int) -> tuple[Router
     sent: list[Envelope] = []
     router._send_hook = sent.append
     for index, capacity in enumerate(capacities):
-        await deliver(router, WorkerReady(capacity=capacity, weight_version=0, gpus=[]), sender=f"rollout-{index}")
+        await deliver(router, WorkerReady(capacity=capacity, weight_version=0), sender=f"rollout-{index}")
     for group_id in range(requests):
         await deliver(router, request(group_id))
     return router, sent
@@ -49,7 +49,7 @@ async def test_a_dead_or_restarted_worker_loses_no_request():
     assert {g for w, g in assigned(sent)[4:]} == held and all(w == "rollout-1" for w, _ in assigned(sent)[4:])
     # the other order: the restarted process says hello before the driver's news of the death
     before = len(assigned(sent))
-    await deliver(router, WorkerReady(capacity=8, weight_version=0, gpus=[]), sender="rollout-1")
+    await deliver(router, WorkerReady(capacity=8, weight_version=0), sender="rollout-1")
     reissued = assigned(sent)[before:]
     assert sorted(g for _, g in reissued) == [0, 1, 2, 3] and router.counters["reissued"] == len(held) + 4
 

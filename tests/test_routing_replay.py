@@ -15,7 +15,7 @@ from vime.backends.hf import checkpoint_names, in_memory_names
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
-from vime.tools.make_tiny_model import tiny_config
+from vime.devtools.make_tiny_model import tiny_config
 
 ARCHS = ["qwen3_moe", "glm4_moe"]
 VOCAB = 64

@@ -23,15 +23,15 @@ from conftest import open_job
 from vime import PeerGone, RemoteError
 from vime.actor import _parser
 from vime.cluster import new_join_token
-from vime.messages import ErrorReply, StatusQuery
-from vime.probe import Blob, Count, CountQuery, Nap, Note, Ping, Pong
+from vime.messages.runtime import ErrorReply, StatusQuery
+from vime.scenarios.selfcheck import ECHO, Blob, Count, CountQuery, Nap, Note, Ping, Pong
 from vime.transports.codec import Encoded, Envelope, decode_frame, encode_frame
 from vime.transports.sockets import Inbox
 
 
 async def test_ask_and_tell_in_order(tmp_path, transport):
     async with open_job(tmp_path, transport) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         assert await job.ask("echo0", Ping(payload=b"hello")) == Pong(payload=b"hello")
         for seq in range(3000):
             await job.tell("echo0", Note(seq=seq, body=b"n" * 60))
@@ -40,7 +40,7 @@ async def test_ask_and_tell_in_order(tmp_path, transport):
 
 async def test_tensors_cross_processes_intact(tmp_path, transport):
     async with open_job(tmp_path, transport) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         big = torch.randn(1 << 20)  # 4 MiB: shared memory over ipc, inline over tcp
         halves = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4).transpose(0, 2)
         for tensor in (big, halves):
@@ -51,7 +51,7 @@ async def test_tensors_cross_processes_intact(tmp_path, transport):
 
 async def test_actors_json_tracks_live_actors(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         rows = json.loads((tmp_path / "actors.json").read_text())["actors"]
         assert [(r["name"], r["role"], r["pid"], r["address"]) for r in rows] == [
             ("echo0", "echo", info.pid, info.address)]
@@ -59,7 +59,7 @@ async def test_actors_json_tracks_live_actors(tmp_path):
 
 async def test_backpressure_blocks_the_sender_and_loses_nothing(tmp_path):
     async with open_job(tmp_path) as job:
-        await job.spawn("echo", "echo0", settings={"inbox_capacity": 8})
+        await job.spawn(ECHO, "echo0", settings={"inbox_capacity": 8})
         await job.tell("echo0", Nap(seconds=1.5))
         sent = 0
         total = 20_000
@@ -85,7 +85,7 @@ async def test_a_job_closes_even_when_an_actor_does_not_read_its_inbox(tmp_path)
     """Closing tells every actor to shut down; one that does not read (here, napping behind a full outbox)
     must not hold the job open until it does: it is killed after a bounded wait."""
     async with open_job(tmp_path) as job:
-        await job.spawn("echo", "echo0", settings={"inbox_capacity": 4})
+        await job.spawn(ECHO, "echo0", settings={"inbox_capacity": 4})
         await job.tell("echo0", Nap(seconds=60))
 
         async def flood() -> None:
@@ -102,7 +102,7 @@ async def test_a_job_closes_even_when_an_actor_does_not_read_its_inbox(tmp_path)
 
 async def test_killed_actor_is_reported_within_5s_and_can_restart(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         started = time.monotonic()
         os.kill(info.pid, signal.SIGKILL)
         event = await job.wait_event("died", "echo0", timeout=5)
@@ -118,7 +118,7 @@ async def test_killed_actor_is_reported_within_5s_and_can_restart(tmp_path):
 
 async def test_ask_waiting_on_a_dying_actor_fails_fast(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         await job.tell("echo0", Nap(seconds=30))
 
         async def kill_soon() -> None:
@@ -135,7 +135,7 @@ async def test_ask_waiting_on_a_dying_actor_fails_fast(tmp_path):
 
 async def test_auto_restart(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0", restart=True)
+        info = await job.spawn(ECHO, "echo0", restart=True)
         os.kill(info.pid, signal.SIGKILL)
         await job.wait_event("restarted", "echo0", timeout=30)
         assert await job.ask("echo0", Ping(payload=b"back")) == Pong(payload=b"back")
@@ -144,7 +144,7 @@ async def test_auto_restart(tmp_path):
 
 async def test_an_actor_that_leaves_cleanly_is_not_restarted(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0", restart=True)
+        info = await job.spawn(ECHO, "echo0", restart=True)
         os.kill(info.pid, signal.SIGTERM)
         await job.wait_event("died", "echo0", timeout=10)
         with trio.fail_after(5):
@@ -159,7 +159,7 @@ async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
     three failures in a row and says why, instead of restarting it for as long as the job runs."""
     async with open_job(tmp_path) as job:
         with contextlib.suppress(RuntimeError):  # it may fail before or after registering
-            await job.spawn("echo", "broken", {"fail_on_start": True}, restart=True)
+            await job.spawn(ECHO, "broken", {"fail_on_start": True}, restart=True)
         event = await job.wait_event("gave up", "broken", timeout=180)  # three starts of Python and torch
         assert "3 times in a row" in event.detail and "told to fail as it starts" in event.detail
         # each start registers before on_start fails; "restarted" is posted only when the driver saw the
@@ -171,7 +171,7 @@ async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
 
 def _join(address: str, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"}
-    return subprocess.Popen([sys.executable, "-m", "vime.actor", "echo", "--join", address, *extra],
+    return subprocess.Popen([sys.executable, "-m", "vime.actor", ECHO, "--join", address, *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -254,7 +254,7 @@ def header(kind: str, fields: object, msg_id: int = 1, wants_reply: bool = True)
 
 async def test_bad_input_is_answered_counted_and_harmless(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0", settings={"max_message_bytes": 64 << 10})
+        info = await job.spawn(ECHO, "echo0", settings={"max_message_bytes": 64 << 10})
         for seq in range(100):  # state accepted before the attack
             await job.tell("echo0", Note(seq=seq, body=b""))
         peer = RawPeer(info.address, Inbox(f"ipc://{tmp_path}/tester"))
@@ -289,7 +289,7 @@ async def test_bad_input_is_answered_counted_and_harmless(tmp_path):
 
 async def test_frames_without_the_job_token_are_refused(tmp_path):
     async with open_job(tmp_path, "tcp") as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         peer = RawPeer(info.address, Inbox("tcp://127.0.0.1:0"))
         try:
             peer.send(peer.frame(header("Ping", {"payload": b"x"}, msg_id=5), token="guess"))
@@ -303,7 +303,7 @@ async def test_frames_without_the_job_token_are_refused(tmp_path):
 
 async def test_a_flood_of_refused_frames_with_made_up_reply_addresses_opens_few_sockets(tmp_path):
     async with open_job(tmp_path, "tcp") as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         peer = RawPeer(info.address, Inbox("tcp://127.0.0.1:0"))
         try:
             for port in range(20_000, 20_200):  # below the ephemeral range: never our own reply inbox's port
@@ -321,7 +321,7 @@ async def test_a_flood_of_refused_frames_with_made_up_reply_addresses_opens_few_
 
 async def test_ask_times_out_with_a_useful_message(tmp_path):
     async with open_job(tmp_path) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         await job.tell("echo0", Nap(seconds=2))
         with pytest.raises(TimeoutError, match="no reply from echo0"):
             await job.ask("echo0", Ping(payload=b"x"), timeout=0.3)
@@ -353,7 +353,7 @@ def tls_files(tmp_path):
 async def test_tls_transport_with_token(tmp_path, tls_files):
     async with open_job(tmp_path, "tls+tcp", tls=tls_files) as job:
         assert job.address.startswith("tls+tcp://")
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         assert job.actors["echo0"].address.startswith("tls+tcp://")
         assert await job.ask("echo0", Ping(payload=b"secret")) == Pong(payload=b"secret")
         tensor = torch.randn(1 << 18)
@@ -363,7 +363,7 @@ async def test_tls_transport_with_token(tmp_path, tls_files):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_signal_shuts_an_actor_down_gracefully(tmp_path, sig):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         os.kill(info.pid, sig)
         event = await job.wait_event("died", "echo0", timeout=10)
         assert event.detail == "exited with code 0"
@@ -373,7 +373,7 @@ async def test_signal_shuts_an_actor_down_gracefully(tmp_path, sig):
 
 async def test_heartbeats_carry_status_to_the_driver(tmp_path):
     async with open_job(tmp_path) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         await job.tell("echo0", Note(seq=0, body=b""))
         with trio.fail_after(5):
             while job.actors["echo0"].status.get("counters", {}).get("handled", 0) < 1:
@@ -383,7 +383,7 @@ async def test_heartbeats_carry_status_to_the_driver(tmp_path):
 
 async def test_shared_memory_segments_are_given_back_and_reused(tmp_path):
     async with open_job(tmp_path) as job:
-        await job.spawn("echo", "echo0")
+        await job.spawn(ECHO, "echo0")
         tensor = torch.randn(1 << 20)  # 4 MiB
         for _ in range(5):
             assert (await job.ask("echo0", Blob(tensor=tensor))).nbytes == tensor.nbytes
@@ -403,7 +403,7 @@ async def test_shared_memory_segments_are_given_back_and_reused(tmp_path):
 
 async def test_a_peer_dying_with_messages_queued_for_it_fails_only_those_sends(tmp_path):
     async with open_job(tmp_path) as job:
-        info = await job.spawn("echo", "echo0", settings={"inbox_capacity": 4})
+        info = await job.spawn(ECHO, "echo0", settings={"inbox_capacity": 4})
         await job.tell("echo0", Nap(seconds=30))
         outcome = []
 
@@ -420,17 +420,18 @@ async def test_a_peer_dying_with_messages_queued_for_it_fails_only_those_sends(t
             os.kill(info.pid, signal.SIGKILL)
             await job.wait_event("died", "echo0", timeout=5)
         assert len(outcome) == 1 and "echo0" in str(outcome[0])
-        await job.spawn("echo", "echo1")  # the driver is unharmed
+        await job.spawn(ECHO, "echo1")  # the driver is unharmed
         assert await job.ask("echo1", Ping(payload=b"ok")) == Pong(payload=b"ok")
 
 
 DRIVER_SCRIPT = """
 import sys, trio
 from vime import Cluster
+from vime.scenarios.selfcheck import ECHO
 
 async def main():
     async with Cluster.open(sys.argv[1]) as job:
-        info = await job.spawn("echo", "echo0")
+        info = await job.spawn(ECHO, "echo0")
         print("echo pid", info.pid, flush=True)
         await trio.sleep(60)
 
@@ -454,8 +455,8 @@ async def test_spawned_actors_exit_when_their_driver_is_killed(tmp_path):
 
 PARENT_SCRIPT = """
 import os, subprocess, sys, time
-actor = subprocess.Popen([sys.executable, "-m", "vime.actor", "echo", "--name", "echo0", "--join", sys.argv[1],
-                          "--listen", sys.argv[2], "--exit-with-parent", str(os.getpid())],
+actor = subprocess.Popen([sys.executable, "-m", "vime.actor", "vime.scenarios.selfcheck:Echo", "--name", "echo0",
+                          "--join", sys.argv[1], "--listen", sys.argv[2], "--exit-with-parent", str(os.getpid())],
                          stderr=open(sys.argv[3], "w"))
 print(actor.pid, flush=True)
 time.sleep(float(sys.argv[4]))

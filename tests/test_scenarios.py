@@ -14,9 +14,9 @@ import torch
 
 from vime.config import EvalConfig, RunConfig
 from vime.evaluation import eval_metrics
-from vime.protocol import Sample
+from vime.messages.pipeline import Sample
 from vime.settings import help_of
-from vime.tools.make_tiny_model import make_tiny_model
+from vime.devtools.make_tiny_model import make_tiny_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 RECIPES = {"qwen3_4b_gsm8k": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),

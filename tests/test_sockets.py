@@ -10,7 +10,7 @@ import torch
 import trio
 import trio.testing
 
-from vime.probe import Blob, Note
+from vime.scenarios.selfcheck import Blob, Note
 from vime.transports.codec import Envelope, decode_frame, encode
 from vime.transports.sockets import Inbox, Outbox
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from vime.actors.buffer import Buffer
 from vime.actors.router import Router
-from vime.protocol import (
+from vime.messages.pipeline import (
     GenerateGroup,
     GroupDone,
     RolloutGroup,
@@ -102,7 +102,7 @@ class Simulation:
     async def run(self) -> None:
         await self.buffer.on_start()
         for name in self.workers:
-            self.tell(name, "router", WorkerReady(capacity=self.rng.randint(1, 4), weight_version=0, gpus=[]))
+            self.tell(name, "router", WorkerReady(capacity=self.rng.randint(1, 4), weight_version=0))
         self.tell("trainer", "buffer", WantBatch(step=0))
         while self.step < STEPS:
             assert self.events, f"the job stalled at step {self.step}"
@@ -147,8 +147,8 @@ class Simulation:
 
         def restart() -> None:
             state.update(alive=True, version=self.trainer_version)  # the trainer sends it the latest weights
-            self.tell(worker, "router", WorkerReady(capacity=self.rng.randint(1, 4), weight_version=state["version"],
-                                                    gpus=[]))
+            self.tell(worker, "router", WorkerReady(capacity=self.rng.randint(1, 4),
+                                                    weight_version=state["version"]))
 
         async def gone() -> None:  # the driver's news; the new process starts only after it
             await self.router.on_peer_gone(worker)

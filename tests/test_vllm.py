@@ -32,7 +32,7 @@ from vime.backends.base import SamplingParams, Sequence  # noqa: E402
 from vime.backends.hf import checkpoint_names, load_causal_lm, load_tokenizer  # noqa: E402
 from vime.backends.vllm_rollout import VllmRolloutEngine, engine_arguments  # noqa: E402
 from vime.scenarios import arithmetic  # noqa: E402
-from vime.tools.make_tiny_model import tiny_config  # noqa: E402
+from vime.devtools.make_tiny_model import tiny_config  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DTYPE = "bf16" if GPU else "fp32"

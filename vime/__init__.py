@@ -4,7 +4,6 @@ The public runtime surface is re-exported here; implementations live in the
 modules named for what they are (runtime, cluster, messages, transports).
 """
 
-from vime.asyncio_bridge import AsyncioBridge, BridgeCancelled
 from vime.cluster import ActorEvent, ActorInfo, Cluster
 from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
@@ -15,8 +14,6 @@ __all__ = [
     "ActorEvent",
     "ActorInfo",
     "ActorSettings",
-    "AsyncioBridge",
-    "BridgeCancelled",
     "Cluster",
     "Envelope",
     "PeerGone",

@@ -39,7 +39,7 @@ import structlog
 import trio
 
 from vime.logs import configure
-from vime.messages import Directory, Heartbeat, Register, Registered, Shutdown
+from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 

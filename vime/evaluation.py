@@ -28,7 +28,7 @@ from typing import Any
 
 from vime.config import RunConfig
 from vime.data import load_rows
-from vime.protocol import Sample
+from vime.messages.pipeline import Sample
 
 
 def eval_metrics(groups: list[list[Sample]], version: int) -> dict[str, float]:

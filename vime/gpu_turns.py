@@ -14,8 +14,8 @@ The three sides of that, in one place:
 * a rollout worker (:func:`wait_for_build_turn`, :class:`EngineSleep`) asks for its turn before it builds,
   and when asked to sleep lets its running responses finish (drains), starts nothing new, and sleeps.
 
-Rollout and training then take turns on the GPU, each with all of its memory. The messages are in
-``vime.protocol``; the timing constants below.
+Rollout and training then take turns on the GPU, each with all of its memory. The messages, and the timing
+constants both sides read, are in ``vime.messages.gpu_turns``.
 """
 
 from __future__ import annotations
@@ -27,19 +27,23 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
-from vime.messages import StatusQuery
+from vime.messages.gpu_turns import (
+    BUILD_TURN_KEPT_S,
+    BUILD_TURN_RETRY_S,
+    ENGINE_BUILD_S,
+    BuildTurn,
+    EngineAsleep,
+    EnginesStarted,
+    MayBuildEngine,
+    SleepEngine,
+)
+from vime.messages.runtime import StatusQuery
 from vime.placement import Placement, visible_gpus
-from vime.protocol import BuildTurn, EngineAsleep, EnginesStarted, MayBuildEngine, SleepEngine
 from vime.runtime import Actor, Changed, PeerGone, RemoteError
 
 if TYPE_CHECKING:
     from vime.backends.base import RolloutEngine, TrainEngine
     from vime.config import RunConfig
-
-ENGINE_BUILD_S = 1800.0  # the longest anyone waits for one rollout worker to build its engine
-BUILD_TURN_RETRY_S = 0.5  # a refused worker asks for its turn again this often
-BUILD_TURN_KEPT_S = 30.0  # a refused worker's place is kept this long after it last asked
-
 
 # ------------------------------------------------------------------ driver
 
@@ -93,7 +97,7 @@ class TrainerGpu:
 
     A step calls :meth:`release` until it has its batch (an engine may be built then), :meth:`take` before it
     trains, and :meth:`sleep_engines` under the weights lock; handlers call :meth:`may_build` (MayBuildEngine),
-    :meth:`built` (WorkerReady, or the worker gone) and :meth:`engines_started` (EnginesStarted)."""
+    :meth:`built` (WantWeights, or the worker gone) and :meth:`engines_started` (EnginesStarted)."""
 
     def __init__(self, actor: Actor, engine: TrainEngine, run: RunConfig, forget: Callable[[str], None]) -> None:
         self.actor, self.engine, self.run, self.forget = actor, engine, run, forget
@@ -140,7 +144,7 @@ class TrainerGpu:
         return BuildTurn(granted=True)
 
     def built(self, worker: str) -> None:
-        """``worker`` no longer holds back training: its engine is built (WorkerReady), or it is gone."""
+        """``worker`` no longer holds back training: its engine is built (it asked for weights: WantWeights), or it is gone."""
         if (self.builds.pop(worker, None), self.queued.pop(worker, None)) != (None, None):
             self.changed.notify()
 

@@ -1,7 +1,7 @@
 """A prompt group on a rollout worker: its responses, the lengths they are forced to, the samples it becomes.
 
 Each response of a group is an :class:`~vime.agent.episode.Episode` (one turn, or several with tools or an
-external agent); once every response has ended the group becomes one :class:`~vime.protocol.Sample` per
+external agent); once every response has ended the group becomes one :class:`~vime.messages.pipeline.Sample` per
 response, to be scored and trained on.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from vime.agent.episode import Episode
 from vime.backends.base import Sequence
-from vime.protocol import GenerateGroup, Sample
+from vime.messages.pipeline import GenerateGroup, Sample
 
 
 class Group:

@@ -30,7 +30,7 @@ from vime.tasks import Changed
 
 if TYPE_CHECKING:
     from vime.backends.base import TensorBatch
-    from vime.protocol import Sample
+    from vime.messages.pipeline import Sample
 
 
 class MetricsWriter:

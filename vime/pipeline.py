@@ -34,7 +34,7 @@ from vime.config import RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.gpu_turns import start_engines_in_turn
-from vime.messages import StatusQuery
+from vime.messages.runtime import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function

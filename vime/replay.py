@@ -8,6 +8,10 @@ printed and the exit status is 1, else "no divergence" and 0.
 
 ``python -m vime.replay show LOG`` prints the log readably instead.
 
+The role comes from the log's opening record and is looked up among the built-in roles only: nothing read from
+a log decides what is imported. An actor of another role (a user's, or the self-check's ``tally``) is replayed
+with ``--role package.module:Class`` given on the command line.
+
 Compared: kind, receiver, reply_to, weight_version, wants_reply and the
 payload (tensors by value). Not compared: message ids and send times, which
 also count the runtime's own timer traffic (heartbeats, registration) -- that
@@ -30,7 +34,7 @@ import trio.testing
 
 from vime.logs import configure
 from vime.roles import resolve_role
-from vime.runtime import UNREPLAYED_KINDS, ActorSettings
+from vime.runtime import UNREPLAYED_KINDS, Actor, ActorSettings
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame
 from vime.transports.msglog import LogRecord, scan
 from vime.transports.records import is_record, to_fields
@@ -70,7 +74,7 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
     if not log.records or log.records[0].direction != "open":
         raise ValueError(f"{path} is not a vime message log (no opening record)")
     opening = log.records[0].meta
-    cls = resolve_role(role or opening["role"], allow_import=role is not None)
+    cls = _role(role, opening.get("role", ""))
     settings = dataclasses.replace(ActorSettings(**opening["settings"]), record=False, driver=None)
     actor = cls(settings, opening["config"])
     produced: list[Envelope] = []
@@ -139,12 +143,25 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def show(path: Path, out: Any = sys.stdout) -> None:
-    """Print one line per message: time, direction, peer, kind, size, weight version."""
+def _role(given: str | None, logged: str) -> type[Actor]:
+    """The actor class to replay: ``given`` on our command line (a built-in role or ``module:Class``), else the
+    logged role, which must be a built-in one."""
+    if given is not None:
+        return resolve_role(given, allow_import=True)
+    try:
+        return resolve_role(logged, allow_import=False)
+    except LookupError as err:
+        raise LookupError(f"{err}; this log's actor is not of a built-in role: pass --role package.module:Class "
+                          f"(the class it ran, a module you trust)") from None
+
+
+def show(path: Path, out: Any = sys.stdout, role: str | None = None) -> None:
+    """Print one line per message: time, direction, peer, kind, size, weight version. ``role`` (else the logged
+    one, built-in only) is imported first: importing it declares its message kinds."""
     log = scan(path)
     if log.records and log.records[0].direction == "open":
-        try:  # importing the role declares its message kinds
-            resolve_role(log.records[0].meta.get("role", ""), allow_import=False)
+        try:
+            _role(role, log.records[0].meta.get("role", ""))
         except LookupError as err:
             print(f"note: {err}; its own message kinds will show as unreadable", file=out)
     print(f"{'time (UTC)':<15} {'dir':<4} {'peer':<16} {'kind':<16} {'bytes':>10} {'wv':>4}  reply_to", file=out)
@@ -176,14 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["show"]:
         parser.prog += " show"
         parser.add_argument("log", type=Path)
-        show(parser.parse_args(argv[1:]).log)
+        parser.add_argument("--role", default=None,
+                            help="declare this role's message kinds (built-in name or package.module:Class)")
+        args = parser.parse_args(argv[1:])
+        show(args.log, role=args.role)
         return 0
     parser.add_argument("log", type=Path, help="an actor's message log (RUN_DIR/messages/NAME.vlog)")
     parser.add_argument("--role", default=None,
                         help="replay with this role (built-in name or package.module:Class) instead of the logged one")
     args = parser.parse_args(argv)
     configure("warning")
-    result = replay(args.log, args.role)
+    try:
+        result = replay(args.log, args.role)
+    except LookupError as err:
+        print(f"cannot replay {args.log}: {err}", file=sys.stderr)
+        return 2
     if result.problem:
         print(f"note: {result.problem}")
     if result.divergence is not None:

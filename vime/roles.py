@@ -16,8 +16,6 @@ ROLES: dict[str, str] = {
     "rollout": "vime.actors.rollout:RolloutWorker",
     "reward": "vime.actors.reward:Reward",
     "trainer": "vime.actors.trainer:Trainer",
-    "echo": "vime.probe:Echo",
-    "tally": "vime.probe:Tally",
 }
 
 

@@ -49,7 +49,7 @@ import pynng
 import structlog
 import trio
 
-from vime.messages import (
+from vime.messages.runtime import (
     Directory,
     ErrorReply,
     Heartbeat,

@@ -35,7 +35,7 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
     if missing:
         raise ValueError(f"--model-path {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files), or make a tiny stand-in with "
-                         "python -m vime.tools.make_tiny_model")
+                         "python -m vime.devtools.make_tiny_model")
     return folder
 
 

@@ -14,7 +14,7 @@ The interface (:mod:`vime.weights.base`): a path's sender half attaches a worker
 it; its receiver half receives the path's messages and has the engine load them between two of its steps.
 The trainer holds a :class:`WeightSender` and a rollout worker a :class:`WeightReceiver`, which serve every path.
 
-How a path is chosen (:func:`choose`): when a worker says WorkerReady with the GPUs of its engine, the trainer
+How a path is chosen (:func:`choose`): when a worker asks WantWeights with the GPUs of its engine, the trainer
 compares them with its own. Under ``--weight-sync auto`` the highest-priority path that suits the placement
 wins (CUDA IPC when the engine's GPUs are all the trainer's, broadcast when they share none, nng otherwise);
 a path named explicitly is refused, with what it needs, when the placement does not allow it. A worker whose
@@ -30,13 +30,13 @@ registers itself by its ``name``.
 import importlib
 import pkgutil
 
-from vime.weights.base import PATHS, WeightPath, WeightReceiver, WeightSender, WeightsLoaded, choose
+from vime.weights.base import PATHS, WantWeights, WeightPath, WeightReceiver, WeightsComing, WeightSender, choose
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-from vime.weights.cuda_ipc import CudaIpc, WeightsShared  # noqa: E402
-from vime.weights.nccl import Broadcast, BroadcastJoin, WeightsBroadcast  # noqa: E402
+from vime.weights.cuda_ipc import BucketLoaded, CudaIpc, WeightsShared  # noqa: E402
+from vime.weights.nccl import Broadcast, BroadcastJoin, BroadcastJoined, BroadcastLoaded, WeightsBroadcast  # noqa: E402
 from vime.weights.nng import Nng, WeightsChunk  # noqa: E402
 
 RECEIVED: tuple[type, ...] = tuple(kind for path in PATHS.values() for kind in path.kinds)  # a worker's handler's
@@ -46,14 +46,18 @@ __all__ = [
     "RECEIVED",
     "Broadcast",
     "BroadcastJoin",
+    "BroadcastJoined",
+    "BroadcastLoaded",
+    "BucketLoaded",
     "CudaIpc",
     "Nng",
+    "WantWeights",
     "WeightPath",
     "WeightReceiver",
     "WeightSender",
     "WeightsBroadcast",
     "WeightsChunk",
-    "WeightsLoaded",
+    "WeightsComing",
     "WeightsShared",
     "choose",
 ]

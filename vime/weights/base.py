@@ -26,9 +26,19 @@ Gathered = Literal["host", "device"]  # where a path needs the gathered weights
 
 
 @message
-class WeightsLoaded:
-    """rollout worker -> trainer, the answer to a GPU path's ask: the engine holds weights of ``version`` (of a
-    WeightsShared bucket but the last: it has loaded that bucket)."""
+class WantWeights:
+    """rollout worker -> trainer (ask, answered with WeightsComing), once its engine is built (at start, after a
+    restart, on joining): choose my weight path from the GPUs my engine is on, send me the newest version if I
+    lack it and every later one."""
+
+    weight_version: int  # the version its engine holds
+    gpus: list[str]  # UUIDs of its engine's GPUs; empty on CPU
+
+
+@message
+class WeightsComing:
+    """trainer -> the worker that asked WantWeights: ``version`` is the newest it is being sent (by its path); it
+    asks the router for work once it holds that."""
 
     version: int
 

@@ -19,12 +19,12 @@ import trio
 from vime.backends.hf import DTYPES
 from vime.runtime import PeerGone, RemoteError
 from vime.transports.records import message
-from vime.weights.base import Gathered, WeightPath, WeightsLoaded
+from vime.weights.base import Gathered, WeightPath
 
 
 @message
 class WeightsShared:
-    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with WeightsLoaded):
+    """trainer -> a rollout worker whose engine is on the trainer's GPUs (ask, answered with BucketLoaded):
     message ``index`` of the weights of ``version`` over CUDA IPC, a bucket each. ``buffers`` describe its bytes
     on each trainer GPU (``vime.transports.gpu.share``), ``specs`` the tensors packed in it ([name, shape, dtype
     name] each, ``vime.transports.gpu.unpack``); the trainer reuses the memory once answered. The ``last``
@@ -36,6 +36,14 @@ class WeightsShared:
     buffers: list[dict[str, Any]]
     index: int
     last: bool
+
+
+@message
+class BucketLoaded:
+    """rollout worker -> trainer, the answer to WeightsShared: the engine has copied that bucket of ``version``
+    (after the ``last`` message: it holds ``version``); the trainer may reuse the bucket's memory."""
+
+    version: int
 
 
 class CudaIpc(WeightPath):
@@ -97,7 +105,7 @@ class CudaIpc(WeightPath):
             await to_receivers([], [], count, last=True)
         return failed
 
-    async def receive(self, msg: WeightsShared) -> WeightsLoaded:
+    async def receive(self, msg: WeightsShared) -> BucketLoaded:
         receiver = self.receiver
         receiver.loading = msg.version
 
@@ -107,4 +115,4 @@ class CudaIpc(WeightPath):
                 receiver.loading = None
 
         await receiver.between_steps(load)
-        return WeightsLoaded(version=msg.version)
+        return BucketLoaded(version=msg.version)

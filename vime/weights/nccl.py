@@ -19,13 +19,13 @@ import trio
 from vime.runtime import PeerGone, RemoteError
 from vime.transports.gpu import BroadcastGroup, specs
 from vime.transports.records import message
-from vime.weights.base import WeightPath, WeightsLoaded
+from vime.weights.base import WeightPath
 
 
 @message
 class BroadcastJoin:
-    """trainer -> a rollout worker on other GPUs or hosts (ask, answered with WeightsLoaded of the version it
-    holds): join the trainer's broadcast group at ``address`` (the trainer is rank 0, the engine's GPUs the next)."""
+    """trainer -> a rollout worker on other GPUs or hosts (ask, answered with BroadcastJoined): join the trainer's
+    broadcast group at ``address`` (the trainer is rank 0, the engine's GPUs the next)."""
 
     address: str
     world_size: int
@@ -34,12 +34,26 @@ class BroadcastJoin:
 
 @message
 class WeightsBroadcast:
-    """trainer -> a worker in its broadcast group (ask, answered with WeightsLoaded): the full weights of
+    """trainer -> a worker in its broadcast group (ask, answered with BroadcastLoaded): the full weights of
     ``version`` are being broadcast now, in the buckets ``vime.transports.gpu.buckets`` makes of ``specs``."""
 
     version: int
     specs: list[list[Any]]  # [name, shape, dtype name] per tensor
     bucket_bytes: int
+
+
+@message
+class BroadcastJoined:
+    """rollout worker -> trainer, the answer to BroadcastJoin: the engine is in the group; it holds ``version``."""
+
+    version: int
+
+
+@message
+class BroadcastLoaded:
+    """rollout worker -> trainer, the answer to WeightsBroadcast: the engine received and loaded ``version``."""
+
+    version: int
 
 
 class Broadcast(WeightPath):
@@ -113,10 +127,10 @@ class Broadcast(WeightPath):
         except Exception as err:
             self.sender.actor.log.warning("weight broadcast failed", error=f"{type(err).__name__}: {err}")
 
-    async def receive(self, msg: BroadcastJoin | WeightsBroadcast) -> WeightsLoaded:
+    async def receive(self, msg: BroadcastJoin | WeightsBroadcast) -> BroadcastJoined | BroadcastLoaded:
         engine = self.receiver.engine
         if isinstance(msg, BroadcastJoin):
             await self.receiver.between_steps(engine.join_broadcast, msg.address, 1, msg.world_size, msg.device)
-            return WeightsLoaded(version=engine.weight_version)
+            return BroadcastJoined(version=engine.weight_version)
         await self.receiver.between_steps(engine.receive_broadcast, msg.specs, msg.bucket_bytes, msg.version)
-        return WeightsLoaded(version=msg.version)
+        return BroadcastLoaded(version=msg.version)

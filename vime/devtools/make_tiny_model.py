@@ -1,4 +1,4 @@
-"""``python -m vime.tools.make_tiny_model``: a small random checkpoint of a real model family.
+"""``python -m vime.devtools.make_tiny_model``: a small random checkpoint of a real model family.
 
 For machines without the real weights (CI, a laptop, tests): it writes a
 Hugging Face folder -- config.json, model.safetensors, generation_config.json
@@ -8,7 +8,7 @@ expert and a dense first layer), at a size a 2-core CPU trains in seconds,
 with the real tokenizer given. The embedding matrix is padded to a multiple
 of 64 rows, as the real checkpoints pad theirs::
 
-    python -m vime.tools.make_tiny_model --arch qwen3 --tokenizer ../shared/data/qwen3-tokenizer --out tiny-qwen3
+    python -m vime.devtools.make_tiny_model --arch qwen3 --tokenizer ../shared/data/qwen3-tokenizer --out tiny-qwen3
 
 ``--shape`` writes a real model's full shape instead (``qwen3-0.6b``,
 ``qwen3-4b``, ``qwen3-30b-a3b``: their published configs, vocabulary of
@@ -17,9 +17,9 @@ build it on a GPU in bf16 (``--device cuda --dtype bf16``), as the real
 checkpoints are stored. ``--layers`` with ``--shape`` keeps the real width
 and cuts the depth, to try a big model's layout on fewer GPUs::
 
-    python -m vime.tools.make_tiny_model --arch qwen3 --shape qwen3-4b --device cuda --dtype bf16 \
+    python -m vime.devtools.make_tiny_model --arch qwen3 --shape qwen3-4b --device cuda --dtype bf16 \
         --tokenizer qwen3-tokenizer --out qwen3-4b-random
-    python -m vime.tools.make_tiny_model --arch qwen3_moe --shape qwen3-30b-a3b --layers 4 --device cuda \
+    python -m vime.devtools.make_tiny_model --arch qwen3_moe --shape qwen3-30b-a3b --layers 4 --device cuda \
         --dtype bf16 --tokenizer qwen3-tokenizer --out qwen3-30b-a3b-4-layers
 """
 
@@ -115,7 +115,8 @@ def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vime.tools.make_tiny_model", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vime.devtools.make_tiny_model",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", required=True, choices=ARCHS, help="the model family")
     parser.add_argument("--tokenizer", required=True, help="a folder with the family's real tokenizer files")
     parser.add_argument("--out", required=True, help="the folder to write")

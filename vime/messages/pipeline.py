@@ -1,15 +1,17 @@
-"""The RL pipeline's message kinds: who sends what to whom, and when.
+"""The RL pipeline's message kinds: prompts becoming scored samples becoming batches, who sends what to whom.
 
 The flow (see DESIGN.md)::
 
     buffer --GenerateGroup--> router --GenerateGroup--> rollout --RolloutGroup--> reward --ScoredGroup--> buffer
-    trainer --WantBatch--> buffer --TrainBatch--> trainer --(weights, by their path: vime.weights)--> rollout
-    trainer --WeightsPublished--> buffer          rollout --GroupDone--> router
+    trainer --WantBatch--> buffer --TrainBatch--> trainer --WeightsPublished--> buffer
+    rollout --WorkerReady--> router (once it holds the trainer's weights)   rollout --GroupDone--> router
+    rollout --WorkerLeaving--> router (when told to stop)
     trainer --SnapshotQuery--> buffer --BufferState--> trainer (at a checkpoint)
-    trainer --SleepEngine--> a colocated rollout worker --EngineAsleep--> trainer (before training, with sleep mode)
     buffer --EvalResult--> trainer (once every eval group of a weight version is scored)
-    driver --EnginesStarted--> trainer (once the rollout workers it starts have built their engines)
-    rollout --MayBuildEngine--> trainer --BuildTurn--> rollout (with --colocate, before it builds its engine)
+    anyone --InjectPrompts--> buffer --Injected--> asker
+
+A worker's ask for its weights (WantWeights) and the weights themselves are ``vime.weights``' kinds; GPU
+turn-taking's (build turns, sleep) are in ``vime.messages.gpu_turns``.
 
 Token ids, log-probs and versions travel as lists: msgpack keeps float64, so
 fp32 log-probs arrive bit-exact.
@@ -73,12 +75,11 @@ class GenerateGroup:
 
 @message
 class WorkerReady:
-    """rollout worker -> trainer (ask, answered with the WeightsPublished it is being sent),
-    then -> router once it holds those weights: give me work."""
+    """rollout worker -> router, once it holds the weights the trainer said were coming (WeightsComing): give me
+    work. Said again by a restarted worker under the same name."""
 
     capacity: int  # groups it takes at once
     weight_version: int
-    gpus: list[str]  # UUIDs of its engine's GPUs; empty on CPU
 
 
 @message
@@ -141,55 +142,9 @@ class EvalResult:
 
 
 @message
-class SleepEngine:
-    """trainer -> a rollout worker on the trainer's GPU (ask, answered with EngineAsleep), before each training
-    step when vLLM's sleep mode is on: finish the running responses, start no new ones, and give the engine's GPU
-    memory back (vLLM sleep ``level``); the next weights wake it. Not if the engine already holds weights newer
-    than ``version`` (the trainer's newest when it asked): they came after the trainer stopped waiting."""
-
-    level: int
-    version: int
-
-
-@message
-class EngineAsleep:
-    """rollout worker -> trainer: the engine sleeps; finishing its running responses took ``drain_s``."""
-
-    drain_s: float
-
-
-@message
-class EnginesStarted:
-    """driver -> trainer: every rollout worker the driver starts has built its engine or is gone for good. With
-    ``--colocate`` the trainer starts training only then: a vLLM engine sizes its KV cache from the GPU memory it
-    sees in use while it profiles, which a training step on the same GPU would change under it. A worker
-    restarted later waits for its turn instead (MayBuildEngine)."""
-
-
-@message
-class MayBuildEngine:
-    """rollout worker -> trainer (ask, answered with BuildTurn), with ``--colocate``, before it builds its engine
-    (at start and after every restart), saying where: vLLM sizes its KV cache from the GPU memory it sees in use
-    while it profiles, so it must not profile beside a training step or another engine's profile. Refused while
-    the trainer's GPU is busy, the worker keeps its place: the next step waits until it, asking again every
-    ``BUILD_TURN_RETRY_S``, has been let build and has said WorkerReady (or is gone, or ``ENGINE_BUILD_S`` has
-    passed). A worker on another host or other GPUs builds at once."""
-
-    host: str
-    gpus: list[str]  # CUDA_VISIBLE_DEVICES as the worker sees it (all of the host's when unset)
-
-
-@message
-class BuildTurn:
-    """trainer -> rollout worker: build now (``granted``), or ask again in ``BUILD_TURN_RETRY_S``."""
-
-    granted: bool
-
-
-@message
 class WeightsPublished:
-    """trainer -> buffer: version ``version`` is on its way to every rollout worker
-    (and trainer -> a worker that said WorkerReady: the version it is being sent)."""
+    """trainer -> buffer, after every optimizer step: version ``version`` is on its way to every rollout worker
+    (the buffer's staleness bound moves with it)."""
 
     version: int
 

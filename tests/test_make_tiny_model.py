@@ -1,4 +1,4 @@
-"""vime.tools.make_tiny_model: small random checkpoints of each family, with the real tokenizer."""
+"""vime.devtools.make_tiny_model: small random checkpoints of each family, with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from vime.backends.base import SamplingParams, Sequence
 from vime.backends.torch_rollout import TorchRolloutEngine
-from vime.tools.make_tiny_model import ARCHS, full_config, make_tiny_model
+from vime.devtools.make_tiny_model import ARCHS, full_config, make_tiny_model
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -53,8 +53,9 @@ def test_a_tiny_model_of_each_family_loads_and_generates(arch, tokenizer, tmp_pa
 
 
 def test_the_command_line_says_what_is_missing(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "vime.tools.make_tiny_model", "--arch", "qwen3", "--tokenizer",
-                             str(tmp_path), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "vime.devtools.make_tiny_model", "--arch", "qwen3",
+                             "--tokenizer", str(tmp_path), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no tokenizer_config.json" in result.stderr
 
 
@@ -67,7 +68,7 @@ def test_a_real_shape_keeps_its_width_at_a_reduced_depth(tokenizer, tmp_path):
             config.norm_topk_prob, config.tie_word_embeddings, config.vocab_size) == \
         ("qwen3_moe", 4, 2048, 32, 4, 768, 128, 8, True, False, 151936)
     assert full_config("qwen3-4b").num_hidden_layers == 36
-    result = subprocess.run([sys.executable, "-m", "vime.tools.make_tiny_model", "--arch", "qwen3", "--shape",
+    result = subprocess.run([sys.executable, "-m", "vime.devtools.make_tiny_model", "--arch", "qwen3", "--shape",
                              "qwen3-30b-a3b", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "is a qwen3_moe model: pass --arch qwen3_moe" in result.stderr

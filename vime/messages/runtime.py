@@ -1,7 +1,7 @@
-"""The runtime's own message kinds: registration, liveness, errors, status.
+"""The runtime's own message kinds, for every actor: registration, liveness, errors, status.
 
-Who sends what to whom is in each docstring. Role-specific kinds live with
-the roles that use them; every kind is declared once, with ``@message``.
+Who sends what to whom is in each docstring; the other subsystems' kinds are in the modules beside this one
+(``vime.messages``).
 """
 
 from __future__ import annotations
