@@ -356,7 +356,7 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
 def test_bf16_kl_reference_starts_equal_to_the_policy(model):
     """The frozen reference holds the policy's bf16 weights and the same fp32 buffers (RoPE frequencies)."""
     folder, eos, prompts = model
-    engine = TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(), loss=PolicyLossConfig(kl_coef=0.1),
+    engine = TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(), loss=PolicyLossConfig(kl_loss_coef=0.1),
                               grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=1.0, dtype="bf16")
     metrics = engine.train_step(hand_batch(prompts[2], [[6, 7, 8, eos], [7, eos]], [1.0, 0.0], [0, 0]))
     assert metrics["kl"] == 0.0
@@ -389,7 +389,7 @@ def test_one_update_per_batch_takes_its_scores_from_the_training_pass(model):
                     [[0] * len(r) for r in responses], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1],
                     pad_token_id=0)
     engines = [TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=4),
-                                loss=PolicyLossConfig(kl_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                loss=PolicyLossConfig(kl_loss_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                 temperature=0.7) for kl in (0.0, 1e-9)]
     assert engines[0].reference is None and engines[1].reference is not None
     for engine in engines:  # plain SGD, as in the accumulation test below: updates proportional to gradients
