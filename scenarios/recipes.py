@@ -27,7 +27,7 @@ def slime_grpo(**overrides: object) -> RunConfig:
     bf16 rollout over fp32 master weights, an eval and a checkpoint every 20 steps, 3000 steps."""
     return RunConfig().replace(**{
         "algo": "grpo", "lr": 1e-6, "lr_schedule": "constant", "weight_decay": 0.1, "adam_beta1": 0.9,
-        "adam_beta2": 0.98, "grad_clip": 1.0, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0,
+        "adam_beta2": 0.98, "grad_clip": 1.0, "clip_low": 0.2, "clip_high": 0.28, "kl_loss_coef": 0.0,
         "entropy_coef": 0.0, "loss_aggregation": "sequence", "temperature": 0.8, "top_p": 1.0,
         "chat_template": True, "dtype": "bf16", "eval_every": 20, "save_every": 20, "steps": 3000,
         "micro_batch_size": 4, **overrides})

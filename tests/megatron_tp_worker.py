@@ -39,7 +39,7 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     def build() -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
                                                                           micro_batch_size=2),
-                                   loss=PolicyLossConfig(kl_coef=0.1), grpo_config=GRPOConfig(),
+                                   loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
                                    ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
                                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                                    data_parallel=data_parallel, recompute=recompute)

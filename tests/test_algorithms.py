@@ -1,4 +1,5 @@
-"""Algorithm modules against hand-computed values: GRPO, PPO/GAE, the policy loss, dynamic sampling.
+"""Algorithm modules against hand-computed values and their formulas: GRPO, RLOO, REINFORCE++, PPO/GAE,
+the policy losses, KL, aggregation, off-policy corrections, dynamic sampling.
 
 Every expected number is worked out in the test itself with plain arithmetic,
 never by calling the function under test another way. CPU only, well under a
@@ -15,14 +16,20 @@ from torch.testing import assert_close
 
 from vime.algorithms.dynamic_sampling import is_informative
 from vime.algorithms.grpo import GRPOConfig, group_advantages, token_advantages
+from vime.algorithms.corrections import importance_weights
+from vime.algorithms.estimators import REWARD_KL_ESTIMATORS, advantages as estimator_advantages, loss_settings
+from vime.algorithms.estimators import check as check_estimator
+from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import (
     PolicyLossConfig,
     aggregate,
+    batch_normalizer,
     clipped_surrogate,
-    importance_weights,
-    kl_divergence,
+    dual_clip,
     policy_loss,
 )
+from vime.algorithms.reinforce import reinforce_plus_plus, reinforce_plus_plus_baseline
+from vime.algorithms.rloo import rloo_advantages
 from vime.algorithms.ppo import PPOConfig, advantages_and_returns, gae, terminal_rewards, value_loss, whiten
 
 
@@ -333,11 +340,11 @@ def full_policy_loss(config: PolicyLossConfig, rows: slice = slice(None), **kwar
 def test_policy_loss_surrogate_only() -> None:
     loss, stats = full_policy_loss(PolicyLossConfig())
     assert loss.item() == pytest.approx((-1.2 - 2 + 0.8) / 3)
-    assert stats == {"pg_clipfrac": pytest.approx(2 / 3)}  # no "kl" without kl_coef
+    assert stats == {"pg_clipfrac": pytest.approx(2 / 3)}  # no "kl" without kl_loss_coef
 
 
 def test_policy_loss_with_k1_kl_and_entropy_terms() -> None:
-    config = PolicyLossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    config = PolicyLossConfig(kl_loss_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
     per_token = [-1.2 + 0.1 * 0.2 - 0.01 * 1.0, -2.0 + 0.1 * 0.0 - 0.01 * 2.0, 0.8 + 0.1 * -0.5 - 0.01 * 0.5]
     loss, stats = full_policy_loss(config)
     assert loss.item() == pytest.approx(sum(per_token) / 3)  # -0.821667
@@ -346,7 +353,7 @@ def test_policy_loss_with_k1_kl_and_entropy_terms() -> None:
 
 
 def test_policy_loss_with_k3_kl_and_sequence_aggregation() -> None:
-    config = PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, loss_aggregation="sequence")
+    config = PolicyLossConfig(kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01, loss_aggregation="sequence")
     # k3 from log r = ref - lp: -0.2, 0, 0.5.
     k3 = [math.exp(-0.2) + 0.2 - 1, 0.0, math.exp(0.5) - 0.5 - 1]
     per_token = [-1.2 + 0.1 * k3[0] - 0.01 * 1.0, -2.0 + 0.1 * k3[1] - 0.01 * 2.0, 0.8 + 0.1 * k3[2] - 0.01 * 0.5]
@@ -357,7 +364,7 @@ def test_policy_loss_with_k3_kl_and_sequence_aggregation() -> None:
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_policy_loss_micro_batches_with_the_batch_normalizer_sum_to_the_batch_loss(aggregation: str) -> None:
-    config = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, loss_aggregation=aggregation)
+    config = PolicyLossConfig(kl_loss_coef=0.1, entropy_coef=0.01, loss_aggregation=aggregation)
     normalizer = 3.0 if aggregation == "token" else 2.0
     whole, _ = full_policy_loss(config)
     first, _ = full_policy_loss(config, slice(0, 1), normalizer=normalizer)
@@ -366,7 +373,7 @@ def test_policy_loss_micro_batches_with_the_batch_normalizer_sum_to_the_batch_lo
 
 
 def test_policy_loss_needs_ref_logprobs_for_kl() -> None:
-    config = PolicyLossConfig(kl_coef=0.1)
+    config = PolicyLossConfig(kl_loss_coef=0.1)
     with pytest.raises(ValueError, match="reference model's log-probs"):
         policy_loss(config, tensor(LOSS_LOGPROBS), tensor(LOSS_OLD), tensor(LOSS_ADVANTAGES), tensor(LOSS_MASK))
 
@@ -389,36 +396,38 @@ LOSS_BEHAVIOUR = [[old - math.log(w) for old, w in zip(olds, ws)] for olds, ws i
 
 
 def test_importance_weights_tis_truncates_and_decoupled_drops_above_the_cap() -> None:
-    old, behaviour = tensor(LOSS_OLD), tensor(LOSS_BEHAVIOUR)
-    weights, over = importance_weights(old, behaviour, "tis", cap=2.0)
+    old, behaviour, everywhere = tensor(LOSS_OLD), tensor(LOSS_BEHAVIOUR), torch.ones(2, 2)
+    weights, over = importance_weights(old, behaviour, everywhere, "tis", cap=2.0)
     close(weights, [[0.5, 1.0], [2.0, 2.0]])
     close(over, [[0.0, 0.0], [1.0, 1.0]])
-    weights, over = importance_weights(old, behaviour, "decoupled", cap=2.0)
+    weights, over = importance_weights(old, behaviour, everywhere, "decoupled", cap=2.0)
     close(weights, [[0.5, 1.0], [0.0, 0.0]])
     close(over, [[0.0, 0.0], [1.0, 1.0]])
 
 
-@pytest.mark.parametrize(("correction", "weights", "tis"), [
-    ("tis", [0.5, 1.0, 2.0], (0.5 + 1.0 + 2.0) / 3),
-    ("decoupled", [0.5, 1.0, 0.0], (0.5 + 1.0) / 3),
+@pytest.mark.parametrize(("correction", "weights", "tis", "changed"), [
+    ("tis", [0.5, 1.0, 2.0], (0.5 + 1.0 + 2.0) / 3, "tis_clipfrac"),
+    ("decoupled", [0.5, 1.0, 0.0], (0.5 + 1.0) / 3, "tis_maskfrac"),
+    ("icepop", [0.5, 1.0, 0.0], (0.5 + 1.0) / 3, "tis_maskfrac"),
 ])
-def test_policy_loss_with_an_off_policy_correction(correction: str, weights: list[float], tis: float) -> None:
+def test_policy_loss_with_an_off_policy_correction(correction: str, weights: list[float], tis: float,
+                                                   changed: str) -> None:
     config = PolicyLossConfig(off_policy_correction=correction, tis_cap=2.0)
     loss, stats = full_policy_loss(config, behaviour_logprobs=tensor(LOSS_BEHAVIOUR))
     surrogate = [-1.2, -2.0, 0.8]  # the clip stays around pi_old (the proximal policy)
     assert loss.item() == pytest.approx(sum(s * w for s, w in zip(surrogate, weights)) / 3)
     assert stats["tis"] == pytest.approx(tis)
-    assert stats["tis_clipfrac"] == pytest.approx(1 / 3)  # padding does not count
+    assert stats[changed] == pytest.approx(1 / 3)  # padding does not count
     assert stats["pg_clipfrac"] == pytest.approx(2 / 3)
 
 
 def test_policy_loss_correction_on_policy_changes_nothing() -> None:
     plain, _ = full_policy_loss(PolicyLossConfig())
-    for correction in ("tis", "decoupled"):
+    for correction, changed in (("tis", "tis_clipfrac"), ("decoupled", "tis_maskfrac"), ("icepop", "tis_maskfrac")):
         corrected, stats = full_policy_loss(PolicyLossConfig(off_policy_correction=correction),
                                             behaviour_logprobs=tensor(LOSS_OLD))
         assert corrected.item() == pytest.approx(plain.item())
-        assert stats["tis"] == pytest.approx(1.0) and stats["tis_clipfrac"] == 0.0
+        assert stats["tis"] == pytest.approx(1.0) and stats[changed] == 0.0
 
 
 def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:
@@ -427,12 +436,21 @@ def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"loss_aggregation": "mean"}, "loss_aggregation must be token or sequence, not 'mean'"),
-    ({"kl_estimator": "k2"}, "kl_estimator must be k1 or k3, not 'k2'"),
+    ({"loss_aggregation": "mean"}, "--loss-aggregation must be one of token, sequence, seq-mean-token-sum, "
+                                   "seq-mean-token-sum-norm, not 'mean'"),
+    ({"kl_estimator": "k4"}, "--kl-estimator must be one of k1, k2, k3, low_var_kl, not 'k4'"),
+    ({"policy_loss": "ppo2"}, "--policy-loss must be one of ppo, cispo"),
+    ({"tis_level": "group"}, "--tis-level must be one of token, sequence-geometric, sequence-product"),
+    ({"dual_clip_c": 1.0}, "--dual-clip-c must be > 1"),
+    ({"dual_clip_c": 3.0, "policy_loss": "cispo"}, "--dual-clip-c applies to --policy-loss ppo"),
+    ({"policy_loss": "cispo", "ratio_level": "sequence"}, "cispo weighs each token by its own ratio"),
+    ({"tis_floor": 1.5}, "--tis-floor must be in"),
+    ({"off_policy_correction": "decoupled", "tis_level": "sequence-product"}, "decoupled is token-level"),
+    ({"kl_coef": -0.1}, "must be >= 0"),
     ({"clip_low": 1.0}, "clip_low must be in"),
     ({"clip_low": -0.1}, "clip_low must be in"),
     ({"clip_high": -0.1}, "clip_high >= 0"),
-    ({"off_policy_correction": "is"}, "off_policy_correction must be none, tis or decoupled, not 'is'"),
+    ({"off_policy_correction": "is"}, "--off-policy-correction must be one of none, tis, icepop, decoupled, not 'is'"),
     ({"tis_cap": 0.5}, "tis_cap must be >= 1"),
 ])
 def test_policy_loss_config_rejects_bad_settings(kwargs: dict, message: str) -> None:
@@ -463,3 +481,329 @@ def test_is_informative(rewards: list[float], informative: bool) -> None:
 def test_is_informative_tolerance() -> None:
     assert not is_informative([0.0, 0.4], tolerance=0.5)
     assert is_informative([0.0, 0.6], tolerance=0.5)
+
+
+# --- issue 31: estimators, losses, KL, aggregation, corrections --------------------------------------
+#
+# Each test's docstring names the deliberate bug it was seen to catch (the mutation check): the bug was
+# put into the code, the test failed, the bug was taken out.
+
+def random_groups(seed: int, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards in {0, 0.5, 1} (ties are common, whole groups often equal) for groups of ``sizes``, ids
+    shuffled through the batch."""
+    generator = torch.Generator().manual_seed(seed)
+    group_ids = torch.cat([torch.full((size,), 100 + index) for index, size in enumerate(sizes)])
+    group_ids = group_ids[torch.randperm(len(group_ids), generator=generator)]
+    rewards = torch.randint(0, 3, (len(group_ids),), generator=generator).float() / 2
+    return rewards, group_ids
+
+
+def members_of(rewards: torch.Tensor, group_ids: torch.Tensor, row: int) -> list[float]:
+    return [float(r) for r, g in zip(rewards, group_ids) if g == group_ids[row]]
+
+
+def test_an_equal_reward_group_gets_exactly_zero_advantage() -> None:
+    """Item 6: eight samples of partial credit 0.1 used to get -0.0074 each (the fp32 mean one rounding
+    step off, divided by std + 1e-6). Catches: dropping the equal-group rule (the old flaw comes back)."""
+    rewards = torch.cat([torch.full((8,), 0.1), tensor([0.0, 1.0])])
+    group_ids = torch.tensor([0] * 8 + [1, 1])
+    advantages = group_advantages(rewards, group_ids, GRPOConfig())
+    assert torch.equal(advantages[:8], torch.zeros(8))
+    assert advantages[9].item() == pytest.approx(0.5 / (math.sqrt(0.5) + EPS))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_advantages_follow_the_formula_on_random_groups(seed: int) -> None:
+    """Groups of one to five in any order against ``(r - mean) / (unbiased std + eps)`` in float64.
+    Catches: the biased std (dividing by n instead of n - 1)."""
+    rewards, group_ids = random_groups(seed, [1, 2, 3, 5, 4, 1])
+    advantages = group_advantages(rewards, group_ids, GRPOConfig())
+    for row in range(len(rewards)):
+        group = members_of(rewards, group_ids, row)
+        mean = sum(group) / len(group)
+        if max(group) == min(group):
+            assert advantages[row].item() == 0.0
+            continue
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
+        assert advantages[row].item() == pytest.approx((float(rewards[row]) - mean) / (std + EPS), rel=1e-5)
+
+
+def test_rloo_subtracts_the_mean_of_the_rest_of_the_group() -> None:
+    """Group [1, 0, 0, 1]: 1 - (0 + 0 + 1) / 3 = 2/3 and 0 - 2/3; group [3, 5]: -2, 2; a group of one: 0.
+    Catches: the plain group mean as the baseline (a factor n / (n - 1) short: 1/2 instead of 2/3)."""
+    advantages = rloo_advantages(tensor([1, 3, 0, 9, 0, 5, 1]), torch.tensor([0, 1, 0, 2, 0, 1, 0]))
+    close(advantages, [2 / 3, -2, -2 / 3, 0, -2 / 3, 2, 2 / 3])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rloo_follows_the_leave_one_out_definition_on_random_groups(seed: int) -> None:
+    """Against ``r_i - sum_{j != i} r_j / (n - 1)`` summed explicitly, groups of one giving 0 and equal
+    groups exactly 0. Catches: dividing by n instead of n - 1 in the leave-one-out mean."""
+    rewards, group_ids = random_groups(seed, [1, 2, 3, 8, 1, 4])
+    advantages = rloo_advantages(rewards, group_ids)
+    for row in range(len(rewards)):
+        group = members_of(rewards, group_ids, row)
+        if len(group) == 1 or max(group) == min(group):
+            assert advantages[row].item() == 0.0
+            continue
+        others = (sum(group) - float(rewards[row])) / (len(group) - 1)
+        assert advantages[row].item() == pytest.approx(float(rewards[row]) - others, abs=1e-6)
+
+
+def whitened(values: list[float]) -> list[float]:
+    """Mean 0, population std 1 (eps 1e-8 on the variance), as ``ppo.whiten``."""
+    mean = sum(values) / len(values)
+    scale = 1 / math.sqrt(sum((v - mean) ** 2 for v in values) / len(values) + 1e-8)
+    return [(v - mean) * scale for v in values]
+
+
+def test_reinforce_plus_plus_hand_computed() -> None:
+    """Sample 0: three tokens, reward 1, KL penalties 0.1, 0.2, 0.3; sample 1: one token, reward 0,
+    penalty 0.4 (its padding's 5.0 unused); gamma 0.5. Token rewards -0.1, -0.2, 0.7 and -0.4; returns
+    G_2 = 0.7, G_1 = -0.2 + 0.35 = 0.15, G_0 = -0.1 + 0.075 = -0.025, and -0.4; then whitened.
+    Catches: the penalty added instead of subtracted; gamma ignored."""
+    mask = tensor([[1, 1, 1], [1, 0, 0]])
+    penalty = tensor([[0.1, 0.2, 0.3], [0.4, 5.0, 5.0]])
+    advantages = reinforce_plus_plus(tensor([1.0, 0.0]), mask, 0.5, penalty)
+    a = whitened([-0.025, 0.15, 0.7, -0.4])
+    close(advantages, [a[:3], [a[3], 0, 0]])
+
+
+def reinforce_by_hand(rewards: list[float], mask: list[list[float]], penalty: list[list[float]],
+                      gamma: float) -> list[list[float]]:
+    """Discounted returns of KL-penalised token rewards, walking only real tokens, whitened over them."""
+    returns = []
+    for reward, keep, kl in zip(rewards, mask, penalty):
+        real = [t for t, m in enumerate(keep) if m]
+        row, running = [0.0] * len(keep), 0.0
+        for position, t in enumerate(reversed(real)):
+            running = -kl[t] + (reward if position == 0 else 0.0) + gamma * running
+            row[t] = running
+        returns.append(row)
+    flat = whitened([v for row, keep in zip(returns, mask) for v, m in zip(row, keep) if m] or [0.0])
+    values = iter(flat)
+    return [[next(values) if m else 0.0 for m in keep] for keep in mask]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reinforce_plus_plus_follows_the_formula_with_holes_empty_rows_and_single_tokens(seed: int) -> None:
+    """Random rewards and penalties over masks with tool-message holes, an empty row and one-token rows.
+    Catches: padding or holes counted as steps (the discount applied across them)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = tensor([[1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 1, 1, 1, 0]])
+    rewards = torch.randn(4, generator=generator)
+    penalty = torch.rand(4, 6, generator=generator)
+    advantages = reinforce_plus_plus(rewards, mask, 0.9, penalty)
+    close(advantages, reinforce_by_hand(rewards.tolist(), mask.tolist(), penalty.tolist(), 0.9))
+
+
+def test_reinforce_plus_plus_baseline_centres_each_group_without_its_std() -> None:
+    """Groups [2, 0] and [0.5, 0] (ids 4, 9), one token each, gamma 1, no KL: centred 1, -1, 0.25, -0.25,
+    then whitened over the batch. Catches: dividing by the group std too (GRPO's default), which would make
+    both groups +-0.707 and lose the second group's smaller spread."""
+    mask = tensor([[1], [1], [1], [1]])
+    advantages = reinforce_plus_plus_baseline(tensor([2.0, 0.5, 0.0, 0.0]), torch.tensor([4, 9, 4, 9]), mask, 1.0)
+    a = whitened([1.0, 0.25, -1.0, -0.25])
+    close(advantages, [[value] for value in a])
+
+
+def test_ppo_folds_the_kl_penalty_into_the_token_rewards() -> None:
+    """gamma = lam = 1, values 0, no whitening: the advantages are returns-to-go of 1 on the last token
+    less penalties 0.1, 0.2, 0.3: 0.4, 0.5, 0.7 (the padded token's penalty 9 unused). Catches: the penalty
+    left out of PPO's rewards."""
+    config = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+    mask = tensor([[1, 1, 1, 0]])
+    advantages, returns = advantages_and_returns(tensor([1.0]), torch.zeros(1, 4), mask, config,
+                                                 kl_penalty=tensor([[0.1, 0.2, 0.3, 9.0]]))
+    close(advantages, [[0.4, 0.5, 0.7, 0.0]])
+    close(returns, [[0.4, 0.5, 0.7, 0.0]])
+
+
+def test_estimators_dispatch_and_refuse_the_reward_kl_where_there_is_no_reward_to_fold_it_into() -> None:
+    """One call per estimator on the same batch; --kl-coef with grpo names --kl-loss-coef. Catches: the
+    check removed (the old meaning of --kl-coef silently ignored under grpo)."""
+    rewards, group_ids, mask = tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 1]), tensor([[1, 1], [1, 0], [1, 1]])
+    settings = dict(grpo_config=GRPOConfig(normalize_std=False), ppo_config=PPOConfig(gamma=1.0))
+    grpo_like, _ = estimator_advantages("grpo", rewards, group_ids, mask, **settings)
+    close(grpo_like, [[0.5, 0.5], [-0.5, 0], [0, 0]])
+    leave_one_out, _ = estimator_advantages("rloo", rewards, group_ids, mask, **settings)
+    close(leave_one_out, [[1, 1], [-1, 0], [0, 0]])
+    a = whitened([1.0, 1.0, 0.0, 3.0, 3.0])
+    reinforce, _ = estimator_advantages("reinforce_plus_plus", rewards, group_ids, mask, **settings)
+    close(reinforce, [a[:2], [a[2], 0], a[3:]])
+    with pytest.raises(ValueError, match="ppo's advantages need the value model's values"):
+        estimator_advantages("ppo", rewards, group_ids, mask, **settings)
+    for estimator in ("grpo", "gspo", "rloo"):
+        with pytest.raises(ValueError, match="--kl-coef is the KL penalty folded into the reward.*--kl-loss-coef"):
+            check_estimator(estimator, PolicyLossConfig(kl_coef=0.1))
+    for estimator in REWARD_KL_ESTIMATORS:
+        check_estimator(estimator, PolicyLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="must be one of grpo, gspo, rloo"):
+        check_estimator("dpo", PolicyLossConfig())
+    assert loss_settings("gspo", PolicyLossConfig()).ratio_level == "sequence"
+    assert loss_settings("grpo", PolicyLossConfig()).ratio_level == "token"
+
+
+def test_kl_k2_and_low_var_kl_values() -> None:
+    """log r = ref - lp of -0.5, 0.3, 30, -30: k2 = (log r)^2 / 2; low_var_kl is k3 (r - 1 - log r) where
+    small, and 10 for both far-off tokens (log r clamped to +-20, then k3 to 10). Catches: low_var_kl
+    without its clamps (e^30 - 31 and 29); k2 without the half."""
+    logprobs = tensor([-1.0, -2.0, -40.0, -1.0])
+    ref = tensor([-1.5, -1.7, -10.0, -31.0])
+    close(kl_divergence(logprobs, ref, "k2"), [0.125, 0.045, 450.0, 450.0])
+    small = [math.exp(-0.5) - 1 + 0.5, math.exp(0.3) - 1 - 0.3]
+    close(kl_divergence(logprobs, ref, "low_var_kl"), [*small, 10.0, 10.0])
+    close(kl_divergence(logprobs[:2], ref[:2], "k3"), small)
+
+
+def test_low_var_kl_equals_k3_inside_its_clamps_and_k2_is_half_k1_squared() -> None:
+    """On random log-probs within 2 nats of each other (k3 stays under 10). Catches: low_var_kl clamping log r to a narrower
+    range than [-20, 20] (slime and verl's)."""
+    generator = torch.Generator().manual_seed(1)
+    logprobs = -5 * torch.rand(500, generator=generator)
+    ref = logprobs + 4 * torch.rand(500, generator=generator) - 2
+    close(kl_divergence(logprobs, ref, "low_var_kl"), kl_divergence(logprobs, ref, "k3").tolist())
+    close(kl_divergence(logprobs, ref, "k2"), (0.5 * kl_divergence(logprobs, ref, "k1") ** 2).tolist())
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "loss", "lower"), [
+    (5.0, -1.0, 3.0, 1.0),     # A < 0, ratio far above: -min(-5, -1.2) = 5, bounded by -c A = 3
+    (2.0, -1.0, 2.0, 0.0),     # A < 0, loss 2 under the bound 3: unchanged
+    (5.0, 1.0, -1.2, 0.0),     # A > 0: the ordinary clip only
+    (0.5, -2.0, 1.6, 0.0),     # A < 0 below the floor: held at the floor (0.8 x 2), under 6
+])
+def test_dual_clip_bounds_the_loss_of_negative_advantages(ratio: float, advantage: float, loss: float,
+                                                          lower: float) -> None:
+    """Clip 0.2 both ways, c = 3. Catches: the bound applied to positive advantages too (-c A = -3 would
+    hold the A > 0 case)."""
+    logprobs = tensor([math.log(ratio)]).requires_grad_(True)
+    config = PolicyLossConfig(dual_clip_c=3.0)
+    total, stats = policy_loss(config, logprobs, tensor([0.0]), tensor([advantage]), tensor([1.0]))
+    assert total.item() == pytest.approx(loss)
+    assert stats["pg_clipfrac_lower"].item() == lower
+    total.backward()
+    if lower:
+        assert logprobs.grad.item() == 0.0  # the bound is a constant: no gradient through it
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dual_clip_follows_verls_formula_on_extreme_ratios(seed: int) -> None:
+    """Against ``where(A < 0, min(max(-rA, -clip(r)A), -cA), max(-rA, -clip(r)A))`` with log-ratios up to
+    +-20. Catches: max instead of min against the bound."""
+    generator = torch.Generator().manual_seed(seed)
+    log_ratio = 40 * torch.rand(4, 16, generator=generator) - 20
+    advantages = torch.randn(4, 16, generator=generator)
+    ratio = log_ratio.exp()
+    surrogate = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.28) * advantages)
+    expected = torch.where(advantages < 0, torch.minimum(surrogate, -3.0 * advantages), surrogate)
+    per_token, _ = clipped_surrogate(log_ratio, torch.zeros(4, 16), advantages, 0.2, 0.28)
+    bounded, _ = dual_clip(per_token, advantages, 3.0)
+    assert_close(bounded, expected)
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "value", "gradient", "clipped"), [
+    (1.5, 1.0, -1.28, -1.28, 1.0),   # above 1 + 0.28: weight 1.28, and still a gradient (PPO's would be 0)
+    (0.5, -1.0, 0.8, 0.8, 1.0),      # below 1 - 0.2: weight 0.8
+    (1.1, 2.0, -2.2, -2.2, 0.0),     # inside: weight 1.1; d/dlogp of -sg(w) A log pi is -w A
+])
+def test_cispo_weighs_log_pi_by_the_clipped_detached_ratio(ratio: float, advantage: float, value: float,
+                                                          gradient: float, clipped: float) -> None:
+    """Catches: the weight not detached (the inside case's gradient doubles to -4.4), and the weight not
+    clipped (the first case's would be -1.5)."""
+    logprobs = tensor([math.log(ratio)]).requires_grad_(True)
+    config = PolicyLossConfig(policy_loss="cispo", clip_low=0.2, clip_high=0.28)
+    total, stats = policy_loss(config, logprobs, tensor([0.0]), tensor([advantage]), tensor([1.0]))
+    total.backward()
+    assert total.item() == pytest.approx(value)
+    assert logprobs.grad.item() == pytest.approx(gradient)
+    assert stats["pg_clipfrac"].item() == clipped
+
+
+def test_cispo_gradient_on_random_tokens_is_the_clipped_weight_times_the_advantage() -> None:
+    """Log-ratios up to +-20, a mask with an empty row and a one-token row, token aggregation. Catches: the
+    mask left out of the sum (padding's gradient nonzero)."""
+    generator = torch.Generator().manual_seed(3)
+    old = -3 * torch.rand(3, 5, generator=generator)
+    logprobs = (old + 40 * torch.rand(3, 5, generator=generator) - 20).requires_grad_(True)
+    advantages = torch.randn(3, 5, generator=generator)
+    mask = tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
+    config = PolicyLossConfig(policy_loss="cispo", clip_low=0.5, clip_high=4.0)
+    policy_loss(config, logprobs, old, advantages, mask)[0].backward()
+    weight = (logprobs.detach() - old).exp().clamp(0.5, 5.0)
+    assert_close(logprobs.grad, -weight * advantages * mask / 4)
+
+
+def test_aggregations_sum_per_sequence_and_dr_grpos_constant() -> None:
+    """[[1, 2, (3)], [4, 5, 6]]: seq-mean-token-sum (3 + 15) / 2 = 9; seq-mean-token-sum-norm 18 / (2 x 3)
+    with the mask's width, 18 / (2 x 10) with a constant of 10. An empty third row counts as a response.
+    Catches: seq-mean-token-sum dividing each sum by its length (that is "sequence", 3.25)."""
+    values, mask = tensor(AGG_VALUES), tensor(AGG_MASK)
+    assert aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx(9.0)
+    assert aggregate(values, mask, "seq-mean-token-sum-norm").item() == pytest.approx(3.0)
+    with_empty, empty_mask = tensor(AGG_VALUES + [[7, 8, 9]]), tensor(AGG_MASK + [[0, 0, 0]])
+    assert aggregate(with_empty, empty_mask, "seq-mean-token-sum").item() == pytest.approx(18 / 3)
+    assert aggregate(with_empty, empty_mask, "sequence").item() == pytest.approx((1.5 + 5) / 3)
+    loss, _ = policy_loss(PolicyLossConfig(loss_aggregation="seq-mean-token-sum-norm", loss_scale_tokens=10),
+                          tensor(LOSS_LOGPROBS), tensor(LOSS_OLD), tensor(LOSS_ADVANTAGES), tensor(LOSS_MASK))
+    assert loss.item() == pytest.approx((-1.2 - 2 + 0.8) / (2 * 10))
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_new_aggregations_add_up_over_micro_batches(aggregation: str) -> None:
+    """The batch normaliser for 4 responses of 10 tokens (constant 6) makes micro-batch losses sum to the
+    batch's. Catches: a micro-batch using its own response count."""
+    values = tensor([[1, 2, 3, 4], [5, 6, 7, 8], [-1, -2, -3, -4], [0.5, 9, 2, 3]])
+    mask = tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])
+    normalizer = batch_normalizer(aggregation, 4, 10.0, 6)
+    expected = 23.5 / (4 if aggregation == "seq-mean-token-sum" else 24)
+    for split in ([1, 3], [2, 2], [1, 1, 1, 1]):
+        parts = zip(values.split(split), mask.split(split))
+        assert sum(aggregate(v, m, aggregation, normalizer) for v, m in parts).item() == pytest.approx(expected)
+
+
+def test_sequence_level_weights_and_icepop_by_hand() -> None:
+    """Token weights [0.5, 1.0] and [3.0, (4.0 padding)]: geometric means sqrt(0.5) and 3, products 0.5
+    and 3. tis [0.8, 2] raises the first response and truncates the second; icepop [0.6, 2] drops
+    token 0.5 and token 3. Catches: padding counted in the sequence product (3 x 4 = 12) and icepop
+    ignoring its floor."""
+    old, behaviour, mask = tensor(LOSS_OLD), tensor(LOSS_BEHAVIOUR), tensor(LOSS_MASK)
+    weights, changed = importance_weights(old, behaviour, mask, "tis", cap=10.0, level="sequence-geometric")
+    close(weights, [[math.sqrt(0.5)] * 2, [3.0, 3.0]])
+    weights, changed = importance_weights(old, behaviour, mask, "tis", cap=10.0, level="sequence-product")
+    close(weights, [[0.5, 0.5], [3.0, 3.0]])
+    assert not changed.any()
+    weights, changed = importance_weights(old, behaviour, mask, "tis", cap=2.0, floor=0.8, level="sequence-geometric")
+    close(weights, [[0.8, 0.8], [2.0, 2.0]])
+    close(changed, [[1, 1], [1, 1]])
+    weights, changed = importance_weights(old, behaviour, mask, "icepop", cap=2.0, floor=0.6)
+    close(weights, [[0.0, 1.0], [0.0, 1.0]])  # padding: weight 1, changed by nothing (it adds nothing anyway)
+    close(changed, [[1, 0], [1, 0]])
+    loss, stats = full_policy_loss(PolicyLossConfig(off_policy_correction="icepop", tis_cap=2.0, tis_floor=0.6),
+                                   behaviour_logprobs=tensor(LOSS_BEHAVIOUR))
+    assert loss.item() == pytest.approx(-2.0 / 3)  # only the middle token (surrogate -2, weight 1) is left
+    assert stats["tis_maskfrac"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(("correction", "level"), [("tis", "token"), ("tis", "sequence-geometric"),
+                                                   ("tis", "sequence-product"), ("icepop", "token"),
+                                                   ("icepop", "sequence-geometric"), ("icepop", "sequence-product")])
+def test_importance_weights_follow_the_formula_on_extreme_ratios(correction: str, level: str) -> None:
+    """Log-weights up to +-50 per token (products far beyond float range) over rows with holes, an empty
+    row and a one-token row, against float64 sums. Catches: the geometric mean divided by the row's width
+    instead of its real tokens."""
+    generator = torch.Generator().manual_seed(7)
+    behaviour = -5 * torch.rand(4, 6, generator=generator)
+    old = behaviour + 100 * torch.rand(4, 6, generator=generator) - 50
+    old[0] = behaviour[0] + 0.3 * torch.randn(6, generator=generator)  # near on-policy: inside the bounds
+    mask = tensor([[1, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    weights, changed = importance_weights(old, behaviour, mask, correction, cap=2.0, floor=0.5, level=level)
+    log_w = (old - behaviour).double() * mask
+    if level != "token":
+        total = log_w.sum(-1, keepdim=True)
+        log_w = (total / mask.sum(-1, keepdim=True).clamp(min=1) if level == "sequence-geometric"
+                 else total).expand_as(log_w)
+    raw = log_w.exp()
+    inside = (raw >= 0.5) & (raw <= 2.0)
+    expected = raw.clamp(0.5, 2.0) if correction == "tis" else torch.where(inside, raw, 0.0)
+    assert_close(weights.double(), expected, rtol=1e-4, atol=1e-6)
+    assert torch.equal(changed.bool(), ~inside)

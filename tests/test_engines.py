@@ -380,7 +380,7 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
 def test_bf16_kl_reference_starts_equal_to_the_policy(model):
     """The frozen reference holds the policy's bf16 weights and the same fp32 buffers (RoPE frequencies)."""
     folder, eos, prompts = model
-    engine = TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(), loss=PolicyLossConfig(kl_coef=0.1),
+    engine = TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(), loss=PolicyLossConfig(kl_loss_coef=0.1),
                               grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=1.0, dtype="bf16")
     metrics = engine.train_step(hand_batch(prompts[2], [[6, 7, 8, eos], [7, eos]], [1.0, 0.0], [0, 0]))
     assert metrics["kl"] == 0.0
@@ -413,7 +413,7 @@ def test_one_update_per_batch_takes_its_scores_from_the_training_pass(model):
                     [[0] * len(r) for r in responses], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1],
                     pad_token_id=0)
     engines = [TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=4),
-                                loss=PolicyLossConfig(kl_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                loss=PolicyLossConfig(kl_loss_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                 temperature=0.7) for kl in (0.0, 1e-9)]
     assert engines[0].reference is None and engines[1].reference is not None
     for engine in engines:  # plain SGD, as in the accumulation test below: updates proportional to gradients
@@ -545,6 +545,62 @@ def test_engine_flags_are_picked_out_of_the_command_line():
     assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(ValueError, match="apply to --rollout-backend vllm only"):
         RunConfig().replace(**found)
+
+
+@pytest.mark.parametrize(("algo", "loss"), [
+    ("gspo", PolicyLossConfig(dual_clip_c=3.0)),
+    ("rloo", PolicyLossConfig(policy_loss="cispo", loss_aggregation="seq-mean-token-sum-norm", loss_scale_tokens=8)),
+    ("reinforce_plus_plus", PolicyLossConfig(kl_coef=0.1, kl_estimator="low_var_kl", off_policy_correction="icepop",
+                                             tis_floor=0.5)),
+    ("reinforce_plus_plus_baseline", PolicyLossConfig(kl_coef=0.1, kl_loss_coef=0.1, kl_estimator="k2",
+                                                      off_policy_correction="tis", tis_level="sequence-geometric",
+                                                      loss_aggregation="seq-mean-token-sum")),
+    ("ppo", PolicyLossConfig(kl_coef=0.1, off_policy_correction="tis", tis_floor=0.5)),
+])
+def test_every_estimator_trains_a_step_and_reports_its_fractions(model, algo, loss):
+    """Each estimator with the losses and corrections of issue 31 through the engine's step: the statistics
+    of each reach the step's metrics (the row of metrics.jsonl). The rollout log-probs of hand_batch are 0,
+    far from the policy's: the corrections engage."""
+    folder, eos, prompts = model
+    engine = train_engine(folder, algo=algo, loss=loss, updates_per_step=2)
+    assert engine.loss.ratio_level == ("sequence" if algo == "gspo" else "token")
+    assert (engine.reference is not None) == bool(loss.kl_coef or loss.kl_loss_coef)
+    metrics = engine.train_step(hand_batch(prompts[0], [[6, eos], [7, 8, eos], [9], [eos]], [1.0, 0.0, 0.5, 0.5],
+                                           [0, 0, 1, 1]))
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    expected = {"pg_clipfrac"}
+    if loss.dual_clip_c:
+        expected.add("pg_clipfrac_lower")
+    if engine.reference is not None:
+        expected.add("kl")
+    if loss.off_policy_correction != "none":
+        expected |= {"tis", "tis_clipfrac" if loss.off_policy_correction == "tis" else "tis_maskfrac"}
+    assert expected <= set(metrics), expected - set(metrics)
+    if loss.off_policy_correction == "icepop":
+        assert metrics["tis_maskfrac"] == 1.0  # every weight is e^(-2.x) or so, below the floor of 0.5
+
+
+def test_advantage_estimator_and_algo_are_one_setting_and_kl_coef_changed_meaning(tmp_path):
+    """--algo is another spelling of --advantage-estimator; --kl-coef with an estimator that has no reward
+    to fold it into is refused with the new name of the loss term; a config.json written before the rename
+    reads its kl_coef as the loss term it was."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, RunConfig())
+    for flags, estimator in ((["--algo", "rloo"], "rloo"), (["--advantage-estimator", "reinforce_plus_plus"],
+                                                            "reinforce_plus_plus"), ([], "grpo")):
+        assert from_flags(parser.parse_args(flags), RunConfig()).job.algo == estimator
+    with pytest.raises(ValueError, match="--kl-coef is the KL penalty folded into the reward.*pass --kl-loss-coef"):
+        from_flags(parser.parse_args(["--kl-coef", "0.1"]), RunConfig())
+    loss_term = from_flags(parser.parse_args(["--kl-loss-coef", "0.1"]), RunConfig())
+    assert (loss_term.loss.kl_loss_coef, loss_term.loss.kl_coef) == (0.1, 0.0)
+    old = RunConfig().to_dict()
+    del old["loss"]["kl_loss_coef"]
+    old["loss"]["kl_coef"] = 0.05
+    assert RunConfig.from_dict(old).loss.kl_loss_coef == 0.05 and RunConfig.from_dict(old).loss.kl_coef == 0.0
+    with pytest.raises(ValueError, match="megatron has no value model yet"):
+        RunConfig().replace(algo="ppo", train_backend="megatron")
+    arguments = RunConfig().replace(max_new_tokens=7).train_engine_arguments(seed=0)
+    assert arguments["loss"].loss_scale_tokens == 7  # Dr.GRPO's constant: the longest response generated
 
 
 def test_config_dict_round_trip_and_unknown_names():

@@ -358,8 +358,8 @@ def _batch(seed: int, config: transformers.PretrainedConfig | None = None, sampl
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
 def test_train_step_matches_the_reference_trainer(hf_models, case):
     _, _, folder = hf_models[case]
-    reference, engine = _engine(TorchTrainEngine, folder, kl_coef=0.1), _engine(megatron.MegatronTrainEngine, folder,
-                                                                               kl_coef=0.1)
+    reference, engine = _engine(TorchTrainEngine, folder, kl_loss_coef=0.1), _engine(megatron.MegatronTrainEngine, folder,
+                                                                               kl_loss_coef=0.1)
     # plain SGD: AdamW's update for a gradient near its eps (1e-8) is about lr / 2 whatever the gradient's
     # rounding, so float noise where one backend has exactly 0 becomes lr-sized; SGD keeps it at noise size
     for trainer in (reference, engine):
@@ -598,7 +598,7 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
     assert list(ranks["streamed"]) == list(ranks["loaded"])  # the order rollout engines get them, bucket by bucket
     assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
-    single = _engine(megatron.MegatronTrainEngine, folder, updates=1, kl_coef=0.1)
+    single = _engine(megatron.MegatronTrainEngine, folder, updates=1, kl_loss_coef=0.1)
     assert (ranks["logprobs"] - single.score(batch)["old_logprobs"].cpu()).abs().max() <= 1e-5
     expected = single.train_step(batch)
     for key in expected:

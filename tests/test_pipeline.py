@@ -196,7 +196,7 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
                                *flags], capture_output=True, text=True, timeout=60)
 
     for flags, said in [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
-                        (["--algo", "dpo"], "--algo must be grpo or ppo"),
+                        (["--algo", "dpo"], "--advantage-estimator (or --algo) must be one of grpo, gspo"),
                         (["--reward", "nope"], "not a built-in reward"),
                         (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
                         (["--model-path", str(tmp_path)], "has no config.json"),

@@ -18,11 +18,13 @@ import types
 import typing
 from typing import Any
 
+from vime.algorithms import estimators
+from vime.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams
-from vime.settings import help_of, setting
+from vime.settings import flags_of, help_of, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,11 @@ WEIGHT_PATHS = ("auto", "nng", "ipc", "broadcast")
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    algo: str = setting("grpo", "grpo or ppo")
+    algo: str = setting("grpo", "the advantage estimator (slime's flag; --algo is the same setting): grpo; gspo "
+                                "(grpo's advantages, GSPO's sequence-level ratio); rloo (leave-one-out baseline); "
+                                "reinforce_plus_plus (whitened returns, KL in the reward); "
+                                "reinforce_plus_plus_baseline (the same on group-centred rewards); ppo (GAE, "
+                                "value model)", flags=("--advantage-estimator", "--algo"))
     train_backend: str = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: megatron-core "
                                           "(GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
@@ -234,14 +240,15 @@ class JobConfig:
                                                  "routing replay holds through it")
 
     def __post_init__(self) -> None:
-        if self.algo not in ("grpo", "ppo"):
-            raise ValueError(f"--algo must be grpo or ppo, not {self.algo!r}")
+        if self.algo not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"--advantage-estimator (or --algo) must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                             f"not {self.algo!r}")
         if self.train_backend not in ("torch", "megatron"):
             raise ValueError(f"--train-backend must be torch or megatron, not {self.train_backend!r}")
         if self.weight_sync not in WEIGHT_PATHS:
             raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
-        if self.train_backend == "megatron" and self.algo != "grpo":
-            raise ValueError("--train-backend megatron runs --algo grpo only so far; use --train-backend torch for ppo")
+        if self.train_backend == "megatron" and self.algo == "ppo":
+            raise ValueError("--train-backend megatron has no value model yet: use --train-backend torch for ppo")
         for flag in ("tensor_model_parallel_size", "data_parallel_size"):
             if getattr(self, flag) > 1 and self.train_backend != "megatron":
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
@@ -290,15 +297,21 @@ class RunConfig:
     placement: PlacementConfig = PlacementConfig()
     job: JobConfig = JobConfig()
 
+    def __post_init__(self) -> None:
+        estimators.check(self.job.algo, self.loss)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {section.name: dataclasses.asdict(getattr(self, section.name)) for section in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, document: dict[str, dict[str, Any]]) -> RunConfig:
-        """Rebuild from ``to_dict`` output (config.json, or an actor's config)."""
+        """Rebuild from ``to_dict`` output (config.json, or an actor's config). A config written before
+        issue 31 has no ``kl_loss_coef``, and its ``kl_coef`` was the KL loss term: it is read as such."""
         sections = {}
         for section in dataclasses.fields(cls):
             values = dict(document.get(section.name, {}))
+            if section.name == "loss" and "kl_coef" in values and "kl_loss_coef" not in values:
+                values["kl_loss_coef"] = values.pop("kl_coef")
             kind = section.default.__class__
             for name, annotation in typing.get_type_hints(kind).items():
                 if name in values and typing.get_origin(annotation) is tuple:  # JSON has lists only
@@ -308,7 +321,12 @@ class RunConfig:
 
     def train_engine_arguments(self, seed: int) -> dict[str, Any]:
         """What a trainer engine of ``--train-backend`` is built from: the same on every rank."""
-        arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=self.loss,
+        loss = self.loss
+        if not loss.loss_scale_tokens:  # Dr.GRPO's constant: the longest response this run can generate
+            agentic = self.agent.tool or self.agent.openai_endpoint
+            longest = self.agent.max_response_tokens if agentic else self.sampling.max_new_tokens
+            loss = dataclasses.replace(loss, loss_scale_tokens=longest)
+        arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=loss,
                          grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
                          dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
         if self.job.train_backend == "megatron":
@@ -345,19 +363,20 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
         hints = typing.get_type_hints(type(values))
         for field in dataclasses.fields(values):
             name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
-            flag = "--" + name.replace("_", "-")
+            flags = flags_of(field)
             help_text = f"{help_of(field)} (default: {default!r})".replace("%", "%%")
             if typing.get_origin(annotation) is dict:  # free-form --PREFIX-NAME VALUE flags: see engine_flags
                 group.add_argument(f"--{_flag_prefix(name)}-NAME", metavar="VALUE", dest=f"_{name}_help",
                                    help=help_text)
             elif annotation is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
             elif typing.get_origin(annotation) is tuple:
                 kind = typing.get_args(annotation)[0]
-                group.add_argument(flag, type=kind, nargs="*", default=None, metavar="ID" if kind is int else "VALUE",
-                                   help=help_text)
+                group.add_argument(*flags, dest=name, type=kind, nargs="*", default=None,
+                                   metavar="ID" if kind is int else "VALUE", help=help_text)
             else:
-                group.add_argument(flag, type=_scalar(annotation), default=None, help=help_text)
+                group.add_argument(*flags, dest=name, type=_scalar(annotation), default=None, help=help_text)
 
 
 def _flag_prefix(name: str) -> str:

@@ -2,7 +2,7 @@
 
 Scenarios live in ``vime.scenarios``, one module each, listed with ``--list``.
 A training scenario supplies defaults for every setting; each setting is
-also a flag (``--lr``, ``--rollout-batch-size``, ``--algo ppo`` ...), shown by
+also a flag (``--lr``, ``--rollout-batch-size``, ``--advantage-estimator rloo`` ...), shown by
 ``python -m vime.scenario NAME --help``.
 """
 
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:
         return _refuse(err)
+    if getattr(args, "kl_coef", None):  # a run with ppo or reinforce++ would otherwise take it in the new meaning
+        print("note: --kl-coef is the KL penalty folded into the reward (slime's meaning); the KL term in the loss, "
+              "which vime's --kl-coef set before issue 31, is --kl-loss-coef", flush=True)
     if config.eval.eval_every and not config.eval.eval_data:
         print("no --eval-data: held-out evaluation is off", flush=True)
     display = progress_display(config.job.steps)

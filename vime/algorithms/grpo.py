@@ -4,7 +4,9 @@ The advantage of every token of a response is its group-normalised reward,
 ``(r - mean(group)) / (std(group) + eps)``. With ``normalize_std=False`` the
 division is skipped, as Dr.GRPO proposes (it removes the question-difficulty
 bias that std scaling introduces). The loss is the shared clipped surrogate
-(``policy_loss``); GRPO itself has no value model.
+(``policy_loss``); GRPO itself has no value model. ``--advantage-estimator
+gspo`` takes these advantages too and changes only the ratio (see
+``policy_loss``).
 """
 
 from __future__ import annotations
@@ -22,22 +24,40 @@ class GRPOConfig:
     std_eps: float = setting(1e-6, "added to the group's reward std before dividing")
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: GRPOConfig) -> torch.Tensor:
-    """Per-sample advantages from rewards ``[samples]`` and their group ids ``[samples]``.
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each sample, the position of its group among the batch's groups (``[samples]``), and each
+    group's size (``[groups]``). Group ids may be any integers, in any order."""
+    _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return index, counts
 
-    Groups may be of any size and in any order; the std is the unbiased
-    sample std (as in the GRPO paper's implementations), 0 for a group of one.
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: GRPOConfig) -> torch.Tensor:
+    """Per-sample advantages from rewards ``[samples]`` and their group ids ``[samples]``, float32.
+
+    Conventions where the peers differ:
+
+    * the std is the unbiased sample std (``n - 1``), as the GRPO paper's
+      implementations take it (verl, slime, TRL), and ``std_eps`` is added
+      to it, not to the variance;
+    * a group whose rewards are all equal -- a group of one among them --
+      gets advantage exactly 0. Computed, its mean can be one rounding step
+      off the common value (eight rewards of 0.1 in fp32), and divided by a
+      std of 0 + eps that step becomes -0.0074 for every sample, pushing the
+      whole group one way; verl and slime keep that flaw, vime does not.
     """
-    advantages = torch.empty_like(rewards, dtype=torch.float32)
-    for group in torch.unique(group_ids):
-        members = group_ids == group
-        values = rewards[members].to(torch.float32)
-        centred = values - values.mean()
-        if config.normalize_std:
-            std = values.std() if values.numel() > 1 else torch.zeros(())
-            centred = centred / (std + config.std_eps)
-        advantages[members] = centred
-    return advantages
+    values = rewards.to(torch.float32)
+    index, counts = group_index(group_ids.to(values.device))
+    counts = counts.to(values.device)
+    groups = counts.numel()
+    mean = torch.zeros(groups, device=values.device).index_add_(0, index, values) / counts
+    centred = values - mean[index]
+    if config.normalize_std:
+        squares = torch.zeros(groups, device=values.device).index_add_(0, index, centred ** 2)
+        std = (squares / (counts - 1).clamp(min=1)).sqrt()
+        centred = centred / (std[index] + config.std_eps)
+    highest = torch.full((groups,), -torch.inf, device=values.device).scatter_reduce(0, index, values, "amax")
+    lowest = torch.full((groups,), torch.inf, device=values.device).scatter_reduce(0, index, values, "amin")
+    return torch.where((highest == lowest)[index], torch.zeros_like(centred), centred)
 
 
 def token_advantages(sample_advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """PPO with a value model: GAE advantages and the clipped value loss.
 
 The reward of a response is given at its last token; every other token's
-immediate reward is 0. Advantages come from GAE(γ, λ) over the response
+immediate reward is 0, less the KL penalty ``kl_coef * kl_t`` when
+``--kl-coef`` folds one in (verl's ``compute_rewards``, slime's
+``--kl-coef``; distinct from the loss term ``--kl-loss-coef``). Advantages come from GAE(γ, λ) over the response
 tokens and are whitened over the batch; returns are advantages + values. The
 value loss is clipped around the values the value model gave at the start
 of the training step (``value_clip``), as in OpenAI baselines' PPO.
@@ -18,7 +20,7 @@ from vime.settings import setting
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    gamma: float = setting(1.0, "GAE discount per token")
+    gamma: float = setting(1.0, "discount per token (PPO's GAE, REINFORCE++'s returns)")
     lam: float = setting(0.95, "GAE lambda")
     value_clip: float = setting(0.2, "value loss clipped to this around the step's starting values")
     value_coef: float = setting(0.5, "weight of the value loss")
@@ -57,17 +59,23 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Shift and scale to mean 0, std 1 over the masked entries."""
+    """Shift and scale to mean 0, std 1 over the masked entries: the population std (divided by the count,
+    not count - 1), as OpenRLHF, verl and slime whiten; ``eps`` is added to the variance."""
     count = mask.sum().clamp(min=1)
     mean = (values * mask).sum() / count
     variance = (((values - mean) * mask) ** 2).sum() / count
     return (values - mean) * torch.rsqrt(variance + eps) * mask
 
 
-def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                           config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages (whitened when configured) and value targets for one batch."""
-    advantages, returns = gae(terminal_rewards(rewards, mask), values, mask, config.gamma, config.lam)
+def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config: PPOConfig,
+                           kl_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (whitened when configured) and value targets for one batch; ``kl_penalty`` is
+    ``kl_coef * kl`` per token, subtracted from the token rewards (None: none). The returns are not
+    whitened: they are the value model's targets."""
+    token_rewards = terminal_rewards(rewards, mask)
+    if kl_penalty is not None:
+        token_rewards = token_rewards - kl_penalty  # padding's never counts: gae skips it
+    advantages, returns = gae(token_rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
         advantages = whiten(advantages, mask)
     return advantages, returns
@@ -76,7 +84,8 @@ def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: to
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                value_clip: float, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-averaged; its clip fraction is a
-    scalar tensor, like the policy loss's statistics."""
+    scalar tensor, like the policy loss's statistics. The 0.5 is OpenAI baselines' and verl's (OpenRLHF's
+    too); with ``--value-coef`` 0.5 on top the value loss weighs a quarter of the squared error."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)

@@ -16,9 +16,11 @@ serve as the old ones (the ratio is exactly 1), and the separate no-grad
 pass is skipped. ``dtype="bf16"`` runs forward and backward on bf16 weights and
 steps fp32 masters (``vime.backends.master_weights``).
 
-PPO's value model is a second copy of the backbone with a scalar head; a
-frozen copy of the initial policy serves as the KL reference when
-``kl_coef > 0``.
+``algo`` is the advantage estimator (``vime.algorithms.estimators``). PPO's
+value model is a second copy of the backbone with a scalar head; a frozen
+copy of the initial policy serves as the KL reference when either KL
+coefficient is > 0 (``kl_loss_coef``: a loss term; ``kl_coef``: a penalty in
+the reward, measured once per step with the scoring pass's log-probs).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 
 import torch
 
-from vime.algorithms import grpo, ppo
-from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, kl_divergence, policy_loss
+from vime.algorithms import estimators, grpo, ppo
+from vime.algorithms.kl import kl_divergence
+from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import OptimConfig
@@ -60,11 +63,10 @@ class TorchTrainEngine(TrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, device: str = "cpu") -> None:
-        if algo not in ("grpo", "ppo"):
-            raise ValueError(f"algo must be grpo or ppo, not {algo!r}")
+        estimators.check(algo, loss)
         torch.manual_seed(seed)
         self.seed = seed
-        self.algo, self.optim, self.loss = algo, optim, loss
+        self.algo, self.optim, self.loss = algo, optim, estimators.loss_settings(algo, loss)
         self.grpo, self.ppo = grpo_config, ppo_config
         self.temperature = temperature
         self.device = device
@@ -72,7 +74,8 @@ class TorchTrainEngine(TrainEngine):
         self.replica = (0, 1)  # (which, of how many) data-parallel copies of this trainer: each trains its share
         self.layout: dict[str, Any] = {"train_backend": "torch"}  # a checkpoint resumes only in the same layout
         self.policy = self._load_policy(model_path).to(device)
-        self.reference = self._load_policy(model_path).to(device).requires_grad_(False) if loss.kl_coef else None
+        self.reference = (self._load_policy(model_path).to(device).requires_grad_(False)
+                          if loss.kl_loss_coef or loss.kl_coef else None)
         if self.reference is not None and dtype == "bf16":
             to_bf16(self.reference)  # as the policy's weights are: the KL starts at exactly 0
         self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
@@ -209,12 +212,6 @@ class TorchTrainEngine(TrainEngine):
                     scores[key][rows] = value
         return {key: self._sum_over_replicas(value) for key, value in scores.items()}
 
-    def _advantages(self, batch: TensorBatch, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.algo == "grpo":
-            per_sample = grpo.group_advantages(batch.rewards, batch.group_ids, self.grpo)
-            return grpo.token_advantages(per_sample, batch.response_mask), None
-        assert values is not None
-        return ppo.advantages_and_returns(batch.rewards, values, batch.response_mask, self.ppo)
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
         lengths = batch.attention_mask.sum(-1).cpu()  # of every sample, for the micro-batches
@@ -228,12 +225,15 @@ class TorchTrainEngine(TrainEngine):
             scores = self.score(batch)
         self.policy.train()
         mask = batch.response_mask
-        advantages, returns = self._advantages(batch, scores.get("values"))
         version = self.weight_version
         metrics: dict[str, Any] = {}
+        kl = None
         if "ref_logprobs" in scores:
-            kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator)
+            kl = kl_divergence(scores["old_logprobs"], scores["ref_logprobs"], self.loss.kl_estimator) * mask
             metrics["kl"] = float(aggregate(kl, mask, "token"))
+        advantages, returns = estimators.advantages(
+            self.algo, batch.rewards, batch.group_ids, mask, grpo_config=self.grpo, ppo_config=self.ppo,
+            values=scores.get("values"), kl_penalty=self.loss.kl_coef * kl if self.loss.kl_coef else None)
         totals: dict[str, list[tuple[torch.Tensor, float]]] = {}
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
@@ -242,7 +242,8 @@ class TorchTrainEngine(TrainEngine):
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
             value_normalizer = float(row_tokens[mini].sum())
-            normalizer = value_normalizer if self.loss.loss_aggregation == "token" else float(mini.numel())
+            normalizer = batch_normalizer(self.loss.loss_aggregation, float(mini.numel()), max(value_normalizer, 1.0),
+                                          self.loss.loss_scale_tokens or mask.shape[-1])
             for rows, counted in replica_micro_batches(mini, lengths, self.optim.micro_batch_size, *self.replica):
                 tokens = float(row_tokens[rows].sum()) if counted else 0.0
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,

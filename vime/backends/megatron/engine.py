@@ -82,16 +82,15 @@ class MegatronTrainEngine(TorchTrainEngine):
     rank. Rank 0 writes the Hugging Face folder; each rank writes its own
     trainer state.
 
-    GRPO only for now: PPO's value model is a Hugging Face backbone there.
+    Every advantage estimator but ppo: PPO's value model is a Hugging Face backbone there.
     """
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
                  data_parallel: int = 1, recompute: bool = False) -> None:
-        if algo != "grpo":
-            raise NotImplementedError(f"the Megatron trainer runs grpo only so far, not {algo!r}; "
-                                      "use the torch trainer for ppo")
+        if algo == "ppo":
+            raise NotImplementedError("the Megatron trainer has no value model yet: use the torch trainer for ppo")
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel = data_parallel

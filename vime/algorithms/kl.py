@@ -1,0 +1,34 @@
+"""Per-token estimators of KL(policy || reference) from the sampled tokens' log-probs.
+
+With ``log r = log p_ref - log p`` at a token sampled from the policy
+(Schulman, "Approximating KL divergence", 2020):
+
+* ``k1 = -log r``: unbiased, can be negative;
+* ``k2 = (log r)^2 / 2``: biased, always >= 0, low variance near 0;
+* ``k3 = r - 1 - log r``: unbiased, always >= 0;
+* ``low_var_kl``: k3 with ``log r`` clamped to [-20, 20] and the result to
+  [-10, 10], as verl and slime compute it (the clamps keep one far-off token
+  from dominating; the gradient is 0 where a clamp holds).
+
+The same estimator serves the KL loss term (``--kl-loss-coef``) and the KL
+penalty folded into the reward (``--kl-coef``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference); ``estimator`` one of :data:`KL_ESTIMATORS`."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    if estimator == "low_var_kl":
+        log_ratio = log_ratio.clamp(-20.0, 20.0)
+        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+    return torch.exp(log_ratio) - log_ratio - 1.0
