@@ -3,7 +3,8 @@ r"""One MoE layer's routed experts, forward and backward: megatron-core's Sequen
 Both hold the same weights (copied from one to the other) and get the same
 routed tokens: ``--tokens`` tokens, each sent to ``num_experts_per_tok``
 distinct experts drawn at random, sorted by expert, with the counts per
-expert on the host, as megatron-core's token dispatchers hand them over. Per implementation, over ``--steps`` timed steps after a
+expert on the host, as megatron-core's token dispatchers hand them over. Per implementation, over
+``--steps`` timed steps after a
 warm-up: the median time of forward plus backward, and the matmul TFLOP/s
 it reaches (forward 2 x rows x 3 x hidden x ffn FLOPs, backward twice
 that). The outputs of the two are compared as a check. On a GPU the weights

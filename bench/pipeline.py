@@ -21,7 +21,7 @@ Usage::
 
     python bench/pipeline.py --runs grpo:0 ppo:0 grpo:1 --steps 300 --out runs/bench --json bench/pipeline.json
     python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 2 4 --rollout-workers 3 --steps 100
-    python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 --tag t1 --train-threads 1   # other flags: to the scenario
+    python bench/pipeline.py --runs grpo:0 --max-staleness 0 1 --tag t1 --train-threads 1  # others: to the scenario
     python bench/pipeline.py --from runs/bench/grpo-s0 runs/bench/ppo-s0
 
 It measures; it decides nothing (the exit status does not depend on the figures).
@@ -93,7 +93,8 @@ def table(results: list[dict]) -> str:
         gap = "-" if r["max_logprob_diff"] is None else f"{r['max_logprob_diff']:.1e}"
         lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {gap:>11} "
                      f"{r['total_s']:7.0f} {parts}")
-    head = f"{'run':<18} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}  staleness share (age:share)"
+    head = (f"{'run':<18} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}"
+            "  staleness share (age:share)")
     lines += ["", head, "-" * len(head)]
     for r in results:
         shares = " ".join(f"{age}:{share:.2f}" for age, share in r["staleness_share"].items())

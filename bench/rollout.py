@@ -106,10 +106,11 @@ def vime(shape: str, args: argparse.Namespace) -> dict:
     result["weights_gb"] = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
     versions = iter(range(1, 1000))
     result["vime_load_s"] = _median_time(lambda: engine.load_weights(weights, next(versions)), args.rounds)
+    weights.clear()
     targets = list(model.parameters())
     sources = [torch.empty_like(p) for p in targets]
     result["bare_copy_s"] = _median_time(lambda: [t.data.copy_(s) for t, s in zip(targets, sources)], args.rounds)
-    del weights, sources
+    sources.clear()
     if shape in args.update_models.split(","):
         result |= _ipc_update(engine, shape, args, versions)
         if torch.cuda.device_count() > 1:

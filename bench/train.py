@@ -299,7 +299,8 @@ def main() -> None:
         for backend in args.backends:
             keep_row(rows, run_in_child(args, shape, backend, peak), args.json, peak_tflops_measured=round(peak, 1),
                      matmul_tflops_by_size={size: round(rate, 1) for size, rate in rates.items()})
-    print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7} {'mem GiB':>8}")
+    print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7}"
+          f" {'mem GiB':>8}")
     for row in rows:
         if "error" in row:
             print(f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} failed: {row['error'].splitlines()[-1]}")

@@ -65,8 +65,8 @@ import trio
 
 from vime import Cluster
 from vime.logs import configure
-from vime.scenarios.selfcheck import Blob, CountQuery, Note, Ping
 from vime.scenarios.selfcheck import ECHO as ECHO_ROLE
+from vime.scenarios.selfcheck import Blob, CountQuery, Note, Ping
 
 PAYLOAD = b"x" * 64  # with its envelope, a request of about 100 bytes on every transport
 NOTE_BODY = b"y" * 60

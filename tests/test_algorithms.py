@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vime.algorithms.dynamic_sampling import is_informative
-from vime.algorithms.grpo import GRPOConfig, group_advantages, token_advantages
 from vime.algorithms.corrections import importance_weights
-from vime.algorithms.estimators import REWARD_KL_ESTIMATORS, advantages as estimator_advantages, loss_settings
+from vime.algorithms.dynamic_sampling import is_informative
+from vime.algorithms.estimators import REWARD_KL_ESTIMATORS, loss_settings
+from vime.algorithms.estimators import advantages as estimator_advantages
 from vime.algorithms.estimators import check as check_estimator
+from vime.algorithms.grpo import GRPOConfig, group_advantages, token_advantages
 from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import (
     PolicyLossConfig,
@@ -28,9 +29,9 @@ from vime.algorithms.policy_loss import (
     dual_clip,
     policy_loss,
 )
+from vime.algorithms.ppo import PPOConfig, advantages_and_returns, gae, terminal_rewards, value_loss, whiten
 from vime.algorithms.reinforce import reinforce_plus_plus, reinforce_plus_plus_baseline
 from vime.algorithms.rloo import rloo_advantages
-from vime.algorithms.ppo import PPOConfig, advantages_and_returns, gae, terminal_rewards, value_loss, whiten
 
 
 def tensor(values: object) -> torch.Tensor:
@@ -331,7 +332,8 @@ LOSS_REF = [[-0.7, -1.0], [-1.5, -3.0]]
 LOSS_ENTROPY = [[1.0, 2.0], [0.5, 9.0]]
 
 
-def full_policy_loss(config: PolicyLossConfig, rows: slice = slice(None), **kwargs: object) -> tuple[torch.Tensor, dict]:
+def full_policy_loss(config: PolicyLossConfig, rows: slice = slice(None),
+                     **kwargs: object) -> tuple[torch.Tensor, dict]:
     return policy_loss(config, tensor(LOSS_LOGPROBS)[rows], tensor(LOSS_OLD)[rows], tensor(LOSS_ADVANTAGES)[rows],
                        tensor(LOSS_MASK)[rows], entropy=tensor(LOSS_ENTROPY)[rows], ref_logprobs=tensor(LOSS_REF)[rows],
                        **kwargs)
@@ -657,7 +659,8 @@ def test_kl_k2_and_low_var_kl_values() -> None:
 
 
 def test_low_var_kl_equals_k3_inside_its_clamps_and_k2_is_half_k1_squared() -> None:
-    """On random log-probs within 2 nats of each other (k3 stays under 10). Catches: low_var_kl clamping log r to a narrower
+    """On random log-probs within 2 nats of each other (k3 stays under 10). Catches: low_var_kl clamping log r to a
+    narrower
     range than [-20, 20] (slime and verl's)."""
     generator = torch.Generator().manual_seed(1)
     logprobs = -5 * torch.rand(500, generator=generator)

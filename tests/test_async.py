@@ -120,7 +120,8 @@ async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothi
         if row["step"] == 4:
             job.kill(victim)
 
-    with pytest.raises(RunFailed, match=rf"actor {victim} died .*checkpoint of step \d+ with --resume {run_dir}") as failed:
+    died = rf"actor {victim} died .*checkpoint of step \d+ with --resume {run_dir}"
+    with pytest.raises(RunFailed, match=died) as failed:
         await train(config, run_dir, on_step=kill, timeout_s=240)
     saved = checkpoint.latest(run_dir)
     assert saved is not None and f"checkpoint of step {checkpoint.step_of(saved)} " in str(failed.value)

@@ -179,13 +179,15 @@ async def test_same_seed_same_prompts(model_path):
 async def test_rows_the_rollout_side_could_not_serve_are_refused_before_issue(model_path, monkeypatch):
     buffer, sent = await started_buffer(model_path)
     for row, said in [({"prompt": "1+1=", "label": "2", "group_size": 0}, "group_size must be an int >= 1"),
-                      ({"prompt": "1+1=", "label": "2", "sampling": {"temperature": 0.5}}, "may not change the temperature"),
+                      ({"prompt": "1+1=", "label": "2", "sampling": {"temperature": 0.5}},
+                       "may not change the temperature"),
                       ({"prompt": "1+1=", "label": "2", "sampling": {"top_p": 2.0}}, "top_p must be in")]:
         with pytest.raises(ValueError, match=said):
             await deliver(buffer, InjectPrompts(prompts=[{"prompt": "2+2=", "label": "4"}, row]))
     assert buffer.counters["injected"] == 0 and not buffer.injected  # all or nothing
     monkeypatch.syspath_prepend(str(TESTS))
-    buffer, sent = await started_buffer(model_path, custom_rollout="buffer_hooks:breaks_sampling", rollout_batch_size=30)
+    buffer, sent = await started_buffer(model_path, custom_rollout="buffer_hooks:breaks_sampling",
+                                        rollout_batch_size=30)
     assert buffer.counters["bad_rows"] > 0 and all(g.label != "5" for g in issued(sent))
 
 

@@ -72,7 +72,10 @@ def roundtrip(*envelopes: Envelope, resolve_shm: Any = None, **kwargs: Any) -> l
 
 def assert_same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b)
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+    assert torch.equal(raw(a), raw(b))
 
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
@@ -80,7 +83,8 @@ shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
 
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(sorted(TORCH_DTYPES)), shape=shapes, transpose=st.booleans(), seed=st.integers(0, 2**31))
-def test_torch_tensors_roundtrip_every_dtype_and_layout(dtype: str, shape: list[int], transpose: bool, seed: int) -> None:
+def test_torch_tensors_roundtrip_every_dtype_and_layout(dtype: str, shape: list[int], transpose: bool,
+                                                         seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     base = torch.randint(-100, 100, shape, generator=generator).to(TORCH_DTYPES[dtype])
     if transpose and base.dim() >= 2:
@@ -120,7 +124,8 @@ json_like = st.recursive(
     anything=json_like,
     n_tensors=st.integers(0, 3),
 )
-def test_records_with_every_field_type_roundtrip(count, ratio, name, raw, flag, maybe, items, table, anything, n_tensors):
+def test_records_with_every_field_type_roundtrip(count, ratio, name, raw, flag, maybe, items, table, anything,
+                                                 n_tensors):
     tensors = [torch.full((i + 1, 2), float(i), dtype=torch.bfloat16) for i in range(n_tensors)]
     payload = Mixed(count, ratio, name, raw, flag, maybe, items, table, anything, tensors)
     (decoded,) = roundtrip(envelope(payload))

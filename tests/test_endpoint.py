@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import trio
-
 from test_episode import TOKENIZER, ScriptedEngine, _engine_output
+
 from vime.actors.rollout import RolloutWorker
 from vime.agent.calculator import SCHEMA
 from vime.agent.episode import tool_messages, turn_ids
 from vime.backends.base import RolloutEngine, SamplingParams
 from vime.config import RunConfig
+from vime.devtools.make_tiny_model import make_tiny_model
 from vime.messages.pipeline import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
-from vime.devtools.make_tiny_model import make_tiny_model
 
 openai = pytest.importorskip("openai", reason="the endpoint tests drive it with the openai client: pip install openai")
 

@@ -141,7 +141,8 @@ def test_token_stats_are_the_log_softmax_s_in_value_and_gradient(device, entropy
     weights = torch.randn(3, 5, device=device, dtype=torch.float64)
     exact = logits.detach().double().requires_grad_()
     logprobs = torch.log_softmax(exact / 0.7, dim=-1)
-    want_chosen, want_entropy = logprobs.gather(-1, targets[..., None]).squeeze(-1), -(logprobs.exp() * logprobs).sum(-1)
+    want_chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+    want_entropy = -(logprobs.exp() * logprobs).sum(-1)
     chosen, entropy = token_stats(logits, targets, 0.7, entropy_grad=entropy_grad)
     assert chosen.dtype == entropy.dtype == torch.float32 and entropy.requires_grad == entropy_grad
     torch.testing.assert_close(chosen.double(), want_chosen, rtol=0, atol=1e-5)
@@ -413,8 +414,8 @@ def test_one_update_per_batch_takes_its_scores_from_the_training_pass(model):
                     [[0] * len(r) for r in responses], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1],
                     pad_token_id=0)
     engines = [TorchTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=4),
-                                loss=PolicyLossConfig(kl_loss_coef=kl), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-                                temperature=0.7) for kl in (0.0, 1e-9)]
+                                loss=PolicyLossConfig(kl_loss_coef=kl), grpo_config=GRPOConfig(),
+                                ppo_config=PPOConfig(), temperature=0.7) for kl in (0.0, 1e-9)]
     assert engines[0].reference is None and engines[1].reference is not None
     for engine in engines:  # plain SGD, as in the accumulation test below: updates proportional to gradients
         engine.optimizer = torch.optim.SGD(engine.policy.parameters(), lr=0.1)

@@ -17,10 +17,10 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence, collate
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.data import prompt_ids
+from vime.devtools.make_tiny_model import make_tiny_model
 from vime.messages.pipeline import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
-from vime.devtools.make_tiny_model import make_tiny_model
 from vime.weights import WeightsShared
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from vime.flops import matmul_parameters, training_flops
 from vime.devtools.make_tiny_model import full_config, tiny_config
+from vime.flops import matmul_parameters, training_flops
 
 
 def _routed_parameters(model: torch.nn.Module, config) -> float:

@@ -12,8 +12,18 @@ import torch
 
 from vime.backends.base import TrainEngine
 from vime.transports import gpu
-from vime.transports.gpu import (BroadcastGroup, BucketMemory, SharedBuckets, buckets, dtype_named, open_shared, packed,
-                                 share, specs, unpack)
+from vime.transports.gpu import (
+    BroadcastGroup,
+    BucketMemory,
+    SharedBuckets,
+    buckets,
+    dtype_named,
+    open_shared,
+    packed,
+    share,
+    specs,
+    unpack,
+)
 
 
 def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:

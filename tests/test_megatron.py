@@ -11,8 +11,8 @@ on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -36,8 +36,8 @@ from vime.backends.hf import scaled_logprobs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
-from vime.flops import moe_layer_pattern  # noqa: E402
 from vime.devtools.make_tiny_model import tiny_config  # noqa: E402
+from vime.flops import moe_layer_pattern  # noqa: E402
 
 VOCAB = 256
 TEMPERATURE = 0.7
@@ -358,8 +358,8 @@ def _batch(seed: int, config: transformers.PretrainedConfig | None = None, sampl
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
 def test_train_step_matches_the_reference_trainer(hf_models, case):
     _, _, folder = hf_models[case]
-    reference, engine = _engine(TorchTrainEngine, folder, kl_loss_coef=0.1), _engine(megatron.MegatronTrainEngine, folder,
-                                                                               kl_loss_coef=0.1)
+    reference = _engine(TorchTrainEngine, folder, kl_loss_coef=0.1)
+    engine = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
     # plain SGD: AdamW's update for a gradient near its eps (1e-8) is about lr / 2 whatever the gradient's
     # rounding, so float noise where one backend has exactly 0 becomes lr-sized; SGD keeps it at noise size
     for trainer in (reference, engine):
@@ -382,7 +382,8 @@ def test_train_step_matches_the_reference_trainer(hf_models, case):
         assert torch.allclose(tensor, theirs[name], atol=1e-6), name
     fused = theirs["model.layers.1.mlp.experts.gate_up_proj"] if case == "qwen3_moe" else None
     if fused is not None:
-        gate, up = ours["model.layers.1.mlp.experts.2.gate_proj.weight"], ours["model.layers.1.mlp.experts.2.up_proj.weight"]
+        expert = "model.layers.1.mlp.experts.2"
+        gate, up = ours[f"{expert}.gate_proj.weight"], ours[f"{expert}.up_proj.weight"]
         assert torch.allclose(torch.cat([gate, up]), fused[2], atol=1e-5)
 
 

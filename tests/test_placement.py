@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import trio
 
 from conftest import open_job
@@ -489,7 +488,8 @@ async def test_a_colocated_trainer_shares_one_buffer_whatever_its_receivers_do(t
             next(iter(engine.named_weights().values())).add_(1.0)  # the version's own weights
         failed = await trainer.weights.half(CudaIpc).send(receivers, {})  # the caller: nng for those from now on
         receivers = [worker for worker in receivers if worker not in failed and worker not in dead]
-    model_bytes = sum(gpu._spec_bytes(gpu._spec(name, tensor)) for name, tensor in engine.rollout_weights(torch.float32))
+    model_bytes = sum(gpu._spec_bytes(gpu._spec(name, tensor))
+                      for name, tensor in engine.rollout_weights(torch.float32))
     assert len(buffers) == 1 and buffers[0].numel() == model_bytes < trainer.run.job.weight_bucket_mb << 20
     assert sorted(set(read["rollout-0"])) == list(range(60))
     assert sorted(set(read["rollout-1"])) == list(range(10)) and sorted(set(read["rollout-2"])) == list(range(20))

@@ -12,8 +12,8 @@ import torch
 import trio
 
 from conftest import open_job
-from vime.scenarios.selfcheck import ECHO, TALLY, Add, Blob, Snapshot, Total, Totals
 from vime.replay import replay
+from vime.scenarios.selfcheck import ECHO, TALLY, Add, Blob, Snapshot, Total, Totals
 from vime.transports.codec import decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter, scan
 

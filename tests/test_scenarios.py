@@ -13,17 +13,18 @@ import pytest
 import torch
 
 from vime.config import EvalConfig, RunConfig
+from vime.devtools.make_tiny_model import make_tiny_model
 from vime.evaluation import eval_metrics
 from vime.messages.pipeline import Sample
 from vime.settings import help_of
-from vime.devtools.make_tiny_model import make_tiny_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+MATH_EVAL = "math-eval/math500_aime24_aime25.jsonl"
 RECIPES = {"qwen3_4b_gsm8k": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
            "qwen3_4b_gsm8k_tools": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
-           "qwen3_30b_a3b_dapo": ("qwen3_moe", "dapo-math-17k/dapo_math_17k.jsonl", "math-eval/math500_aime24_aime25.jsonl",
+           "qwen3_30b_a3b_dapo": ("qwen3_moe", "dapo-math-17k/dapo_math_17k.jsonl", MATH_EVAL,
                                   ["--eval-input-key", "question", "--eval-label-key", "ref_answer"]),
-           "glm45_air_dapo": ("glm4_moe", "dapo-math-17k/dapo_math_17k.parquet", "math-eval/math500_aime24_aime25.jsonl",
+           "glm45_air_dapo": ("glm4_moe", "dapo-math-17k/dapo_math_17k.parquet", MATH_EVAL,
                               ["--input-key", "prompt", "--label-key", "reward_model.ground_truth",
                                "--eval-input-key", "question", "--eval-label-key", "ref_answer",
                                # a random stand-in never answers right: every group would be filtered out
@@ -50,8 +51,8 @@ def test_eval_versions_follow_the_schedule():
 
 
 def _sample(reward: float, *, source: str = "", versions: tuple[int, ...] = (3, 3), finish: str = "stop") -> Sample:
-    return Sample(group_id=0, index=0, prompt_ids=[1], response_ids=[5] * len(versions), logprobs=[-1.0] * len(versions),
-                  versions=list(versions), finish_reason=finish, label="1",
+    return Sample(group_id=0, index=0, prompt_ids=[1], response_ids=[5] * len(versions),
+                  logprobs=[-1.0] * len(versions), versions=list(versions), finish_reason=finish, label="1",
                   metadata={"data_source": source} if source else {}, reward=reward)
 
 

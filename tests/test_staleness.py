@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vime.actors.buffer import Buffer
 from vime.actors.router import Router

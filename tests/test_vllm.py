@@ -31,15 +31,15 @@ from vime.backends import routing_replay  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence  # noqa: E402
 from vime.backends.hf import checkpoint_names, load_causal_lm, load_tokenizer  # noqa: E402
 from vime.backends.vllm_rollout import VllmRolloutEngine, engine_arguments  # noqa: E402
-from vime.scenarios import arithmetic  # noqa: E402
 from vime.devtools.make_tiny_model import tiny_config  # noqa: E402
+from vime.scenarios import arithmetic  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DTYPE = "bf16" if GPU else "fp32"
 # One process holds two engines (dense and MoE) on the GPU; on CPU, vLLM's KV cache comes from VLLM_CPU_KVCACHE_SPACE.
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 256, **({"gpu_memory_utilization": 0.2} if GPU else {})}
-TOLERANCE = 0.05 if GPU else 1e-4
-IDS = itertools.count()  # request ids are unique for the life of an engine  # largest |vLLM - transformers| log-prob: bf16 kernels differ; fp32 ones agree
+TOLERANCE = 0.05 if GPU else 1e-4  # largest |vLLM - transformers| log-prob: bf16 kernels differ; fp32 ones agree
+IDS = itertools.count()  # request ids are unique for the life of an engine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -226,7 +226,8 @@ def _broadcast(addresses: Any, folder: str, bucket_bytes: int) -> None:
 
     if GPU:
         torch.cuda.set_device(torch.cuda.device_count() - 1)
-    weights = {name: p.detach().to("cuda" if GPU else "cpu") for name, p in load_causal_lm(folder, DTYPE).named_parameters()}
+    device = "cuda" if GPU else "cpu"
+    weights = {name: p.detach().to(device) for name, p in load_causal_lm(folder, DTYPE).named_parameters()}
     group = BroadcastGroup("tcp://127.0.0.1:0", 0, 2, timeout_s=120)
     addresses.put(group.address)
     group.send(checkpoint_names(weights), bucket_bytes)

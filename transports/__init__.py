@@ -1,1 +1,3 @@
-"""Message transport for vime actors: codec, typed records, nng sockets, shared memory, message logs.\n\nNothing here knows about RL."""
+"""Message transport for vime actors: codec, typed records, nng sockets, shared memory, message logs.
+
+Nothing here knows about RL."""

@@ -2,7 +2,7 @@
 
 One frame (one nng message) carries one or more messages from one sender::
 
-    b"VIM1" | u32 meta_len | meta | message* 
+    b"VIM1" | u32 meta_len | meta | message*
     message = u32 header_len | u64 raw_len | header | zeros to a 64-byte boundary | raw
 
 ``meta`` is msgpack ``[reply_address, token, count]``. ``header`` is the
@@ -228,7 +228,8 @@ def decode_frame(
         raise FrameError(f"frame of {len(view)} bytes is shorter than the {_PREAMBLE.size}-byte preamble")
     magic, meta_len = _PREAMBLE.unpack_from(view, 0)
     if magic != MAGIC:
-        raise FrameError(f"not a vime frame (starts with {bytes(magic)!r}); is the peer a vime actor of the same version?")
+        raise FrameError(f"not a vime frame (starts with {bytes(magic)!r}); "
+                         "is the peer a vime actor of the same version?")
     pos = _PREAMBLE.size + meta_len
     if pos > len(view):
         raise FrameError("frame truncated inside its meta block")

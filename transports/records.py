@@ -35,7 +35,8 @@ class SchemaError(ValueError):
 
     def under(self, step: str) -> SchemaError:
         """The same error one level further out (paths are built only when something fails)."""
-        return SchemaError(self.problem, f"{step}{'.' if self.path and not self.path.startswith('[') else ''}{self.path}")
+        dot = "." if self.path and not self.path.startswith("[") else ""
+        return SchemaError(self.problem, f"{step}{dot}{self.path}")
 
 
 def message(cls: type | None = None, *, kind_name: bool = True) -> Any:

@@ -84,7 +84,8 @@ class SegmentPool:
 
     def _free_segment(self, nbytes: int) -> _Segment | None:
         """The smallest free segment that fits, unless it would waste more than half."""
-        fits = [s for s in self._segments.values() if s.borrower is None and nbytes <= s.capacity <= 2 * nbytes + _GRAIN]
+        fits = [s for s in self._segments.values()
+                if s.borrower is None and nbytes <= s.capacity <= 2 * nbytes + _GRAIN]
         return min(fits, key=lambda s: s.capacity, default=None)
 
     def _new_segment(self, nbytes: int) -> _Segment:

@@ -30,7 +30,8 @@ from vime.settings import flags_of, help_of, setting
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
-    dtype: str = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; the optimizer steps fp32 masters)")
+    dtype: str = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
+                                 "the optimizer steps fp32 masters)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,8 @@ class DataConfig:
     custom_data_source: str = setting("", "module:function returning an iterable of such rows")
     custom_rollout: str = setting("", "module:function turning a prompt row into the requests of its group")
     input_key: str = setting("prompt", "the field holding the prompt; a dotted key reaches into nested maps")
-    label_key: str = setting("label", "the field holding the label (the reference answer), e.g. reward_model.ground_truth")
+    label_key: str = setting("label", "the field holding the label (the reference answer), "
+                                      "e.g. reward_model.ground_truth")
     prompt_template: str = setting("{prompt}", "the prompt text goes where {prompt} is (an instruction around it)")
     chat_template: bool = setting(False, "wrap the prompt as a user turn with the tokenizer's chat template")
     enable_thinking: bool = setting(True, "with --chat-template: False closes the thinking block at once (Qwen3)")

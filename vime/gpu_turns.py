@@ -144,7 +144,8 @@ class TrainerGpu:
         return BuildTurn(granted=True)
 
     def built(self, worker: str) -> None:
-        """``worker`` no longer holds back training: its engine is built (it asked for weights: WantWeights), or it is gone."""
+        """``worker`` no longer holds back training: its engine is built (it asked for weights: WantWeights),
+        or it is gone."""
         if (self.builds.pop(worker, None), self.queued.pop(worker, None)) != (None, None):
             self.changed.notify()
 

@@ -22,7 +22,7 @@ import trio
 from vime.actor import default_listen
 from vime.data import load_rows
 from vime.logs import configure
-from vime.messages.pipeline import InjectPrompts, Injected
+from vime.messages.pipeline import Injected, InjectPrompts
 from vime.runtime import Actor, ActorSettings
 
 

@@ -262,7 +262,8 @@ def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float | None], counters: dict[str, dict[str, int]],
+def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float | None],
+             counters: dict[str, dict[str, int]],
              ready_s: float | None, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)

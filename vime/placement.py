@@ -23,7 +23,6 @@ import os
 
 from vime.config import RunConfig
 
-
 _ENGINES_SHARE = 0.9  # of a GPU's memory, at most, for the vLLM engines that share it (vLLM's own default)
 
 

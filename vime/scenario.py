@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", default=None, help="with tls+tcp: PEM of the CA that signs the certificates")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error (default: warning)")
     if training:
-        parser.add_argument("--record", action="store_true", help="write every actor's message log to RUN_DIR/messages/")
+        parser.add_argument("--record", action="store_true",
+                            help="write every actor's message log to RUN_DIR/messages/")
         parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                             help="continue a run that died from its latest checkpoint, with its settings "
                                  "(flags given here override them, e.g. --steps)")

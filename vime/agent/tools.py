@@ -80,7 +80,8 @@ class ToolUse:
         assert self.toolbox is not None
         return [await trio.to_thread.run_sync(self.toolbox.call, call, limiter=self.limiter) for call in calls]
 
-    def go_on(self, episode: Episode, turn: Sequence, calls: list[ToolCall], results: list[str]) -> SamplingParams | None:
+    def go_on(self, episode: Episode, turn: Sequence, calls: list[ToolCall],
+              results: list[str]) -> SamplingParams | None:
         """Insert the results as the chat template writes tool messages; the sampling of the response's next
         turn, or None when the response is at its token limit (it ends)."""
         episode.add_inserted(turn_ids(self.tokenizer, tool_messages(results), thinking=self.thinking,

@@ -134,7 +134,8 @@ def batch_normalizer(aggregation: str, sequences: float, tokens: float | torch.T
     return sequences
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
+              normalizer: float | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` to a scalar as ``aggregation`` says (see the module's docstring).
 
     ``normalizer`` is the denominator for the whole batch (:func:`batch_normalizer`); without it, this

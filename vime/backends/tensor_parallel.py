@@ -144,7 +144,8 @@ class LeadingEngine(TrainEngine):
             self._order("load", str(folder))
             self.engine.load(folder)
 
-    def shared_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
+    def shared_buckets(self, bucket_bytes: int,
+                       dtype: torch.dtype) -> Iterator[tuple[list[Spec], list[dict[str, Any]]]]:
         """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
         those of all ranks, so that each GPU of a colocated engine copies from its own. The engine is held
         until the iterator ends or is closed: no other call may be made meanwhile."""

@@ -38,9 +38,9 @@ from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
-from vime.config import OptimConfig
 from vime.backends.hf import load_causal_lm, position_ids, token_stats
 from vime.backends.master_weights import MasterWeights, to_bf16
+from vime.config import OptimConfig
 
 
 class _ValueModel(torch.nn.Module):
@@ -358,7 +358,8 @@ def _span(batch: TensorBatch, rows: torch.Tensor) -> tuple[int, int]:
     columns short of those that are padding in every row (batches are right-padded). One host read, taken
     before the forward is queued: the vocabulary-wide work skips the positions before ``first``, which
     with long prompts and short responses are most of them."""
-    first, width = torch.stack([batch.response_start[rows].min() - 1, batch.attention_mask[rows].sum(-1).max()]).tolist()
+    bounds = torch.stack([batch.response_start[rows].min() - 1, batch.attention_mask[rows].sum(-1).max()])
+    first, width = bounds.tolist()
     return first, width
 
 

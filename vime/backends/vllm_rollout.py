@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from vime.backends.base import RolloutEngine, Sequence
-from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, unpack
 from vime.backends.hf import checkpoint_names
+from vime.transports.gpu import BroadcastGroup, Spec, gpu_uuid, open_shared, unpack
 
 # Engine arguments vime sets itself, and the flag that controls each instead.
 OWNED = {

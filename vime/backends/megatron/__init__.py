@@ -57,8 +57,16 @@ from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm
 from vime.backends.megatron.parallel import init_parallel
 from vime.backends.megatron.routing import end_replay
-from vime.backends.megatron.weights import (CheckpointFiles, hf_tensors, hf_weights, load_hf_weights, model_tensors,
-                                            read_hf_folder, unsharded_weights, write_hf_folder)
+from vime.backends.megatron.weights import (
+                                            CheckpointFiles,
+                                            hf_tensors,
+                                            hf_weights,
+                                            load_hf_weights,
+                                            model_tensors,
+                                            read_hf_folder,
+                                            unsharded_weights,
+                                            write_hf_folder,
+)
 
 __all__ = [
     "FAMILIES", "CheckpointFiles", "ForwardOutput", "GroupedExperts", "MegatronTrainEngine", "SDPAttention",

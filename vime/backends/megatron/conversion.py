@@ -26,12 +26,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.backends.megatron.parallel import _expert_tensor_parallel
 from vime.flops import moe_layer_pattern
-
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
@@ -174,7 +172,8 @@ def _tensor_maps(hf_config: Any) -> list[_TensorMap]:
             _TensorMap(("model.norm.weight",), "decoder.final_layernorm.weight")]
     if not hf_config.tie_word_embeddings:
         maps.append(_TensorMap(("lm_head.weight",), "output_layer.weight"))
-    experts = hf_config.num_experts if hf_config.model_type == "qwen3_moe" else getattr(hf_config, "n_routed_experts", 0)
+    qwen3_moe = hf_config.model_type == "qwen3_moe"
+    experts = hf_config.num_experts if qwen3_moe else getattr(hf_config, "n_routed_experts", 0)
     for layer, moe in enumerate(moe_layer_pattern(hf_config)):
         hf, megatron = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         pairs = [("input_layernorm.weight", "input_layernorm.weight"),

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
@@ -25,8 +24,14 @@ from vime.backends.megatron.logprobs import vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
 from vime.backends.megatron.routing import _check_replayable, _route_free_tokens, end_replay
-from vime.backends.megatron.weights import (hf_tensors, hf_weights, load_hf_weights, read_hf_folder,
-                                            unsharded_weights, write_hf_folder)
+from vime.backends.megatron.weights import (
+    hf_tensors,
+    hf_weights,
+    load_hf_weights,
+    read_hf_folder,
+    unsharded_weights,
+    write_hf_folder,
+)
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine
 from vime.config import OptimConfig

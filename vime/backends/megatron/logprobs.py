@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 
 from vime.backends.hf import scaled_logprobs

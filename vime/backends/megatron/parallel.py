@@ -12,11 +12,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from vime.backends import cpu_compat
 from vime.config import check_expert_parallel

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
