@@ -12,7 +12,11 @@ each sample tagged with the weight version the run has published so far (rows in
 it keeps the last sample, and beside it the trainer's own ``trainer_gpu_allocated_mib`` and
 ``trainer_rss_mib`` from its row. The table gives, per process, the value at a few versions and the growth
 per version (least squares over the versions from ``--from-version`` on, after the start-up's allocations);
-a leak of one bucket per version shows as a slope of the bucket's size.
+a leak of one bucket per version shows as a slope of the bucket's size. Beside it, the change of the peak:
+the largest reading over the last 20 versions less the largest over the 20 from ``--from-version``. The
+slope alone misleads where a reading may catch a process between states: a vLLM engine in sleep mode holds
+almost nothing while the trainer trains, so some samples see it asleep; the peaks compare awake with awake.
+The last version is left out of both (it is sampled while the run shuts down).
 
 Usage (one H200; each run's flags after ``--``; ``--run`` repeats for several layouts)::
 
@@ -110,7 +114,8 @@ def run(args: argparse.Namespace, name: str, flags: list[str]) -> dict[str, Any]
                       "trainer_rss_mib": row.get("trainer_rss_mib"), **seen})
     return {"name": name, "command": " ".join(["python -m vime.scenario", *flags]), "exit_code": scenario.returncode,
             "wall_s": round(time.time() - started, 1), "versions": len(rows), "trace": trace,
-            "growth_mib_per_version": growth(trace, args.from_version)}
+            "growth_mib_per_version": growth(trace, args.from_version),
+            "peak_change_mib": peak_change(trace, args.from_version)}
 
 
 def _series(trace: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -142,16 +147,32 @@ def growth(trace: list[dict[str, Any]], first: int) -> dict[str, float | None]:
     return slopes
 
 
+def peak_change(trace: list[dict[str, Any]], first: int, window: int = 20) -> dict[str, float | None]:
+    """Per quantity, the largest reading of the last ``window`` versions less that of the ``window`` versions
+    from ``first`` on, the last version left out; None when the run is too short for two windows."""
+    changes: dict[str, float | None] = {}
+    for key, points in _series(trace).items():
+        last = max(v for v, _ in points)
+        points = [(v, y) for v, y in points if first <= v < last]
+        early = [y for v, y in points if v < first + window]
+        late = [y for v, y in points if v >= last - window]
+        changes[key] = max(late) - max(early) if early and late and last - window >= first + window else None
+    return changes
+
+
 def table(result: dict[str, Any]) -> str:
     """Per quantity: MiB at a few versions, and the growth per version."""
     shown = [v for v in SHOWN_VERSIONS if v <= result["versions"]]
     lines = [f"{result['name']}: exit {result['exit_code']}, {result['versions']} versions, {result['wall_s']} s",
-             f"  {'MiB':34}" + "".join(f"{'v' + str(v):>10}" for v in shown) + f"{'per version':>13}"]
+             f"  {'MiB':34}" + "".join(f"{'v' + str(v):>10}" for v in shown) + f"{'per version':>13}"
+             f"{'peak change':>13}"]
     for key, points in sorted(_series(result["trace"]).items()):
         at = dict(points)
         cells = "".join(f"{at[v]:>10.1f}" if v in at else f"{'-':>10}" for v in shown)
         slope = result["growth_mib_per_version"].get(key)
-        lines.append(f"  {key:34}{cells}{'-' if slope is None else f'{slope:.3f}':>13}")
+        change = result.get("peak_change_mib", {}).get(key)
+        lines.append(f"  {key:34}{cells}{'-' if slope is None else f'{slope:.3f}':>13}"
+                     f"{'-' if change is None else f'{change:.1f}':>13}")
     return "\n".join(lines)
 
 
