@@ -333,6 +333,7 @@ class Buffer(Actor):
             "staleness_max": float(max(staleness)),
             "time_generate_s": max(g.generate_s for g in groups),
             "time_reward_s": sum(g.reward_s for g in groups),
+            "reward_timeouts": float(sum(g.reward_timeouts for g in groups)),
             "partial_rollouts": float(sum(1 for s in samples if len(set(s.generated_versions)) > 1)),
             "dropped_stale": float(self.counters["dropped_stale"]),
             "dropped_filtered": float(self.counters["dropped_filtered"]),

@@ -17,6 +17,7 @@ the count per actor kind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -110,8 +111,10 @@ def broken(payload: object, rng: random.Random, msg_id: int) -> bytes:
         value = fields[name]
         wrong = 7 if isinstance(value, str) else "s" if isinstance(value, (dict, list)) else [1.5]
         return frame(payload, TOKEN, msg_id, fields={**_plain(fields), name: wrong})
-    if choice == 1 and fields:  # a required field missing
-        name = rng.choice(sorted(fields))
+    required = sorted(f.name for f in dataclasses.fields(payload)
+                      if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if choice == 1 and required:  # a required field missing (one with a default may be left out)
+        name = rng.choice(required)
         return frame(payload, TOKEN, msg_id, fields={k: v for k, v in _plain(fields).items() if k != name})
     if choice == 2:
         return frame(payload, TOKEN, msg_id, fields={**_plain(fields), "extra": 1})

@@ -171,6 +171,20 @@ async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path
     assert "must return a finite float" in (run_dir / "logs" / "reward.log").read_text()
 
 
+async def test_a_reward_that_hangs_scores_zero_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A reward function spinning in C on some responses (where math-verify's signal.alarm would not reach):
+    each such call is cut off at --reward-timeout, scores 0 and is counted in the step's row; the run ends.
+    Before vime.reward_workers the reward actor waited forever and this run timed out."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=3, rollout_batch_size=4, seed=1, custom_reward="reward_plugins:hangs_on_some",
+                        reward_timeout=0.5, reward_workers=2)
+    await train(config, run_dir, timeout_s=180)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert sum(row["reward_timeouts"] for row in rows) > 0, [row["reward_timeouts"] for row in rows]
+
+
 async def test_a_run_ends_with_its_steps_even_if_an_engine_never_reports_built(tmp_path, monkeypatch):
     """The driver's wait for every engine to be built runs beside the run: once the steps are done it is
     cancelled, not waited out, and the summary says no start-up time was measured."""

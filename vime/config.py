@@ -94,6 +94,10 @@ class RolloutConfig:
 class RewardConfig:
     reward: str = setting("exact", "a built-in reward of vime.rewards")
     custom_reward: str = setting("", "module:function, fn(response, label, **metadata) -> float, sync or async")
+    reward_timeout: float = setting(10.0, "seconds one reward call may take; past that its process is killed and "
+                                          "the sample scores 0 (counted as reward_timeouts)")
+    reward_workers: int = setting(2, "processes that run a plain reward function, each call under "
+                                     "--reward-timeout")
 
 
 @dataclasses.dataclass(frozen=True)

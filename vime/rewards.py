@@ -3,7 +3,8 @@
 A reward function is ``fn(response: str, label: str, **metadata) -> float``,
 plain or ``async``. Built-ins are plain functions of this module, callable as
 ``vime.rewards.NAME(response, label)`` and chosen with ``--reward NAME``; a
-user's is given as ``--custom-reward package.module:function``.
+user's is given as ``--custom-reward package.module:function``. Where they run,
+and under which time limit: ``vime.reward_workers``.
 """
 
 from __future__ import annotations
@@ -144,6 +145,11 @@ async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any
     value = fn(response, label, **metadata)
     if inspect.isawaitable(value):
         value = await value
+    return checked(fn, value)
+
+
+def checked(fn: RewardFn, value: Any) -> float:
+    """``value`` as a float, if it is a finite number (a bool is not); else TypeError naming ``fn``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _math.isfinite(value):
         raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} returned {value!r}; "
                         "it must return a finite float")

@@ -115,6 +115,7 @@ class ScoredGroup:
     worker: str
     generate_s: float
     reward_s: float
+    reward_timeouts: int = 0  # samples scored 0 because their reward call ran past --reward-timeout
 
 
 @message

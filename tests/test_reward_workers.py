@@ -1,0 +1,142 @@
+"""Every reward call runs under a hard time limit (vime.reward_workers): a function stuck where no signal reaches
+it (a C loop) or an async one that never answers scores 0, is counted, and the next call is served."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from vime.reward_workers import RewardWorkers
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def plugins_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+async def _scored(workers: RewardWorkers, responses: list[str], label: str = "4") -> list:
+    workers.start()
+    try:
+        return [await workers.score(response, label, {"data_source": "test"}) for response in responses]
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize("function", ["hangs_on_hang", "waits_on_hang"])
+async def test_a_call_past_the_limit_scores_zero_and_the_next_is_served(function):
+    """Mutation: without the kill-and-replace (waiting on the stuck process) the second call never ends."""
+    workers = RewardWorkers("exact", f"reward_plugins:{function}", workers=1, limit_s=1.0)
+    with trio.fail_after(60):
+        workers.start()
+        try:
+            await workers.score("4", "4", {})  # the process is up: time the calls alone
+            started = time.monotonic()
+            stuck = await workers.score("hang", "4", {})
+            took = time.monotonic() - started
+            after = [await workers.score(answer, "4", {}) for answer in ("4", "5")]
+        finally:
+            workers.close()
+    assert (stuck.reward, stuck.timed_out) == (0.0, True) and 1.0 <= took < 10.0
+    assert [(s.reward, s.timed_out) for s in after] == [(1.0, False), (0.0, False)]
+    assert workers.timeouts == 1
+
+
+async def test_calls_run_concurrently_in_the_workers():
+    """Two workers, two stuck calls beside a good one: the good one is not held up behind them."""
+    workers = RewardWorkers("exact", "reward_plugins:hangs_on_hang", workers=3, limit_s=2.0)
+    results = {}
+    with trio.fail_after(60):
+        workers.start()
+        try:
+            await workers.score("4", "4", {})
+
+            async def one(key: str, response: str) -> None:
+                results[key] = (await workers.score(response, "4", {}), time.monotonic())
+
+            started = time.monotonic()
+            async with trio.open_nursery() as nursery:
+                for key, response in (("a", "hang"), ("b", "hang"), ("c", "4")):
+                    nursery.start_soon(one, key, response)
+        finally:
+            workers.close()
+    assert results["c"][0].reward == 1.0 and results["c"][1] - started < 1.5
+    assert [results[k][0].timed_out for k in "ab"] == [True, True] and workers.timeouts == 2
+
+
+async def test_what_the_function_prints_does_not_garble_its_answers():
+    assert [s.reward for s in await _scored(RewardWorkers("exact", "reward_plugins:prints_and_scores", 1, 10.0),
+                                            ["x", "y"])] == [0.5, 0.5]
+
+
+async def test_built_in_rewards_score_in_the_workers():
+    got = await _scored(RewardWorkers("math", "", 2, 30.0), ["The answer is \\boxed{\\frac{1}{2}}", "0.3"], "0.5")
+    assert [s.reward for s in got] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("function, said", [("says_yes", "must return a finite float"),
+                                            ("no_metadata", "unexpected keyword argument")])
+async def test_a_broken_function_stops_the_run_with_its_error(function, said):
+    """A bug is not an answer to score 0: the error reaches the actor, which stops the run with it."""
+    workers = RewardWorkers("exact", f"reward_plugins:{function}", 1, 10.0)
+    with pytest.raises(RuntimeError, match=said):
+        await _scored(workers, ["4"])
+    assert workers.timeouts == 0
+
+
+def test_bad_settings_and_unknown_functions_fail_before_any_process_starts():
+    with pytest.raises(ValueError, match="--reward-workers must be >= 1"):
+        RewardWorkers("exact", "", 0, 1.0)
+    with pytest.raises(ValueError, match="--reward-timeout > 0"):
+        RewardWorkers("exact", "", 1, 0.0)
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        RewardWorkers("exact", "no_such_module:fn", 1, 1.0)
+
+
+def test_a_worker_stuck_in_a_call_dies_with_its_actor(tmp_path):
+    """The reward actor killed with kill -9 while a worker spins in C: the worker must not outlive it (it never
+    reads its closed stdin). Mutation: without PR_SET_PDEATHSIG the worker is still there."""
+    script = tmp_path / "actor.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, trio
+        sys.path.insert(0, {str(TESTS)!r})
+        from vime.reward_workers import RewardWorkers
+
+        async def main():
+            workers = RewardWorkers("exact", "reward_plugins:hangs_on_hang", 1, 600.0)
+            workers.start()
+            await workers.score("4", "4", {{}})
+            print(workers.idle[0].process.pid, flush=True)
+            await workers.score("hang", "4", {{}})
+
+        trio.run(main)
+    """))
+    actor = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(actor.stdout.readline())
+        time.sleep(0.5)  # the worker is in its call
+        os.kill(actor.pid, signal.SIGKILL)
+        actor.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), f"reward worker {worker} outlived its actor"
+    finally:
+        actor.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped by init."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

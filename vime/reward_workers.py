@@ -1,0 +1,209 @@
+"""Where a plain reward function runs: processes of its own, each call under a hard time limit.
+
+The bug this exists to prevent: a reward that never returns stalls the run. ``math`` asks math-verify to stop
+after 5 s, but math-verify stops itself with ``signal.alarm``, which works on a main thread only and not inside
+a C call (sympy raising 9 to a tower of nines never returns to Python); a user's function may have no limit at
+all. The reward actor would wait forever on one group while rollouts pile up behind it.
+
+So a plain function (built-in or ``--custom-reward``) is called in one of ``--reward-workers`` processes of
+its own. Each call may take ``--reward-timeout`` seconds; past that the process is killed, the sample scores
+0 (a timed-out answer is not a right one), the call is counted, and a fresh process takes the killed one's
+place. An ``async`` function is awaited in the actor under the same limit (it waits on I/O, where trio's
+cancellation reaches it). A function that raises or returns something that is not a finite number still stops
+the run, as ``vime.rewards.score`` says: that is a bug to fix, not an answer to score.
+
+Only plain data crosses to a worker: msgpack maps of strings and the sample's metadata (never pickle), and
+each worker finds the function itself from its name (``--reward``, ``--custom-reward``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import inspect
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import trio
+
+from vime import rewards
+
+START_S = 120.0  # a worker importing the function (and math-verify's sympy) may take a while on a busy host
+
+
+@dataclass
+class Scored:
+    """One call's outcome: the reward, and whether the limit cut it off (the reward is then 0)."""
+
+    reward: float
+    timed_out: bool = False
+
+
+class RewardWorkers:
+    """``workers`` processes that score samples with the reward ``name`` (or ``custom``), each call limited to
+    ``limit_s`` seconds. :meth:`start` them, :meth:`close` them; :meth:`score` may be called concurrently."""
+
+    def __init__(self, name: str, custom: str, workers: int, limit_s: float) -> None:
+        if workers < 1 or limit_s <= 0:
+            raise ValueError(f"--reward-workers must be >= 1 (got {workers}) and --reward-timeout > 0 "
+                             f"(got {limit_s})")
+        self.name, self.custom, self.size, self.limit_s = name, custom, workers, limit_s
+        self.fn = rewards.resolve(name, custom)  # fails here, before any process starts, if it does not exist
+        self.inline = inspect.iscoroutinefunction(self.fn)
+        self.idle: list[_Worker] = []
+        self.free = trio.Semaphore(workers)
+        self.timeouts = 0
+
+    def start(self) -> None:
+        if not self.inline:
+            self.idle = [_Worker.start(self.name, self.custom) for _ in range(self.size)]
+
+    def close(self) -> None:
+        for worker in self.idle:
+            worker.stop()
+        self.idle = []
+
+    async def score(self, response: str, label: str, metadata: dict[str, Any]) -> Scored:
+        """The reward of one response; 0 (and counted) when the call runs past the limit."""
+        if self.inline:
+            with trio.move_on_after(self.limit_s):
+                return Scored(await rewards.score(self.fn, response, label, metadata))
+            return self._timed_out()
+        async with self.free:
+            worker = self.idle.pop()
+            try:
+                reward = await worker.call(response, label, metadata, self.limit_s)
+            except BaseException:
+                self._replace(worker)
+                raise
+            if reward is None:  # past the limit: the process is killed and replaced
+                self._replace(worker)
+                return self._timed_out()
+            self.idle.append(worker)
+            return Scored(reward)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.stop()
+        self.idle.append(_Worker.start(self.name, self.custom))
+
+    def _timed_out(self) -> Scored:
+        self.timeouts += 1
+        return Scored(0.0, timed_out=True)
+
+
+class _Worker:
+    """One process (``python -m vime.reward_workers NAME CUSTOM``) serving calls over its stdin and stdout, as
+    length-prefixed msgpack frames; it says it is ready once it has found the function. A process of its own
+    rather than a multiprocessing child: spawn would import the actor's own modules (torch among them) into
+    every worker."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self.ready, self.pending = process, False, b""
+        self.stdin, self.stdout = (trio.lowlevel.FdStream(os.dup(pipe.fileno())) for pipe in (process.stdin,
+                                                                                               process.stdout))
+        process.stdin.close()
+        process.stdout.close()
+
+    @classmethod
+    def start(cls, name: str, custom: str) -> _Worker:
+        """Started from the actor's own thread, not trio's worker threads: the kernel's parent-death signal
+        (below) goes when the thread that started the process ends, and trio's threads come and go."""
+        # the actor's import path, so that a --custom-reward module found here is found there too
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        return cls(subprocess.Popen([sys.executable, "-m", "vime.reward_workers", name, custom],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+
+    async def _read(self, size: int) -> bytes:
+        while len(self.pending) < size:
+            chunk = await self.stdout.receive_some()
+            if not chunk:
+                code = self.process.wait()  # its stdout closed: it has exited, or is about to
+                raise RuntimeError(f"a reward worker process died (exit code {code}); if the reward function "
+                                   "exits or crashes the interpreter, fix it")
+            self.pending += chunk
+        data, self.pending = self.pending[:size], self.pending[size:]
+        return data
+
+    async def _reply(self, limit_s: float) -> Any:
+        """The next frame from the process, or None if none came within ``limit_s``."""
+        with trio.move_on_after(limit_s):
+            size = int.from_bytes(await self._read(4), "big")
+            return msgpack.unpackb(await self._read(size))
+        return None
+
+    async def call(self, response: str, label: str, metadata: dict[str, Any], limit_s: float) -> float | None:
+        """The reward, or None when the call ran past ``limit_s`` (the process must then be stopped)."""
+        if not self.ready:
+            hello = await self._reply(START_S)
+            if hello != "ready":
+                problem = hello.get("error") if isinstance(hello, dict) else f"no answer in {START_S:.0f} s"
+                raise RuntimeError(f"a reward worker could not start: {problem}")
+            self.ready = True
+        await self.stdin.send_all(_frame({"response": response, "label": label, "metadata": metadata}))
+        answer = await self._reply(limit_s)
+        if answer is None:
+            return None
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer["reward"]
+
+    def stop(self) -> None:
+        """Kill the process (it may be stuck in C code that no signal handler interrupts) and reap it."""
+        for stream in (self.stdin, self.stdout):
+            stream.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+
+
+def _frame(value: Any) -> bytes:
+    body = msgpack.packb(value)
+    return len(body).to_bytes(4, "big") + body
+
+
+def _serve(name: str, custom: str) -> None:
+    """A worker's loop: find the function, say ready, then score each request until stdin closes. Frames go
+    out on the stdout it was started with; what the function prints goes to stderr."""
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+
+    def send(value: Any) -> None:
+        out.write(_frame(value))
+        out.flush()
+
+    try:
+        fn = rewards.resolve(name, custom)
+        if not custom:  # a built-in imports what it needs on its first call (math-verify: sympy, seconds)
+            fn("1", "1")
+    except Exception as err:
+        send({"error": f"{type(err).__name__}: {err}"})
+        return
+    send("ready")
+    while len(head := inp.read(4)) == 4:
+        request = msgpack.unpackb(inp.read(int.from_bytes(head, "big")))
+        try:
+            answer: dict[str, Any] = {"reward": rewards.checked(fn, fn(request["response"], request["label"],
+                                                                       **request["metadata"]))}
+        except Exception as err:
+            answer = {"error": f"reward function failed: {type(err).__name__}: {err}"}
+        send(answer)
+
+
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this process when the actor that started it dies: a worker stuck in a
+    call never reads its closed stdin, and would outlive a reward actor killed with kill -9."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the actor died before the line above
+            sys.exit(0)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], sys.argv[2])
