@@ -185,7 +185,7 @@ class Tally(Actor):
         return Totals(totals=dict(self.totals), changes=self.changes)
 
 
-DESCRIPTION = "runtime self-check across real processes (no training yet)"
+DESCRIPTION = "runtime self-check across real processes: messages, asks, restarts, transports (no model)"
 
 
 async def run(run_dir: Path, transport: str, say: Callable[[str], None]) -> dict:

@@ -80,3 +80,19 @@ def test_gsm8k_reference_solutions_score_one_against_their_own_labels() -> None:
     assert not misses, misses[:5]
     wrong = sum(rewards.gsm8k(a["answer"], b["answer"]) for a, b in zip(rows, rows[1:]))
     assert wrong < 0.05 * len(rows)  # a neighbour's solution is rarely right by accident
+
+
+def test_the_report_is_titled_with_the_run_and_its_panels_with_their_quantities():
+    """write_report's panel loop reused the name ``title``: the figure was titled with the last panel's
+    heading ("step time (s)") instead of the run's."""
+    import matplotlib.pyplot as plt
+
+    from vime.report import PANELS, draw
+
+    rows = [{"step": step, "raw_reward": 0.1 * step} for step in range(3)]
+    figure = draw(rows, "grpo seed 3")
+    try:
+        assert figure._suptitle.get_text() == "grpo seed 3"
+        assert [axis.get_title() for axis in figure.axes] == [heading for heading, _ in PANELS]
+    finally:
+        plt.close(figure)
