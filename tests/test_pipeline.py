@@ -210,6 +210,8 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
         return subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(tmp_path / "r"),
                                *flags], capture_output=True, text=True, timeout=60)
 
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     for flags, said in [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
                         (["--algo", "dpo"], "--advantage-estimator (or --algo) must be one of grpo, gspo"),
                         (["--reward", "nope"], "not a built-in reward"),
@@ -218,7 +220,23 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
                         (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
                         (["--weight-sync", "carrier-pigeon"], "--weight-sync must be one of auto, nng"),
                         (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron"),
-                        (["--recompute-activations"], "--recompute-activations needs --train-backend megatron")]:
+                        (["--recompute-activations"], "--recompute-activations needs --train-backend megatron"),
+                        (["--custom-data-source", "", "--data", str(empty)], "no prompt rows"),
+                        (["--out", str(empty / "r")], "cannot create the run folder there (Not a directory)")]:
         result = scenario(*flags)
         assert result.returncode == 2 and said in result.stderr, (flags, result.stderr[-500:])
     assert not (tmp_path / "r" / "logs").exists()
+
+
+@pytest.mark.parametrize("estimator, warned", [("grpo", True), ("rloo", True), ("reinforce_plus_plus", False)])
+def test_a_group_of_one_with_a_group_baseline_is_warned_about(tmp_path, estimator, warned):
+    """--group-size 1 with GRPO: every advantage is 0 and the run learns nothing; say so before it starts."""
+    import structlog
+
+    from vime.pipeline import preflight
+
+    config = config_for(tmp_path / "run", group_size=1, algo=estimator)
+    with structlog.testing.capture_logs() as logs:
+        preflight(config)
+    said = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+    assert any("every advantage is 0" in event for event in said) == warned, said

@@ -23,10 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import structlog
 import trio
 
 from vime import checkpoint, rewards
 from vime.agent.tools import Toolbox
+from vime.algorithms.estimators import GROUP_BASELINES
 from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
@@ -63,7 +65,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     placed = preflight(config)
     # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
     config = config.replace(rollout_workers=len(placed.engines))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_folder(run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     start = _resume_point(run_dir) if resume else None
     for name in ("metrics.jsonl", "eval.jsonl"):
@@ -127,10 +129,26 @@ def preflight(config: RunConfig) -> Placement:
     if data.custom_rollout:
         import_function(data.custom_rollout, "--custom-rollout")
     rows = load_rows(data.data, data.custom_data_source, input_key=data.input_key, label_key=data.label_key)
+    if not rows:
+        raise ValueError(f"{data.data or data.custom_data_source}: no prompt rows; give at least one "
+                         "{\"prompt\", \"label\"} row")
+    if data.group_size == 1 and config.job.algo in GROUP_BASELINES:
+        structlog.get_logger().warning(f"--group-size 1 with --advantage-estimator {config.job.algo}: its baseline is "
+                                       "the group's own mean, so every advantage is 0 and nothing is learned; use "
+                                       "--group-size 2 or more, or reinforce_plus_plus or ppo")
     held_out = eval_rows(config)
     check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
                     rows + held_out)
     return placed
+
+
+def make_run_folder(run_dir: Path) -> None:
+    """Create RUN_DIR, or say plainly why it cannot be (ValueError): before anything is built in it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {run_dir}: cannot create the run folder there ({err.strerror}); pass a folder "
+                         "you may write to") from None
 
 
 def _write_private(path: Path, text: str) -> None:

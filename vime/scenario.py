@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
         print("PASSED" if figures["passed"] else "FAILED", flush=True)
         return 0 if figures["passed"] else 1
-    from vime.pipeline import RunFailed, progress_display, train
+    from vime.pipeline import RunFailed, make_run_folder, progress_display, train
 
     try:
+        make_run_folder(run_dir)
         config = (from_flags(args, _saved_config(run_dir)) if resume
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:

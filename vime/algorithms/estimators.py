@@ -30,6 +30,8 @@ from vime.algorithms.rloo import rloo_advantages
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 REWARD_KL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# baselines from the prompt's own group: a group of one response gets advantage 0, so nothing is learned
+GROUP_BASELINES = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def check(estimator: str, loss: PolicyLossConfig) -> None:
