@@ -166,7 +166,7 @@ async def test_a_broken_reward_function_stops_the_run_and_names_the_log(tmp_path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=3, rollout_batch_size=4, custom_reward="reward_plugins:says_yes")
-    with pytest.raises(RunFailed, match=r"actor reward died .*logs/reward.log"):
+    with pytest.raises(RunFailed, match=r"actor reward died .*must return a finite float.*logs/reward.log"):
         await train(config, run_dir, timeout_s=120)
     assert "must return a finite float" in (run_dir / "logs" / "reward.log").read_text()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -183,6 +184,29 @@ class RunFailed(RuntimeError):
     """The job could not go on: an actor failed to start or died, or steps stopped coming."""
 
 
+def last_error(log: Path) -> str | None:
+    """The last error an actor logged, as one line (its event and the exception's last line), for the console:
+    "actor reward died" alone sends the user to a log for what the actor already said."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            raised = [match.group(1) for part in str(entry.get("exception", "")).splitlines()
+                      if (match := _RAISED.match(part))]
+            return str(entry.get("event", "")) + (f": {raised[-1]}" if raised else "")
+    return None
+
+
+# "SomeError: what", as a traceback's last line says it (inside an exception group's "| " frame too)
+_RAISED = re.compile(r"^[\s|+]*((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit)\b.*)$")
+
+
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     error: BaseException = group
     while isinstance(error, BaseExceptionGroup):
@@ -256,8 +280,10 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
             if broken:
                 raise RuntimeError(f"actor {broken[0].name} keeps failing as it starts, so it is not restarted again: "
                                    f"{broken[0].detail}\nfix what its log says, then {then}")
-            raise RuntimeError(f"actor {died[0].name} died ({died[0].detail}); see {run_dir}/logs/{died[0].name}.log; "
-                               f"{then}")
+            log = run_dir / "logs" / f"{died[0].name}.log"
+            said = last_error(log)
+            raise RuntimeError(f"actor {died[0].name} died ({died[0].detail})" + (f": {said}" if said else "")
+                               + f"; see {log}; {then}")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
         now = time.monotonic() - started
