@@ -162,6 +162,18 @@ def test_whiten_over_masked_entries_only() -> None:
     close(whitened, [[-1.5 * scale, -0.5 * scale, 0.5 * scale], [1.5 * scale, 0, 0]])
 
 
+@pytest.mark.parametrize("value", [0.05, 0.1, 0.2, 0.7])
+def test_whiten_equal_entries_give_exactly_zero(value: float) -> None:
+    """Fifteen returns of 0.1 (of 0.05, 0.2, 0.7: values whose fp32 mean over fifteen is a rounding step
+    off) beside padding that differs. Catches: dropping the equal-entries rule, which gives 3.7e-5 to 6e-4
+    to every token, all of one sign; REINFORCE++ on a batch of equal rewards inherits it."""
+    values = torch.cat([torch.full((7, 2), value), tensor([[value, 5.0]])])
+    mask = torch.cat([torch.ones(7, 2), tensor([[1, 0]])])
+    assert torch.equal(whiten(values, mask), torch.zeros(8, 2))
+    assert torch.equal(reinforce_plus_plus(torch.full((8,), value), mask, 1.0), torch.zeros(8, 2))
+    assert torch.equal(whiten(torch.zeros(2, 3), torch.zeros(2, 3)), torch.zeros(2, 3))  # no entry at all
+
+
 def test_advantages_and_returns_without_whitening_is_gae_of_terminal_rewards() -> None:
     config = PPOConfig(gamma=GAMMA, lam=LAM, whiten_advantages=False)
     advantages, returns = advantages_and_returns(tensor([1.0, 2.0]), tensor(GAE_VALUES), tensor(GAE_MASK), config)

@@ -22,6 +22,12 @@ gradient flows through a weight.
 ``exp(mean_t log w_t)``) or ``sequence-product`` (their product, the exact
 sequence likelihood ratio, which grows with length), shared by the
 response's tokens, so a whole response is truncated or dropped at once.
+
+Conventions where the peers differ: verl clamps the log-weight to [-20, 20]
+before ``exp``; vime does not, so a long response's product can overflow to
+``inf``, which ``tis`` truncates to the cap and ``icepop`` drops, as verl
+would for any cap below ``e^20``. IcePop's kept tokens keep their own
+weight ``w`` (not 1), as the Ring-1T report writes it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ With ``log r = log p_ref - log p`` at a token sampled from the policy
   from dominating; the gradient is 0 where a clamp holds).
 
 The same estimator serves the KL loss term (``--kl-loss-coef``) and the KL
-penalty folded into the reward (``--kl-coef``).
+penalty folded into the reward (``--kl-coef``). The peers choose apart: verl
+takes one setting per term (``algorithm.kl_penalty`` for the reward,
+``actor.kl_loss_type`` for the loss) and OpenRLHF's reward penalty defaults
+to k1; with vime's one ``--kl-estimator`` a run cannot have, say, k1 in the
+reward and low_var_kl in the loss.
 """
 
 from __future__ import annotations

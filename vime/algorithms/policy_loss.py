@@ -32,7 +32,10 @@ real tokens of response ``i``, ``N`` the responses, ``L`` a constant):
 * ``seq-mean-token-sum-norm`` -- ``sum_i sum_t l / (N L)``, Dr.GRPO's
   constant normaliser: ``L`` is ``--loss-scale-tokens`` (by default the
   longest response the run generates), so no response is weighted by its
-  own length.
+  own length. verl before its global-batch rework divided the token sums by
+  ``L`` alone (``sum_i sum_t l / L``, a loss that grows with the batch) and
+  takes the batch's padded width as ``L`` unless told; vime divides by
+  ``N L`` as the Dr.GRPO paper's objective and today's verl do.
 
 A response with no real token (an empty mask row) adds 0 to the sum but
 still counts as one of the ``N`` responses in the three per-sequence modes

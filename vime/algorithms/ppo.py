@@ -60,11 +60,21 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Shift and scale to mean 0, std 1 over the masked entries: the population std (divided by the count,
-    not count - 1), as OpenRLHF, verl and slime whiten; ``eps`` is added to the variance."""
+    not count - 1), as OpenRLHF, verl and slime whiten; ``eps`` is added to the variance (OpenRLHF clamps
+    the variance to at least ``eps`` instead: the same but for a variance below ``eps``).
+
+    Masked entries that are all equal whiten to exactly 0, as an equal group does in ``grpo``: their
+    computed mean can be a rounding step off the common value (seven returns of 0.1 in fp32), and divided
+    by ``sqrt(eps)`` that step becomes 1.5e-4 for every token, pushing the whole batch one way. OpenRLHF,
+    verl and slime keep that flaw."""
     count = mask.sum().clamp(min=1)
     mean = (values * mask).sum() / count
     variance = (((values - mean) * mask) ** 2).sum() / count
-    return (values - mean) * torch.rsqrt(variance + eps) * mask
+    whitened = (values - mean) * torch.rsqrt(variance + eps) * mask
+    live = mask > 0
+    highest = torch.where(live, values, -torch.inf).max()
+    lowest = torch.where(live, values, torch.inf).min()
+    return torch.where(highest == lowest, torch.zeros_like(whitened), whitened)
 
 
 def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config: PPOConfig,

@@ -10,6 +10,18 @@ REINFORCE++-baseline first subtracts the group's mean reward from each
 response's (no std division: the batch whitening scales), then does the
 same. The returns are GAE with zero values and ``lam = 1``: one piece of
 code walks the tokens, holes in the mask (tool messages) included.
+
+Conventions where the peers differ:
+
+* the KL penalty is part of the return, so a token's advantage carries the
+  penalties of every later token (OpenRLHF); slime's REINFORCE++-baseline
+  subtracts only the token's own ``kl_coef * kl_t`` from the centred reward
+  (no sum), and verl's has no KL in the reward at all. With ``--kl-coef 0``
+  (the default) all three agree;
+* the penalty's estimator is ``--kl-estimator`` (default k3), the same one
+  as the KL loss term's; OpenRLHF's reward penalty defaults to k1;
+* a batch whose returns are all equal whitens to exactly 0 (``ppo.whiten``);
+  the peers give every token the same small push there.
 """
 
 from __future__ import annotations
