@@ -99,3 +99,40 @@ def test_choices_come_from_the_settings_types():
         ModelConfig(dtype="fp16")  # set in code or read from config.json: the same list refuses it
     with pytest.raises(ValueError, match="--tis-level must be one of token, sequence-geometric, sequence-product"):
         PolicyLossConfig(tis_level="group")
+
+
+def test_every_actor_setting_is_a_flag():
+    """vime.actor's flags are ActorSettings' fields: a field added there is a flag at once, and --settings
+    takes any field (a flag of the same field wins), with no list of which fields are whose kept by hand."""
+    import dataclasses
+    import os
+
+    import pytest
+
+    from vime.actor import ActorLaunch, _parser, _settings
+    from vime.runtime import ActorSettings
+    from vime.settings import flags_of, given_settings
+
+    parser = _parser()
+    spelled = {option for action in parser._actions for option in action.option_strings}
+    assert {flags_of(field)[0] for field in dataclasses.fields(ActorSettings)} <= spelled
+    assert {"--join", "--exit-with-parent", "--inbox-capacity", "--seed", "--tls-ca"} <= spelled
+    args = parser.parse_args(["echo", "--join", "ipc:///tmp/driver", "--listen", "ipc:///tmp/me", "--record",
+                              "--inbox-capacity", "64", "--exit-with-parent",
+                              "--settings", '{"seed": 3, "inbox_capacity": 8, "heartbeat_s": 0.5}'])
+    settings = _settings(args, ActorLaunch(**given_settings(args, ActorLaunch)), "echo")
+    assert (settings.driver, settings.record, settings.seed) == ("ipc:///tmp/driver", True, 3)
+    assert settings.heartbeat_s == 0.5
+    assert settings.inbox_capacity == 64 and settings.parent_pid == os.getppid() and settings.name.startswith("echo-")
+    with pytest.raises(SystemExit, match=r"unknown field\(s\) \['inbox'\]"):
+        _settings(args, ActorLaunch(settings='{"inbox": 8}'), "echo")
+
+
+def test_launch_flags_come_from_the_launch_settings():
+    result = run("vime.scenario", "arithmetic", "--help")
+    for flag in ("--transport {ipc,tcp,tls+tcp}", "--resume RUN_DIR", "--record, --no-record", "--tls-cert-key",
+                 "--host", "--out", "--log-level"):
+        assert flag in result.stdout, flag
+    bad = run("vime.scenario", "selfcheck", "--transport", "udp")
+    assert bad.returncode == 2 and "--transport: invalid choice: 'udp'" in bad.stderr
+    assert "--resume" not in run("vime.scenario", "selfcheck", "--help").stdout  # a training flag only

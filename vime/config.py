@@ -14,12 +14,12 @@ import dataclasses
 import json
 import math
 import re
-import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
-from vime.settings import check_choices, choices_of, flags_of, help_of, hints_of, setting
+from vime.settings import add_setting_flags, check_choices, flag_prefix, given_settings, hints_of, setting
 
 Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
@@ -336,7 +336,7 @@ class RunConfig:
             if section.name == "loss" and "kl_coef" in values and "kl_loss_coef" not in values:
                 values["kl_loss_coef"] = values.pop("kl_coef")
             kind = section.default.__class__
-            for name, annotation in typing.get_type_hints(kind).items():
+            for name, annotation in hints_of(kind).items():
                 if name in values and typing.get_origin(annotation) is tuple:  # JSON has lists only
                     values[name] = tuple(values[name])
             sections[section.name] = kind(**values)
@@ -378,34 +378,47 @@ for _section in dataclasses.fields(RunConfig):
         _SECTION_OF[_field.name] = _section.name
 
 
+Transport = Literal["ipc", "tcp", "tls+tcp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Where a scenario's run goes and how its processes reach each other: flags of every scenario. Not in
+    config.json, which holds what the run trains: a resumed run may be launched otherwise."""
+
+    out: Path | None = setting(None, "run folder; none: runs/NAME-TIMESTAMP")
+    transport: Transport = setting("ipc", "ipc: one host; tcp, tls+tcp: other hosts may join (see RUN_DIR/join)")
+    host: str = setting("127.0.0.1", "with tcp: the address of this machine that other hosts reach")
+    tls_cert_key: str | None = setting(None, "with tls+tcp: PEM with this job's certificate and key")
+    tls_ca: str | None = setting(None, "with tls+tcp: PEM of the CA that signs the certificates")
+    log_level: str = setting("warning", "debug, info, warning or error")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+    def tls(self) -> dict[str, str] | None:
+        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
+        if self.transport != "tls+tcp":
+            return None
+        if not (self.tls_cert_key and self.tls_ca):
+            raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
+        return {"cert_key": self.tls_cert_key, "ca": self.tls_ca}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingLaunchConfig:
+    """The launch flags of a training scenario, beside :class:`LaunchConfig`'s."""
+
+    record: bool = setting(False, "write every actor's message log to RUN_DIR/messages/")
+    resume: Path | None = setting(None, "continue a run that died from its latest checkpoint, with its settings "
+                                        "(flags given here override them, e.g. --steps)", metavar="RUN_DIR")
+
+
 def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     """One ``--flag`` per setting, grouped by section; unset flags stay None (the scenario's default wins)."""
     for section in dataclasses.fields(RunConfig):
-        group = parser.add_argument_group(section.name)
         values = getattr(defaults, section.name)
-        hints = hints_of(type(values))
-        for field in dataclasses.fields(values):
-            name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
-            flags = flags_of(field)
-            help_text = f"{help_of(field)} (default: {default!r})".replace("%", "%%")
-            if typing.get_origin(annotation) is dict:  # free-form --PREFIX-NAME VALUE flags: see engine_flags
-                group.add_argument(f"--{_flag_prefix(name)}-NAME", metavar="VALUE", dest=f"_{name}_help",
-                                   help=help_text)
-            elif annotation is bool:
-                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_text)
-            elif typing.get_origin(annotation) is tuple:
-                kind = typing.get_args(annotation)[0]
-                group.add_argument(*flags, dest=name, type=kind, nargs="*", default=None,
-                                   metavar="ID" if kind is int else "VALUE", help=help_text)
-            elif choices_of(annotation):
-                group.add_argument(*flags, dest=name, choices=choices_of(annotation), default=None, help=help_text)
-            else:
-                group.add_argument(*flags, dest=name, type=_scalar(annotation), default=None, help=help_text)
-
-
-def _flag_prefix(name: str) -> str:
-    return name.removesuffix("_args").replace("_", "-")
+        add_setting_flags(parser.add_argument_group(section.name), type(values), values)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -413,8 +426,8 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     ``{"vllm_args": {"gpu_memory_utilization": 0.5}}``, and the tokens that are no such flag. A value
     is read as JSON where it parses (numbers, true/false, objects), else kept as text; a flag with
     no value is true."""
-    prefixes = {_flag_prefix(name): name for name, section in _SECTION_OF.items()
-                if typing.get_origin(typing.get_type_hints(type(getattr(RunConfig(), section)))[name]) is dict}
+    prefixes = {flag_prefix(name): name for name, section in _SECTION_OF.items()
+                if typing.get_origin(hints_of(type(getattr(RunConfig(), section)))[name]) is dict}
     found: dict[str, dict[str, Any]] = {}
     rest = []
     index = 0
@@ -436,14 +449,7 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     return found, rest
 
 
-def _scalar(annotation: Any) -> type:
-    if isinstance(annotation, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     """The scenario's defaults with every flag the user gave applied."""
-    given = {name: getattr(args, name) for name in _SECTION_OF if getattr(args, name, None) is not None}
-    given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
-    return defaults.replace(**given)
+    return defaults.replace(**{name: value for section in dataclasses.fields(RunConfig)
+                               for name, value in given_settings(args, type(section.default)).items()})
