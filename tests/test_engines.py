@@ -23,13 +23,14 @@ import vime.rewards
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate, sampling_seed
+from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
 from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
+from vime.seeds import actor_seed, sampling_seed
 
 VOCAB = 16  # the arithmetic tokenizer: 4 specials, 10 digits, "+" and "="
 
@@ -278,6 +279,13 @@ def test_a_seeded_sequence_samples_the_same_whatever_shares_its_batches(model):
     assert run(list(range(len(prompts))), 2) == together
     assert {i: run([i], 1)[i] for i in range(len(prompts))} == together
     assert len({sampling_seed(5, 3, 0), sampling_seed(5, 3, 1), sampling_seed(5, 4, 0), sampling_seed(6, 3, 0)}) == 4
+
+
+def test_every_actor_seed_derives_from_the_run_seed():
+    """vime.seeds is the one place: the same values the driver used before it (so a --seed reproduces older
+    runs), every rollout worker apart from the others."""
+    assert [actor_seed(7, role) for role in ("router", "reward", "trainer", "buffer")] == [7, 7, 7, 7]
+    assert [actor_seed(7, "rollout", index) for index in range(3)] == [1007, 1008, 1009]
 
 
 # -- top-k / top-p ----------------------------------------------------------------------------------------------

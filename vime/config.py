@@ -238,7 +238,8 @@ class JobConfig:
     train_backend: TrainBackend = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: "
                                                    "megatron-core (GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
-    seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
+    seed: int = setting(0, "the run's one seed: the prompt order, the model init of built-in scenarios, sampling; "
+                           "every actor's seed derives from it (vime.seeds)")
     weight_sync: WeightSync = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the "
                                               "engine is on the trainer's GPU, a broadcast group when on other GPUs, "
                                               "nng otherwise), nng, ipc, or broadcast (NCCL; gloo when both sides "

@@ -39,6 +39,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
+from vime.seeds import actor_seed
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
 
@@ -189,10 +190,12 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             _write_private(run_dir / "join",
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
-        await job.spawn("router", "router", document, seed=seed, env=environment(placed.others))
-        await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
-        await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
-        await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
+        await job.spawn("router", "router", document, seed=actor_seed(seed, "router"), env=environment(placed.others))
+        await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
+        await job.spawn("trainer", "trainer", resumed, seed=actor_seed(seed, "trainer"),
+                        env=environment(placed.trainer))
+        await job.spawn("buffer", "buffer", resumed, seed=actor_seed(seed, "buffer"),  # first prompts wait
+                        env=environment(placed.others))
         ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
@@ -212,7 +215,7 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
     """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
-        await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
+        await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
                         restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
         return name
 

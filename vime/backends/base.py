@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,17 +35,8 @@ class Sequence:
     stream: bool = False
     # with routing replay: [prompt + response - 1, moe_layers, top_k] experts of every token fed to the model
     routed_experts: torch.Tensor | None = None
-    # seeds this sequence's own sampling draws (sampling_seed); None: the engine draws one from its own stream
+    # seeds this sequence's own sampling draws (vime.seeds.sampling_seed); None: the engine draws from its stream
     seed: int | None = None
-
-
-def sampling_seed(run_seed: int, group_id: int, index: int) -> int:
-    """The seed of response ``index`` of prompt group ``group_id``: a function of the run's seed and the
-    response alone, so that what a response samples does not depend on which other sequences shared its
-    engine's batches (the order requests arrive in, other workers, a re-issue). An engine drawing for a whole
-    batch from one stream made the same seed give different rewards from the first step on."""
-    digest = hashlib.blake2b(f"{run_seed}:{group_id}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class RolloutEngine(abc.ABC):
