@@ -27,7 +27,7 @@ from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
-from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
+from vime.config import ActorStart, OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
 from vime.seeds import actor_seed, sampling_seed
@@ -542,6 +542,16 @@ def test_flags_round_trip():
     assert config.data.group_size == 4  # a flag not given leaves the scenario's default
     assert config == defaults.replace(lr=3e-4, dynamic_sampling=False, stop_token_ids=(1, 2))
     assert from_flags(parser.parse_args([]), defaults) == defaults
+
+
+def test_the_resume_checkpoint_travels_typed(tmp_path):
+    """The trainer and the buffer of a resumed run get the checkpoint as a field of their start; a run's
+    settings alone (config.json) start them afresh."""
+    run = RunConfig().replace(lr=3e-4)
+    start = ActorStart(run, resume_from=tmp_path / "checkpoints" / "step_4")
+    assert ActorStart.from_dict(json.loads(json.dumps(start.to_dict()))) == start
+    assert RunConfig.from_dict(start.to_dict()) == run
+    assert ActorStart.from_dict(run.to_dict()) == ActorStart(run) and ActorStart(run).resume_from is None
 
 
 def test_engine_flags_are_picked_out_of_the_command_line():

@@ -371,6 +371,26 @@ class RunConfig:
         return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class ActorStart:
+    """What the driver starts a pipeline actor with: the run's settings and, for the trainer and the buffer of
+    a resumed run, the checkpoint they continue from. As a document: the run's sections with ``resume_from``
+    beside them, so that a ``RunConfig.to_dict()`` (config.json) alone starts an actor afresh."""
+
+    run: RunConfig
+    resume_from: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        document: dict[str, Any] = self.run.to_dict()
+        return document if self.resume_from is None else {**document, "resume_from": str(self.resume_from)}
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> ActorStart:
+        """Rebuild from ``to_dict`` output (an actor's config)."""
+        resume_from = document.get("resume_from")
+        return cls(RunConfig.from_dict(document), None if resume_from is None else Path(resume_from))
+
+
 _SECTION_OF: dict[str, str] = {}
 for _section in dataclasses.fields(RunConfig):
     for _field in dataclasses.fields(_section.default.__class__):

@@ -30,7 +30,7 @@ from vime.agent.tools import Toolbox
 from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
-from vime.config import RunConfig
+from vime.config import ActorStart, RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.gpu_turns import start_engines_in_turn
@@ -182,7 +182,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
     collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
-    resumed = {**document, "checkpoint": str(start)} if start else document  # for trainer and buffer
+    resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer and buffer
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
                             tls=tls) as job:
         if job.token:
