@@ -4,7 +4,12 @@ The scenario's command line is generated from these: each field is a flag
 (``rollout_batch_size`` -> ``--rollout-batch-size``), so field names are
 unique across sections. A scenario supplies its defaults as a ``RunConfig``;
 flags override them; the result is frozen, written to RUN_DIR/config.json
-and handed to every actor as plain JSON. Nothing changes it at run time.
+and handed to every actor as plain JSON (:class:`ActorStart`, with the
+checkpoint a resumed trainer and buffer continue from). Nothing changes it at
+run time. The flags that say how a run is launched rather than what it
+trains (:class:`LaunchConfig`) are declared the same way and stay out of
+config.json. A choice is a ``Literal`` type (``vime.settings``). This module
+imports no torch: the command line is read before any engine loads.
 """
 
 from __future__ import annotations
