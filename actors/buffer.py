@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from pathlib import Path
 from typing import Any
 
 from vime import checkpoint
@@ -42,7 +41,7 @@ from vime.agent.tools import Toolbox
 from vime.algorithms.dynamic_sampling import is_informative
 from vime.backends.base import SamplingParams
 from vime.backends.hf import load_tokenizer, stop_token_ids
-from vime.config import RunConfig
+from vime.config import ActorStart
 from vime.data import PromptSource, check_row, load_rows, prompt_ids, prompt_messages
 from vime.evaluation import eval_metrics, eval_rows
 from vime.messages.pipeline import (
@@ -69,7 +68,8 @@ class Buffer(Actor):
 
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
-        self.run = RunConfig.from_dict(self.config)
+        start = ActorStart.from_dict(self.config)
+        self.run, self.resume_from = start.run, start.resume_from
         data = self.run.data
         self.tokenizer = load_tokenizer(self.run.model.model_path)
         self.tool_schemas = Toolbox(self.run.agent.tool).schemas if self.run.agent.tool else None
@@ -99,9 +99,8 @@ class Buffer(Actor):
         self.exhausted = False
 
     async def on_start(self) -> None:
-        resume = self.config.get("checkpoint")
-        if resume:
-            self._restore(checkpoint.read_record(Path(resume) / "buffer.vmsg", BufferState))
+        if self.resume_from is not None:
+            self._restore(checkpoint.read_record(self.resume_from / "buffer.vmsg", BufferState))
             for request in list(self.in_flight.values()):
                 await self.tell("router", request)
         elif 0 in self.eval_versions:

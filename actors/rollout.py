@@ -41,7 +41,7 @@ from vime.agent.endpoint import AgentEndpoint, serve_agents
 from vime.agent.episode import Episode, ToolCall
 from vime.agent.tools import ToolUse
 from vime.backends import rollout_engine
-from vime.backends.base import RolloutEngine, SamplingParams, Sequence, sampling_seed
+from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.gpu_turns import EngineSleep, wait_for_build_turn
@@ -49,6 +49,7 @@ from vime.groups import Group, forced_lengths
 from vime.messages.gpu_turns import EngineAsleep, SleepEngine
 from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
+from vime.seeds import sampling_seed
 from vime.transports.codec import Envelope
 from vime.weights import RECEIVED, WantWeights, WeightReceiver
 

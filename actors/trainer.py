@@ -55,7 +55,7 @@ from vime import checkpoint
 from vime.backends import train_engine
 from vime.backends.base import collate
 from vime.backends.hf import load_tokenizer
-from vime.config import RunConfig
+from vime.config import ActorStart
 from vime.flops import training_flops
 from vime.gpu_turns import TrainerGpu
 from vime.messages.gpu_turns import (
@@ -75,8 +75,8 @@ class Trainer(Actor):
 
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
-        self.run = RunConfig.from_dict(self.config)
-        run = self.run
+        start = ActorStart.from_dict(self.config)
+        self.run = run = start.run
         if run.job.train_threads:
             torch.set_num_threads(run.job.train_threads)
         self.engine = train_engine(run, settings.seed)
@@ -90,11 +90,11 @@ class Trainer(Actor):
         self.model_config = transformers.AutoConfig.from_pretrained(run.model.model_path)  # for train_tflops_per_gpu
         self.pad_token_id = self.tokenizer.pad_token_id or 0  # what padding holds is masked out anyway
         self.first_step = 0
-        resume = self.config.get("checkpoint")
-        if resume:
-            self.engine.load(Path(resume))
-            self.first_step = checkpoint.step_of(Path(resume))
-            self.log.info("resumed", checkpoint=resume, step=self.first_step, weight_version=self.engine.weight_version)
+        if start.resume_from is not None:
+            self.engine.load(start.resume_from)
+            self.first_step = checkpoint.step_of(start.resume_from)
+            self.log.info("resumed", checkpoint=str(start.resume_from), step=self.first_step,
+                          weight_version=self.engine.weight_version)
         self.rows = StepRows(self.run_dir, run.eval.versions(run.job.steps), written=self.first_step)
         self.version_out = self.engine.weight_version  # the newest version sent to the workers
         self.gpus = self.engine.gpus()  # every rank's

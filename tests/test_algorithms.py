@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from vime.algorithms.config import REWARD_KL_ESTIMATORS, check_estimator
 from vime.algorithms.corrections import importance_weights
 from vime.algorithms.dynamic_sampling import is_informative
-from vime.algorithms.estimators import REWARD_KL_ESTIMATORS, loss_settings
 from vime.algorithms.estimators import advantages as estimator_advantages
-from vime.algorithms.estimators import check as check_estimator
+from vime.algorithms.estimators import loss_settings
 from vime.algorithms.grpo import GRPOConfig, group_advantages, token_advantages
 from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import (

@@ -23,13 +23,14 @@ import vime.rewards
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate, sampling_seed
+from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
-from vime.config import OptimConfig, RunConfig, add_flags, engine_flags, from_flags
+from vime.config import ActorStart, OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
 from vime.scenarios.arithmetic import build_model
+from vime.seeds import actor_seed, sampling_seed
 
 VOCAB = 16  # the arithmetic tokenizer: 4 specials, 10 digits, "+" and "="
 
@@ -278,6 +279,13 @@ def test_a_seeded_sequence_samples_the_same_whatever_shares_its_batches(model):
     assert run(list(range(len(prompts))), 2) == together
     assert {i: run([i], 1)[i] for i in range(len(prompts))} == together
     assert len({sampling_seed(5, 3, 0), sampling_seed(5, 3, 1), sampling_seed(5, 4, 0), sampling_seed(6, 3, 0)}) == 4
+
+
+def test_every_actor_seed_derives_from_the_run_seed():
+    """vime.seeds is the one place: the same values the driver used before it (so a --seed reproduces older
+    runs), every rollout worker apart from the others."""
+    assert [actor_seed(7, role) for role in ("router", "reward", "trainer", "buffer")] == [7, 7, 7, 7]
+    assert [actor_seed(7, "rollout", index) for index in range(3)] == [1007, 1008, 1009]
 
 
 # -- top-k / top-p ----------------------------------------------------------------------------------------------
@@ -536,6 +544,16 @@ def test_flags_round_trip():
     assert from_flags(parser.parse_args([]), defaults) == defaults
 
 
+def test_the_resume_checkpoint_travels_typed(tmp_path):
+    """The trainer and the buffer of a resumed run get the checkpoint as a field of their start; a run's
+    settings alone (config.json) start them afresh."""
+    run = RunConfig().replace(lr=3e-4)
+    start = ActorStart(run, resume_from=tmp_path / "checkpoints" / "step_4")
+    assert ActorStart.from_dict(json.loads(json.dumps(start.to_dict()))) == start
+    assert RunConfig.from_dict(start.to_dict()) == run
+    assert ActorStart.from_dict(run.to_dict()) == ActorStart(run) and ActorStart(run).resume_from is None
+
+
 def test_engine_flags_are_picked_out_of_the_command_line():
     found, rest = engine_flags(["--vllm-gpu-memory-utilization", "0.5", "--lr", "3", "--vllm-enforce-eager",
                                 "--vllm-attention-backend=FLASH_ATTN", "--vllm-compilation-config", '{"level": 0}'])
@@ -767,5 +785,5 @@ def test_lr_schedules_warm_up_and_decay_to_the_floor():
     assert [linear.lr_factor(s, 10) for s in (0, 5, 10, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
     cosine = OptimConfig(lr_schedule="cosine", lr_warmup_steps=3)
     assert [cosine.lr_factor(s, 13) for s in (0, 1, 2, 3, 8, 13)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.5, 0.0])
-    with pytest.raises(ValueError, match="constant, linear or cosine"):
+    with pytest.raises(ValueError, match="--lr-schedule must be one of constant, linear, cosine, not 'step'"):
         OptimConfig(lr_schedule="step")

@@ -213,12 +213,12 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     for flags, said in [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
-                        (["--algo", "dpo"], "--advantage-estimator (or --algo) must be one of grpo, gspo"),
+                        (["--algo", "dpo"], "--advantage-estimator/--algo: invalid choice: 'dpo' (choose from 'grpo'"),
                         (["--reward", "nope"], "not a built-in reward"),
                         (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
                         (["--model-path", str(tmp_path)], "has no config.json"),
                         (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
-                        (["--weight-sync", "carrier-pigeon"], "--weight-sync must be one of auto, nng"),
+                        (["--weight-sync", "pigeon"], "--weight-sync: invalid choice: 'pigeon' (choose from 'auto'"),
                         (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron"),
                         (["--recompute-activations"], "--recompute-activations needs --train-backend megatron"),
                         (["--custom-data-source", "", "--data", str(empty)], "no prompt rows"),

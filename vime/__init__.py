@@ -2,26 +2,24 @@
 
 The public runtime surface is re-exported here; implementations live in the
 modules named for what they are (runtime, cluster, messages, transports).
-The re-exports are resolved on first use, so that importing one light module
-(``vime.rewards`` in a reward worker, ``vime.config``) does not import the
-runtime, and with it torch.
+The names load on first use: importing a submodule alone (``vime.config``
+to read a command line) does not import the runtime, and through its
+transports torch.
 """
-
-from __future__ import annotations
 
 import importlib
 from typing import Any
 
 _HOMES = {
-    "Actor": "vime.runtime",
     "ActorEvent": "vime.cluster",
     "ActorInfo": "vime.cluster",
-    "ActorSettings": "vime.runtime",
     "Cluster": "vime.cluster",
-    "Envelope": "vime.transports.codec",
+    "Actor": "vime.runtime",
+    "ActorSettings": "vime.runtime",
     "PeerGone": "vime.runtime",
     "RemoteError": "vime.runtime",
     "handles": "vime.runtime",
+    "Envelope": "vime.transports.codec",
     "message": "vime.transports.records",
 }
 
@@ -29,6 +27,12 @@ __all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
+    """Import a public name from its home on first use (PEP 562)."""
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module 'vime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import uuid
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -26,31 +27,25 @@ import trio
 from vime.logs import configure
 from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, RemoteError
+from vime.settings import add_setting_flags, given_settings, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorLaunch:
+    """The flags of ``python -m vime.actor`` beside :class:`ActorSettings`' own."""
+
+    config: str = setting("{}", "role settings as a JSON object")
+    settings: str = setting("{}", "ActorSettings fields as a JSON object, e.g. {\"inbox_capacity\": 64}; a flag "
+                                  "of the same field wins")
+    log_level: str = setting("info", "debug, info, warning or error")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vime.actor", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", help=f"built-in role ({', '.join(sorted(ROLES))}) or package.module:Class")
-    parser.add_argument("--join", required=True, metavar="ADDRESS",
-                        help="the driver's address (ipc://..., tcp://HOST:PORT, tls+tcp://HOST:PORT)")
-    parser.add_argument("--token", default=None,
-                        help="the job's join token (default: $VIME_TOKEN); required by tcp jobs")
-    parser.add_argument("--name", default=None, help="actor name, unique in the job (default: ROLE-RANDOM)")
-    parser.add_argument("--listen", default=None,
-                        help="address to listen on (default: tcp on the interface that reaches the driver)")
-    parser.add_argument("--run-dir", default=None, help="the job's run folder (message logs go under it)")
-    parser.add_argument("--config", default="{}", help="role settings as a JSON object")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settings", default="{}",
-                        help="runtime settings as a JSON object, e.g. {\"inbox_capacity\": 64} (see ActorSettings)")
-    parser.add_argument("--record", action="store_true", help="write this actor's message log")
-    parser.add_argument("--exit-with-parent", nargs="?", type=int, const=0, default=None, metavar="PID",
-                        help="shut down when the driver that spawned us (process PID; default: our parent at start) "
-                             "is gone; a driver that dies before we start is noticed too when PID is given")
-    parser.add_argument("--tls-cert-key", default=None, help="PEM with our certificate and key (tls+tcp)")
-    parser.add_argument("--tls-ca", default=None, help="PEM of the CA that signs the job's certificates")
-    parser.add_argument("--log-level", default="info")
+    add_setting_flags(parser, ActorSettings)
+    add_setting_flags(parser, ActorLaunch)
     return parser
 
 
@@ -68,38 +63,38 @@ def default_listen(join: str) -> str:
     return f"{url.scheme}://{host}:0"
 
 
-def _runtime_settings(text: str) -> dict:
-    """The tunable ActorSettings fields from --settings; identity fields come from their own flags."""
+def _settings(args: argparse.Namespace, launch: ActorLaunch, role: str) -> ActorSettings:
+    """The runtime settings: --settings, then the flags given, then the defaults that need the role or the host."""
+    values = {**_json_settings(launch.settings), **given_settings(args, ActorSettings)}
+    values.setdefault("name", f"{role}-{uuid.uuid4().hex[:6]}")
+    if "listen" not in values:
+        values["listen"] = default_listen(values["driver"])
+    values["token"] = values.get("token") or os.environ.get("VIME_TOKEN") or None
+    if values.get("parent_pid") == 0:  # --exit-with-parent without PID
+        values["parent_pid"] = os.getppid()
+    return ActorSettings(**values)
+
+
+def _json_settings(text: str) -> dict[str, Any]:
+    """The ActorSettings fields given as --settings JSON; SystemExit naming an unknown one."""
     values = json.loads(text)
-    tunable = {f.name for f in dataclasses.fields(ActorSettings)} - _IDENTITY
-    unknown = set(values) - tunable
+    known = {f.name for f in dataclasses.fields(ActorSettings)}
+    unknown = set(values) - known
     if unknown:
-        raise SystemExit(f"--settings: unknown field(s) {sorted(unknown)}; tunable: {sorted(tunable)}")
+        raise SystemExit(f"--settings: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     return values
 
 
-_IDENTITY = {"name", "listen", "driver", "token", "run_dir", "record", "seed", "tls_cert_key", "tls_ca",
-             "parent_pid"}
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    configure(args.log_level)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    launch = ActorLaunch(**given_settings(args, ActorLaunch))
+    if args.driver is None:
+        parser.error("--join ADDRESS is required: the address of the job's driver")
+    configure(launch.log_level)
     cls = resolve_role(args.role, allow_import=True)
-    settings = ActorSettings(
-        **_runtime_settings(args.settings),
-        name=args.name or f"{cls.role}-{uuid.uuid4().hex[:6]}",
-        listen=args.listen or default_listen(args.join),
-        driver=args.join,
-        token=args.token or os.environ.get("VIME_TOKEN") or None,
-        run_dir=args.run_dir,
-        record=args.record,
-        seed=args.seed,
-        tls_cert_key=args.tls_cert_key,
-        tls_ca=args.tls_ca,
-        parent_pid=None if args.exit_with_parent is None else args.exit_with_parent or os.getppid(),
-    )
-    actor = cls(settings, json.loads(args.config))
+    settings = _settings(args, launch, cls.role)
+    actor = cls(settings, json.loads(launch.config))
     try:
         trio.run(actor.serve)
     except BaseExceptionGroup as group:
@@ -109,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             error = refused.exceptions[0]
             while isinstance(error, BaseExceptionGroup):
                 error = error.exceptions[0]
-            print(f"vime.actor: join refused by the driver at {args.join}: {error.reply.error}", file=sys.stderr)
+            print(f"vime.actor: join refused by the driver at {settings.driver}: {error.reply.error}", file=sys.stderr)
             return 2
         if silent is not None:
-            print(f"vime.actor: the driver at {args.join} did not answer; is the job running and the address "
+            print(f"vime.actor: the driver at {settings.driver} did not answer; is the job running and the address "
                   "right?", file=sys.stderr)
             return 2
         raise

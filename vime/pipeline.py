@@ -29,11 +29,11 @@ import trio
 
 from vime import checkpoint, rewards
 from vime.agent.tools import Toolbox
-from vime.algorithms.estimators import GROUP_BASELINES
+from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
-from vime.config import RunConfig
+from vime.config import ActorStart, RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.gpu_turns import start_engines_in_turn
@@ -42,6 +42,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
+from vime.seeds import actor_seed
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
 
@@ -223,7 +224,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
     collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
-    resumed = {**document, "checkpoint": str(start)} if start else document  # for trainer and buffer
+    resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer and buffer
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
                             tls=tls) as job:
         if job.token:
@@ -231,10 +232,12 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             _write_private(run_dir / "join",
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
-        await job.spawn("router", "router", document, seed=seed, env=environment(placed.others))
-        await job.spawn("reward", "reward", document, seed=seed, env=environment(placed.others))
-        await job.spawn("trainer", "trainer", resumed, seed=seed, env=environment(placed.trainer))
-        await job.spawn("buffer", "buffer", resumed, seed=seed, env=environment(placed.others))  # first prompts wait
+        await job.spawn("router", "router", document, seed=actor_seed(seed, "router"), env=environment(placed.others))
+        await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
+        await job.spawn("trainer", "trainer", resumed, seed=actor_seed(seed, "trainer"),
+                        env=environment(placed.trainer))
+        await job.spawn("buffer", "buffer", resumed, seed=actor_seed(seed, "buffer"),  # first prompts wait
+                        env=environment(placed.others))
         ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
@@ -254,7 +257,7 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
     """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
-        await job.spawn("rollout", name, document, seed=config.job.seed + 1000 + index,
+        await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
                         restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
         return name
 

@@ -59,6 +59,7 @@ from vime.messages.runtime import (
     Status,
     StatusQuery,
 )
+from vime.settings import setting
 from vime.tasks import BetweenSteps, Changed, Wakeup  # noqa: F401 (the runtime's primitives)
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter
@@ -89,24 +90,35 @@ class PeerGone(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ActorSettings:
-    """How one actor process runs; role-specific settings travel in ``config``."""
+    """How one actor process runs; role-specific settings travel in ``config``. Each field is a flag of
+    ``python -m vime.actor`` (``--inbox-capacity 64``; ``driver`` is ``--join``)."""
 
-    name: str
-    listen: str
-    driver: str | None = None  # driver address; None for the driver itself and in replay
-    token: str | None = None
-    run_dir: str | None = None
-    record: bool = False
-    seed: int = 0
-    inbox_capacity: int = 1024
-    outbox_capacity: int = 1024
-    max_message_bytes: int = 1 << 30
-    heartbeat_s: float = 1.0
-    spin_us: float = 400.0  # poll this long for the next frame before parking (0: never poll)
-    shm_threshold: int = 1 << 20
-    tls_cert_key: str | None = None
-    tls_ca: str | None = None
-    parent_pid: int | None = None  # stop when this process is no longer our parent (the driver died)
+    name: str = setting(dataclasses.MISSING, "actor name, unique in the job (vime.actor: ROLE-RANDOM when not "
+                                             "given)")
+    listen: str = setting(dataclasses.MISSING, "address to listen on (vime.actor: tcp on the interface that "
+                                               "reaches the driver when not given)")
+    driver: str | None = setting(None, "the driver's address (ipc://..., tcp://HOST:PORT, tls+tcp://HOST:PORT); "
+                                       "none for the driver itself and in replay", flags=("--join",),
+                                 metavar="ADDRESS")
+    token: str | None = setting(None, "the job's join token (vime.actor: $VIME_TOKEN when not given); required by "
+                                      "tcp jobs")
+    run_dir: str | None = setting(None, "the job's run folder (message logs go under it)")
+    record: bool = setting(False, "write this actor's message log")
+    seed: int = setting(0, "seeds this actor's rng and its engine; a training run's driver derives it from the "
+                           "run's --seed (vime.seeds)")
+    inbox_capacity: int = setting(1024, "messages the inbox holds before the actor stops reading its socket")
+    outbox_capacity: int = setting(1024, "messages waiting for one peer before tell waits")
+    max_message_bytes: int = setting(1 << 30, "a larger message is refused")
+    heartbeat_s: float = setting(1.0, "seconds between heartbeats to the driver")
+    spin_us: float = setting(400.0, "poll this long for the next frame before parking (0: never poll)")
+    shm_threshold: int = setting(1 << 20, "to an actor on this host, tensors of this many bytes or more go "
+                                          "through shared memory")
+    tls_cert_key: str | None = setting(None, "PEM with our certificate and key (tls+tcp)")
+    tls_ca: str | None = setting(None, "PEM of the CA that signs the job's certificates")
+    parent_pid: int | None = setting(None, "shut down when the driver that spawned us (process PID; 0 or no PID: "
+                                           "our parent at start) is gone; a driver that dies before we start is "
+                                           "noticed too when PID is given", flags=("--exit-with-parent",),
+                                     metavar="PID", const=0)
 
     @property
     def tls(self) -> TlsFiles | None:

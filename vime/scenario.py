@@ -17,8 +17,9 @@ from pathlib import Path
 
 import trio
 
-from vime.config import RunConfig, add_flags, engine_flags, from_flags
+from vime.config import LaunchConfig, RunConfig, TrainingLaunchConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
+from vime.settings import add_setting_flags, given_settings
 
 SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
     "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
@@ -37,20 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=scenario.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", default=DEFAULT, help=f"scenario name (default: {DEFAULT})")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/NAME-TIMESTAMP)")
-    parser.add_argument("--transport", choices=["ipc", "tcp", "tls+tcp"], default="ipc",
-                        help="ipc: one host; tcp, tls+tcp: other hosts may join (see RUN_DIR/join)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="with tcp: the address of this machine that other hosts reach")
-    parser.add_argument("--tls-cert-key", default=None, help="with tls+tcp: PEM with this job's certificate and key")
-    parser.add_argument("--tls-ca", default=None, help="with tls+tcp: PEM of the CA that signs the certificates")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error (default: warning)")
+    add_setting_flags(parser.add_argument_group("launch"), LaunchConfig)
     if training:
-        parser.add_argument("--record", action="store_true",
-                            help="write every actor's message log to RUN_DIR/messages/")
-        parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                            help="continue a run that died from its latest checkpoint, with its settings "
-                                 "(flags given here override them, e.g. --steps)")
+        add_setting_flags(parser.add_argument_group("launch a training run"), TrainingLaunchConfig)
         add_flags(parser, scenario.defaults())
     engine, argv = engine_flags(argv) if training else ({}, argv)  # before argparse, which cannot know their names
     args = parser.parse_args(argv)
@@ -59,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         for scenario_name, module in SCENARIOS.items():
             print(f"{scenario_name:<20} {importlib.import_module(module).DESCRIPTION}")
         return 0
-    configure(args.log_level)
-    resume = training and args.resume is not None
-    run_dir = args.resume if resume else args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    launch = LaunchConfig(**given_settings(args, LaunchConfig))
+    training_launch = TrainingLaunchConfig(**given_settings(args, TrainingLaunchConfig))
+    configure(launch.log_level)
+    resume = training_launch.resume is not None
+    run_dir = training_launch.resume or launch.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
     if not training:
-        figures = trio.run(scenario.run, run_dir, args.transport, lambda line: print(f"  {line}", flush=True))
+        figures = trio.run(scenario.run, run_dir, launch.transport, lambda line: print(f"  {line}", flush=True))
         print("PASSED" if figures["passed"] else "FAILED", flush=True)
         return 0 if figures["passed"] else 1
     from vime.pipeline import RunFailed, make_run_folder, progress_display, train
@@ -82,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no --eval-data: held-out evaluation is off", flush=True)
     display = progress_display(config.job.steps)
     try:
-        summary = trio.run(lambda: train(config, run_dir, record=args.record, transport=args.transport, show=display,
-                                         resume=resume, host=args.host, tls=_tls(args)))
+        summary = trio.run(lambda: train(config, run_dir, record=training_launch.record, transport=launch.transport,
+                                         show=display, resume=resume, host=launch.host, tls=launch.tls()))
     except ValueError as err:  # train's preflight: raised before any actor starts
         return _refuse(err)
     except RunFailed as err:
@@ -95,15 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                                               "max_train_rollout_logprob_abs_diff", "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
     return 0
-
-
-def _tls(args: argparse.Namespace) -> dict[str, str] | None:
-    """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
-    if args.transport != "tls+tcp":
-        return None
-    if not (args.tls_cert_key and args.tls_ca):
-        raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
-    return {"cert_key": args.tls_cert_key, "ca": args.tls_ca}
 
 
 def _saved_config(run_dir: Path) -> RunConfig:

@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import torch
 
-CORRECTIONS = ("none", "tis", "icepop", "decoupled")
-LEVELS = ("token", "sequence-geometric", "sequence-product")
+from vime.algorithms.config import OffPolicyCorrection, TisLevel
 
 
 def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
-                       correction: str, *, cap: float, floor: float = 0.0,
-                       level: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+                       correction: OffPolicyCorrection, *, cap: float, floor: float = 0.0,
+                       level: TisLevel = "token") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token weights ``[samples, tokens]`` as ``correction`` treats them, and which tokens the
     correction changed (1.0: truncated by tis, dropped by icepop or decoupled). A response with no real
     token has weight 1 (it adds nothing to the loss anyway)."""

@@ -13,8 +13,9 @@ ppo                            GAE over the value model's values, whitened (``pp
 
 ``--kl-coef`` (a KL penalty in the reward) has a meaning only for the
 estimators whose advantages are built from per-token rewards: ppo and the
-two REINFORCE++ forms. Both trainer backends call :func:`advantages`, so
-they cannot drift apart.
+two REINFORCE++ forms; the estimators' names and that check are in
+``vime.algorithms.config``, which the command line reads without torch.
+Both trainer backends call :func:`advantages`, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -24,40 +25,22 @@ import dataclasses
 import torch
 
 from vime.algorithms import grpo, ppo
-from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.algorithms.config import AdvantageEstimator, PolicyLossConfig
 from vime.algorithms.reinforce import reinforce_plus_plus, reinforce_plus_plus_baseline
 from vime.algorithms.rloo import rloo_advantages
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-REWARD_KL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-# baselines from the prompt's own group: a group of one response gets advantage 0, so nothing is learned
-GROUP_BASELINES = ("grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 
-
-def check(estimator: str, loss: PolicyLossConfig) -> None:
-    """ValueError unless ``estimator`` is known and the loss settings make sense with it. ``--kl-coef``
-    changed meaning in issue 31 (it was the KL loss term, now ``--kl-loss-coef``): with an estimator that
-    has no reward to fold it into, it is refused with the new name rather than ignored."""
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"--advantage-estimator (or --algo) must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                         f"not {estimator!r}")
-    if loss.kl_coef and estimator not in REWARD_KL_ESTIMATORS:
-        raise ValueError(f"--kl-coef is the KL penalty folded into the reward (slime's meaning), which "
-                         f"{estimator} has no per-token reward for (only {', '.join(REWARD_KL_ESTIMATORS)}); "
-                         "for a KL term in the loss -- vime's --kl-coef before issue 31 -- pass --kl-loss-coef")
-
-
-def loss_settings(estimator: str, loss: PolicyLossConfig) -> PolicyLossConfig:
+def loss_settings(estimator: AdvantageEstimator, loss: PolicyLossConfig) -> PolicyLossConfig:
     """The loss settings the trainer uses: gspo is grpo with the sequence-level ratio."""
     return dataclasses.replace(loss, ratio_level="sequence") if estimator == "gspo" else loss
 
 
-def advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *,
+def advantages(estimator: AdvantageEstimator, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *,
                grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, values: torch.Tensor | None = None,
                kl_penalty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages ``[samples, tokens]`` and, for ppo, the value model's targets (else None).
     ``values``: the value model's, for ppo; ``kl_penalty``: ``kl_coef * kl`` per token, for the estimators
-    of :data:`REWARD_KL_ESTIMATORS` (None: no penalty)."""
+    of ``vime.algorithms.config.REWARD_KL_ESTIMATORS`` (None: no penalty)."""
     if estimator in ("grpo", "gspo"):
         return grpo.token_advantages(grpo.group_advantages(rewards, group_ids, grpo_config), mask), None
     if estimator == "rloo":

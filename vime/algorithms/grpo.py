@@ -11,17 +11,9 @@ gspo`` takes these advantages too and changes only the ratio (see
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from vime.settings import setting
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    normalize_std: bool = setting(True, "False: Dr.GRPO (centre only)")
-    std_eps: float = setting(1e-6, "added to the group's reward std before dividing")
+from vime.algorithms.config import GRPOConfig
 
 
 def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+from vime.algorithms.config import KlEstimator
 
 
-def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference); ``estimator`` one of :data:`KL_ESTIMATORS`."""
+def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) by ``estimator`` (see above)."""
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio

@@ -48,84 +48,14 @@ bonus are added per token, before aggregation.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from vime.algorithms.corrections import CORRECTIONS, LEVELS, importance_weights
-from vime.algorithms.kl import KL_ESTIMATORS, kl_divergence
-from vime.settings import setting
-
-AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "cispo")
+from vime.algorithms.config import LossAggregation, PolicyLossConfig
+from vime.algorithms.corrections import importance_weights
+from vime.algorithms.kl import kl_divergence
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
-    """Settings of the loss, common to every estimator, and the two KL coefficients."""
-
-    policy_loss: str = setting("ppo", "ppo: the clipped surrogate; cispo: MiniMax-M1's clipped, detached importance "
-                                      "weight times log pi (every token keeps a gradient)")
-    clip_low: float = setting(0.2, "ratio floor is 1 - clip_low (cispo: the importance weight's)")
-    clip_high: float = setting(0.2, "ratio ceiling is 1 + clip_high (DAPO uses 0.28; cispo: the importance "
-                                    "weight's)")
-    dual_clip_c: float = setting(0.0, "dual-clip PPO: a token with a negative advantage loses at most -c * A "
-                                      "(slime's eps_clip_c, verl's clip_ratio_c, often 3); 0: off, else > 1")
-    ratio_level: str = setting("token", "'token': PPO/GRPO ratios per token; 'sequence': GSPO, one ratio per "
-                                        "response (with --loss-aggregation token a length-weighted GSPO, not the "
-                                        "paper's per-sequence objective)")
-    loss_aggregation: str = setting("token", "token: mean over all tokens of the batch; sequence: per response "
-                                             "first; seq-mean-token-sum: each response's token sum, averaged; "
-                                             "seq-mean-token-sum-norm: token sums over responses x "
-                                             "--loss-scale-tokens (Dr.GRPO)")
-    loss_scale_tokens: int = setting(0, "seq-mean-token-sum-norm's constant per response; 0: the longest response "
-                                        "the run generates (--max-new-tokens, or --max-response-tokens with "
-                                        "--tool or --openai-endpoint)")
-    kl_loss_coef: float = setting(0.0, "> 0: a KL term to a frozen reference model in the loss (vime's --kl-coef "
-                                       "before issue 31; slime's --kl-loss-coef)")
-    kl_coef: float = setting(0.0, "> 0: a KL penalty folded into each token's reward (slime's --kl-coef, verl's "
-                                  "kl_ctrl; ppo, reinforce_plus_plus and reinforce_plus_plus_baseline). Not the loss "
-                                  "term: that is --kl-loss-coef, which was vime's --kl-coef before issue 31")
-    kl_estimator: str = setting("k3", "k1: log p - log p_ref; k2: half its square; k3: Schulman's unbiased, always "
-                                      ">= 0; low_var_kl: k3 clamped to [-10, 10] (verl, slime). For both KL terms")
-    entropy_coef: float = setting(0.0, "> 0 rewards entropy (a bonus, subtracted from the loss)")
-    off_policy_correction: str = setting("none", "weigh tokens by pi_old / pi_behaviour: tis truncates the weight "
-                                                 "to [--tis-floor, --tis-cap]; icepop drops tokens outside it; "
-                                                 "decoupled (AReaL) drops tokens above --tis-cap")
-    tis_cap: float = setting(2.0, "the importance weight's upper bound (tis truncates, icepop and decoupled drop)")
-    tis_floor: float = setting(0.0, "the importance weight's lower bound (tis raises to it, icepop drops below it; "
-                                    "IcePop uses 0.5 with a cap of 5)")
-    tis_level: str = setting("token", "whose importance weight: token; sequence-geometric (the geometric mean of "
-                                      "the response's token weights); sequence-product (their product)")
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("policy_loss", POLICY_LOSSES), ("loss_aggregation", AGGREGATIONS),
-                              ("ratio_level", ("token", "sequence")), ("kl_estimator", KL_ESTIMATORS),
-                              ("off_policy_correction", CORRECTIONS), ("tis_level", LEVELS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                 f"not {getattr(self, name)!r}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
-        if self.dual_clip_c and not self.dual_clip_c > 1:
-            raise ValueError(f"--dual-clip-c must be > 1 (or 0: off), not {self.dual_clip_c}")
-        if self.dual_clip_c and self.policy_loss == "cispo":
-            raise ValueError("--dual-clip-c applies to --policy-loss ppo; cispo bounds its weight with the clips")
-        if self.policy_loss == "cispo" and self.ratio_level != "token":
-            raise ValueError("--policy-loss cispo weighs each token by its own ratio: use it with --ratio-level token "
-                             "(and not --advantage-estimator gspo)")
-        if not self.tis_cap >= 1.0:
-            raise ValueError(f"tis_cap must be >= 1 (a weight of 1 means on-policy), not {self.tis_cap}")
-        if not 0.0 <= self.tis_floor <= 1.0:
-            raise ValueError(f"--tis-floor must be in [0, 1] (a weight of 1 means on-policy), not {self.tis_floor}")
-        if self.off_policy_correction == "decoupled" and (self.tis_level != "token" or self.tis_floor):
-            raise ValueError("--off-policy-correction decoupled is token-level with an upper bound only: leave "
-                             "--tis-level token and --tis-floor 0, or use tis or icepop")
-        if self.kl_coef < 0 or self.kl_loss_coef < 0 or self.loss_scale_tokens < 0:
-            raise ValueError("--kl-coef, --kl-loss-coef and --loss-scale-tokens must be >= 0")
-
-
-def batch_normalizer(aggregation: str, sequences: float, tokens: float | torch.Tensor,
+def batch_normalizer(aggregation: LossAggregation, sequences: float, tokens: float | torch.Tensor,
                      scale_tokens: float) -> float | torch.Tensor:
     """The denominator of :func:`aggregate` for a whole (mini-)batch of ``sequences`` responses holding
     ``tokens`` real tokens (at least 1): micro-batches pass it so that their accumulated gradients equal those of one
@@ -137,7 +67,7 @@ def batch_normalizer(aggregation: str, sequences: float, tokens: float | torch.T
     return sequences
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
+def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: LossAggregation,
               normalizer: float | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` to a scalar as ``aggregation`` says (see the module's docstring).
 

@@ -11,20 +11,9 @@ of the training step (``value_clip``), as in OpenAI baselines' PPO.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from vime.settings import setting
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    gamma: float = setting(1.0, "discount per token (PPO's GAE, REINFORCE++'s returns)")
-    lam: float = setting(0.95, "GAE lambda")
-    value_clip: float = setting(0.2, "value loss clipped to this around the step's starting values")
-    value_coef: float = setting(0.5, "weight of the value loss")
-    whiten_advantages: bool = setting(True, "normalise advantages over the batch (mean 0, std 1)")
+from vime.algorithms.config import PPOConfig
 
 
 def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,34 +15,8 @@ from typing import Any
 import torch
 
 from vime.backends.hf import checkpoint_names
-from vime.settings import setting
+from vime.config import SamplingParams
 from vime.transports.gpu import BroadcastGroup, SharedBuckets, Spec, gpu_uuid, open_shared, unpack
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
-
-    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
-    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
-    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
-    max_new_tokens: int = setting(16, "longest response in tokens")
-    stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
-                                                   "(tokenizer and generation_config.json)")
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (greedy decoding is not an RL sampling mode)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """From the map a request carries (JSON/msgpack have lists, not tuples).
-        Raises TypeError for an unknown field and ValueError for a bad value."""
-        return cls(**{**values, "stop_token_ids": tuple(values.get("stop_token_ids", ()))})
 
 
 @dataclasses.dataclass
@@ -62,17 +35,8 @@ class Sequence:
     stream: bool = False
     # with routing replay: [prompt + response - 1, moe_layers, top_k] experts of every token fed to the model
     routed_experts: torch.Tensor | None = None
-    # seeds this sequence's own sampling draws (sampling_seed); None: the engine draws one from its own stream
+    # seeds this sequence's own sampling draws (vime.seeds.sampling_seed); None: the engine draws from its stream
     seed: int | None = None
-
-
-def sampling_seed(run_seed: int, group_id: int, index: int) -> int:
-    """The seed of response ``index`` of prompt group ``group_id``: a function of the run's seed and the
-    response alone, so that what a response samples does not depend on which other sequences shared its
-    engine's batches (the order requests arrive in, other workers, a re-issue). An engine drawing for a whole
-    batch from one stream made the same seed give different rewards from the first step on."""
-    digest = hashlib.blake2b(f"{run_seed}:{group_id}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class RolloutEngine(abc.ABC):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vime.algorithms import estimators, grpo, ppo
+from vime.algorithms.config import check_estimator
 from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss
 from vime.backends import routing_replay
@@ -63,7 +64,7 @@ class TorchTrainEngine(TrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, device: str = "cpu") -> None:
-        estimators.check(algo, loss)
+        check_estimator(algo, loss)
         torch.manual_seed(seed)
         self.seed = seed
         self.algo, self.optim, self.loss = algo, optim, estimators.loss_settings(algo, loss)
