@@ -121,6 +121,7 @@ def test_a_worker_stuck_in_a_call_dies_with_its_actor(tmp_path):
         trio.run(main)
     """))
     actor = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = None
     try:
         worker = int(actor.stdout.readline())
         time.sleep(0.5)  # the worker is in its call
@@ -132,6 +133,8 @@ def test_a_worker_stuck_in_a_call_dies_with_its_actor(tmp_path):
         assert not _alive(worker), f"reward worker {worker} outlived its actor"
     finally:
         actor.kill()
+        if worker is not None and _alive(worker):  # the failure above: leave no process spinning
+            os.kill(worker, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
