@@ -55,6 +55,7 @@ from vime.settings import setting
 
 AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "cispo")
+STALE_RATIOS = ("behaviour", "proximal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +95,19 @@ class PolicyLossConfig:
                                     "IcePop uses 0.5 with a cap of 5)")
     tis_level: str = setting("token", "whose importance weight: token; sequence-geometric (the geometric mean of "
                                       "the response's token weights); sequence-product (their product)")
+    stale_ratio: str = setting("behaviour", "the PPO ratio of a token sampled by older weights than the trainer's "
+                                            "(--max-staleness > 0): behaviour: against the log-probs it was "
+                                            "sampled with, so the clip bounds the policy's movement from the "
+                                            "policy that sampled it; proximal: against the trainer's recomputed "
+                                            "ones, as fresh tokens (vime before issue 30: nothing bounds that "
+                                            "movement). With --off-policy-correction the correction treats stale "
+                                            "tokens and this is not used")
 
     def __post_init__(self) -> None:
         for name, allowed in (("policy_loss", POLICY_LOSSES), ("loss_aggregation", AGGREGATIONS),
                               ("ratio_level", ("token", "sequence")), ("kl_estimator", KL_ESTIMATORS),
-                              ("off_policy_correction", CORRECTIONS), ("tis_level", LEVELS)):
+                              ("off_policy_correction", CORRECTIONS), ("tis_level", LEVELS),
+                              ("stale_ratio", STALE_RATIOS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                                  f"not {getattr(self, name)!r}")
@@ -157,6 +166,27 @@ def ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tenso
         log_ratio = ((logprobs - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         return torch.exp(log_ratio.detach() + logprobs - logprobs.detach())
     return torch.exp(logprobs - old_logprobs)
+
+
+def ratio_anchor(config: PolicyLossConfig, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                 stale: torch.Tensor) -> torch.Tensor:
+    """The log-probs each token's ratio is taken against: the trainer's recomputed ``old_logprobs`` (the
+    proximal policy), except for ``stale`` tokens (sampled by weights older than the trainer's) with
+    ``stale_ratio="behaviour"`` and no off-policy correction, which take the ``behaviour_logprobs`` they were
+    sampled with.
+
+    Why: against the proximal policy a stale token's ratio starts every step at 1, so the clip never sees how
+    far the policy has already moved from the one that sampled it, and its advantage (measured among that
+    policy's responses) keeps pushing, step after step, in the direction it was already taken. A wrong answer
+    whose probability has all but vanished is still pushed down with the full gradient of its log-prob (1 -
+    p, about 1), which sharpens every logit of the shared network; a right one already near certainty is
+    pushed up again. Entropy then collapses before the slower prompts are learned, and a prompt collapsed on a
+    wrong answer gives all-equal rewards (advantage 0) from then on: the asynchronous plateau of issue 30.
+    Against the behaviour log-probs the clip is PPO's trust region around the sampling policy: a token that
+    has already moved by more than the clip in its advantage's direction adds no gradient."""
+    if config.stale_ratio == "proximal" or config.off_policy_correction != "none":
+        return old_logprobs
+    return torch.where(stale, behaviour_logprobs, old_logprobs)
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

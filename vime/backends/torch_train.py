@@ -35,7 +35,7 @@ import torch
 
 from vime.algorithms import estimators, grpo, ppo
 from vime.algorithms.kl import kl_divergence
-from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss
+from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss, ratio_anchor
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.backends.hf import load_causal_lm, position_ids, token_stats
@@ -288,6 +288,8 @@ class TorchTrainEngine(TrainEngine):
         if scored_here and counted:
             scores["old_logprobs"][rows] = old_logprobs
             scores["entropy"][rows] = entropy.detach()
+        stale = (batch.versions[rows] >= 0) & (batch.versions[rows] < self.weight_version)
+        old_logprobs = ratio_anchor(self.loss, old_logprobs, batch.rollout_logprobs[rows], stale)
         loss, stats = policy_loss(self.loss, logprobs, old_logprobs, advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None,
