@@ -197,7 +197,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         label = f"k={row['max_staleness']} w={row['rollout_workers']} seed={row['seed']}"
         if "run_dir" in row:
             label += f" ({Path(row['run_dir']).name})"
+        if row.get("settings"):
+            label += " " + " ".join(f"{name}={value}" for name, value in row["settings"].items())
         reward_axis.plot(curves["raw_reward"], label=label, linewidth=0.8)
+        if "train_rollout_logprob_abs_diff" not in curves:  # a --controlled run: no engine on the other side
+            continue
         # the gap on the step's tokens: fresh ones where there are (synchronous), else stale ones
         gaps = [fresh if fresh is not None else stale for fresh, stale in
                 zip(curves["train_rollout_logprob_abs_diff"], curves["train_rollout_logprob_abs_diff_stale"])]
