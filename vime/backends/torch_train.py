@@ -3,7 +3,9 @@
 One ``train_step`` does what a step of slime's Megatron trainer does, at
 laptop scale: recompute the batch's log-probs with the current weights (the
 "old" policy of the PPO ratio, and the trainer side of
-``train_rollout_logprob_abs_diff``), compute advantages, then
+``train_rollout_logprob_abs_diff``; a token sampled by older weights takes
+its ratio against its rollout log-prob instead: ``policy_loss.ratio_anchor``),
+compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
 over micro-batches of ``micro_batch_size`` samples, with gradient clipping
 and AdamW. A micro-batch is as wide as its longest sample, so each
