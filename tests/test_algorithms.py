@@ -28,6 +28,7 @@ from vime.algorithms.policy_loss import (
     clipped_surrogate,
     dual_clip,
     policy_loss,
+    ratio_anchor,
 )
 from vime.algorithms.ppo import PPOConfig, advantages_and_returns, gae, terminal_rewards, value_loss, whiten
 from vime.algorithms.reinforce import reinforce_plus_plus, reinforce_plus_plus_baseline
@@ -442,6 +443,14 @@ def test_policy_loss_correction_on_policy_changes_nothing() -> None:
                                             behaviour_logprobs=tensor(LOSS_OLD))
         assert corrected.item() == pytest.approx(plain.item())
         assert stats["tis"] == pytest.approx(1.0) and stats[changed] == 0.0
+
+
+def test_stale_tokens_take_their_ratio_against_the_log_probs_they_were_sampled_with() -> None:
+    old, behaviour = tensor([[-1.0, -2.0, -3.0]]), tensor([[-1.5, -2.5, -3.5]])
+    stale = torch.tensor([[True, False, True]])
+    assert_close(ratio_anchor(PolicyLossConfig(), old, behaviour, stale), tensor([[-1.5, -2.0, -3.5]]))
+    for config in (PolicyLossConfig(stale_ratio="proximal"), PolicyLossConfig(off_policy_correction="tis")):
+        assert_close(ratio_anchor(config, old, behaviour, stale), old)
 
 
 def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:

@@ -386,6 +386,34 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
     assert all(param.grad is None for param in weights.values())  # gradients live on the masters only
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_a_stale_token_already_past_the_clip_adds_no_gradient(model, updates):
+    """Issue 30: a token sampled by older weights takes its PPO ratio against the log-probs it was sampled with.
+    Here the policy has already moved each stale token past the clip in its advantage's direction (the rewarded
+    response e times likelier than when sampled, the other e times less likely), so the step changes nothing;
+    against the trainer's recomputed log-probs (--stale-ratio proximal, vime before) the ratio starts at 1 and
+    the same tokens are pushed again. Fresh tokens are unaffected: with the same log-probs they train."""
+    folder, eos, prompts = model
+    responses, rewards = [[6, eos], [7, eos]], [1.0, 0.0]
+
+    def moved(stale_ratio: str, sampled_version: int) -> tuple[float, float]:
+        engine = train_engine(folder, updates_per_step=updates, micro_batch_size=1,
+                              loss=PolicyLossConfig(stale_ratio=stale_ratio))
+        engine.weight_version = 3
+        batch = collate([prompts[0]] * 2, responses, [[0.0] * 2] * 2, [[sampled_version] * 2] * 2, rewards, [0, 0],
+                        pad_token_id=0)
+        trainer = engine.score(batch)["old_logprobs"]
+        batch.rollout_logprobs = trainer + torch.tensor([[-1.0], [1.0]])  # past the clip (0.2) either way
+        before = {name: tensor.clone() for name, tensor in engine.named_weights().items()}
+        metrics = engine.train_step(batch)
+        change = sum(float((tensor - before[name]).abs().sum()) for name, tensor in engine.named_weights().items())
+        return change, metrics["pg_clipfrac"]
+
+    assert moved("behaviour", sampled_version=1) == (0.0, 1.0)
+    assert moved("proximal", sampled_version=1)[0] > 0
+    assert moved("behaviour", sampled_version=3)[0] > 0
+
+
 def test_bf16_kl_reference_starts_equal_to_the_policy(model):
     """The frozen reference holds the policy's bf16 weights and the same fp32 buffers (RoPE frequencies)."""
     folder, eos, prompts = model

@@ -510,7 +510,9 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
-    --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts."""
+    --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts. It must learn
+    (issue 30): the reward rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion in the
+    Megatron path fails here and not only on a GPU."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
@@ -522,9 +524,9 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, tensor_pa
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 31))
     assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
-    start = sum(row["raw_reward"] for row in rows[:3]) / 3
-    end = sum(row["raw_reward"] for row in rows[-3:]) / 3
-    assert start < 0.1 and end > start + 0.2, (start, end)
+    start = sum(row["raw_reward"] for row in rows[:5]) / 5
+    end = sum(row["raw_reward"] for row in rows[-5:]) / 5
+    assert start < 0.1 and end >= start + 0.3, (start, end)
     assert summary["groups"]["lost"] == 0
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
 

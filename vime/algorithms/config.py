@@ -26,6 +26,7 @@ LossAggregation = Literal["token", "sequence", "seq-mean-token-sum", "seq-mean-t
 KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 OffPolicyCorrection = Literal["none", "tis", "icepop", "decoupled"]
 TisLevel = Literal["token", "sequence-geometric", "sequence-product"]
+StaleRatio = Literal["behaviour", "proximal"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,14 @@ class PolicyLossConfig:
                                     "IcePop uses 0.5 with a cap of 5)")
     tis_level: TisLevel = setting("token", "whose importance weight: token; sequence-geometric (the geometric mean of "
                                       "the response's token weights); sequence-product (their product)")
+    stale_ratio: StaleRatio = setting("behaviour", "the PPO ratio of a token sampled by older weights than the "
+                                                   "trainer's (--max-staleness > 0): behaviour: against the "
+                                                   "log-probs it was sampled with, so the clip bounds the policy's "
+                                                   "movement from the policy that sampled it; proximal: against "
+                                                   "the trainer's recomputed ones, as fresh tokens (vime before "
+                                                   "issue 30: nothing bounds that movement). With "
+                                                   "--off-policy-correction the correction treats stale tokens and "
+                                                   "this is not used")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -92,6 +92,27 @@ def ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tenso
     return torch.exp(logprobs - old_logprobs)
 
 
+def ratio_anchor(config: PolicyLossConfig, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                 stale: torch.Tensor) -> torch.Tensor:
+    """The log-probs each token's ratio is taken against: the trainer's recomputed ``old_logprobs`` (the
+    proximal policy), except for ``stale`` tokens (sampled by weights older than the trainer's) with
+    ``stale_ratio="behaviour"`` and no off-policy correction, which take the ``behaviour_logprobs`` they were
+    sampled with.
+
+    Why: against the proximal policy a stale token's ratio starts every step at 1, so the clip never sees how
+    far the policy has already moved from the one that sampled it, and its advantage (measured among that
+    policy's responses) keeps pushing, step after step, in the direction it was already taken. A wrong answer
+    whose probability has all but vanished is still pushed down with the full gradient of its log-prob (1 -
+    p, about 1), which sharpens every logit of the shared network; a right one already near certainty is
+    pushed up again. Entropy then collapses before the slower prompts are learned, and a prompt collapsed on a
+    wrong answer gives all-equal rewards (advantage 0) from then on: the asynchronous plateau of issue 30.
+    Against the behaviour log-probs the clip is PPO's trust region around the sampling policy: a token that
+    has already moved by more than the clip in its advantage's direction adds no gradient."""
+    if config.stale_ratio == "proximal" or config.off_policy_correction != "none":
+        return old_logprobs
+    return torch.where(stale, behaviour_logprobs, old_logprobs)
+
+
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       clip_low: float, clip_high: float, mask: torch.Tensor | None = None,
                       level: str = "token") -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,9 @@
 One ``train_step`` does what a step of slime's Megatron trainer does, at
 laptop scale: recompute the batch's log-probs with the current weights (the
 "old" policy of the PPO ratio, and the trainer side of
-``train_rollout_logprob_abs_diff``), compute advantages, then
+``train_rollout_logprob_abs_diff``; a token sampled by older weights takes
+its ratio against its rollout log-prob instead: ``policy_loss.ratio_anchor``),
+compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
 over micro-batches of ``micro_batch_size`` samples, with gradient clipping
 and AdamW. A micro-batch is as wide as its longest sample, so each
@@ -36,7 +38,7 @@ import torch
 from vime.algorithms import estimators, grpo, ppo
 from vime.algorithms.config import check_estimator
 from vime.algorithms.kl import kl_divergence
-from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss
+from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss, ratio_anchor
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.backends.hf import load_causal_lm, position_ids, token_stats
@@ -289,6 +291,8 @@ class TorchTrainEngine(TrainEngine):
         if scored_here and counted:
             scores["old_logprobs"][rows] = old_logprobs
             scores["entropy"][rows] = entropy.detach()
+        stale = (batch.versions[rows] >= 0) & (batch.versions[rows] < self.weight_version)
+        old_logprobs = ratio_anchor(self.loss, old_logprobs, batch.rollout_logprobs[rows], stale)
         loss, stats = policy_loss(self.loss, logprobs, old_logprobs, advantages[rows], mask,
                                   entropy=entropy, ref_logprobs=scores["ref_logprobs"][rows]
                                   if "ref_logprobs" in scores else None,
