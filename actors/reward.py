@@ -20,7 +20,7 @@ import trio
 
 from vime.config import RunConfig
 from vime.messages.pipeline import RolloutGroup, ScoredGroup
-from vime.reward_workers import RewardWorkers
+from vime.reward_workers import RewardWorkers, WorkersClosed
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
 
@@ -56,12 +56,15 @@ class Reward(Actor):
                 for sample in msg.samples:
                     nursery.start_soon(score_one, sample)
         except Exception as err:  # a reward that cannot score would stall the run: stop it, loudly
+            if isinstance(err, BaseExceptionGroup) and err.split(WorkersClosed)[1] is None:
+                self.log.info("stopping: a group was left unscored", group_id=msg.group_id)
+                return
             self.log.exception("the reward function failed; stopping the run", group_id=msg.group_id)
             self.crash(RuntimeError(f"reward function failed on group {msg.group_id}: {err!r}"))
             return
         if timeouts:
-            self.log.warning("reward calls ran past --reward-timeout: scored 0", group_id=msg.group_id,
-                             timeouts=timeouts)
+            self.log.warning("reward calls cut off (past --reward-timeout, or their process died): scored 0",
+                             group_id=msg.group_id, timeouts=timeouts)
         self.counters["scored_samples"] += len(msg.samples)
         self.counters["reward_timeouts"] += timeouts
         await self.tell("buffer", ScoredGroup(group_id=msg.group_id, samples=msg.samples, worker=msg.worker,

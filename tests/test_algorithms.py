@@ -449,8 +449,22 @@ def test_stale_tokens_take_their_ratio_against_the_log_probs_they_were_sampled_w
     old, behaviour = tensor([[-1.0, -2.0, -3.0]]), tensor([[-1.5, -2.5, -3.5]])
     stale = torch.tensor([[True, False, True]])
     assert_close(ratio_anchor(PolicyLossConfig(), old, behaviour, stale), tensor([[-1.5, -2.0, -3.5]]))
-    for config in (PolicyLossConfig(stale_ratio="proximal"), PolicyLossConfig(off_policy_correction="tis")):
+    for config in (PolicyLossConfig(stale_ratio="proximal"), PolicyLossConfig(off_policy_correction="tis"),
+                   PolicyLossConfig(ratio_level="sequence")):  # GSPO: not per token inside its ~1e-4 clip
         assert_close(ratio_anchor(config, old, behaviour, stale), old)
+
+
+@pytest.mark.parametrize("backend, top_p, top_k, anchored", [
+    ("vllm", 1.0, 0, "behaviour"), ("vllm", 0.9, 0, "proximal"), ("vllm", 1.0, 20, "proximal"),
+    ("torch", 0.9, 0, "behaviour")])
+def test_vllms_truncated_log_probs_are_no_anchor(backend, top_p, top_k, anchored) -> None:
+    """vLLM reports top-p/top-k log-probs of the renormalised, truncated distribution: a stale token's ratio
+    against them is off by the mass cut off, so the trainer takes its ratio against its own (the reference
+    engine reports the untruncated distribution and keeps the anchor)."""
+    from vime.config import RunConfig
+
+    run = RunConfig().replace(rollout_backend=backend, top_p=top_p, top_k=top_k, model_path="m")
+    assert run.train_engine_arguments(seed=0)["loss"].stale_ratio == anchored
 
 
 def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:

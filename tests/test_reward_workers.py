@@ -143,3 +143,56 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+async def test_a_worker_that_died_idle_is_replaced_and_one_that_dies_in_a_call_scores_zero():
+    """An idle worker killed (out of memory, say) must not stop the run: the call goes to its replacement.
+    One killed during a call is cut off like a hang: 0, counted."""
+    workers = RewardWorkers("exact", "reward_plugins:hangs_on_hang", workers=1, limit_s=30.0)
+    with trio.fail_after(60):
+        workers.start()
+        try:
+            await workers.score("4", "4", {})
+            workers.idle[0].process.kill()
+            workers.idle[0].process.wait()
+            assert (await workers.score("4", "4", {})).reward == 1.0
+            victim = workers.idle[0].process
+
+            async def kill_soon() -> None:
+                await trio.sleep(0.5)
+                victim.kill()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_soon)
+                cut = await workers.score("hang", "4", {})
+            assert (cut.reward, cut.timed_out) == (0.0, True) and workers.timeouts == 1
+            assert (await workers.score("4", "4", {})).reward == 1.0
+        finally:
+            workers.close()
+
+
+async def test_closing_kills_busy_workers_and_ends_their_calls():
+    """The actor stopping mid-group: close() kills every process, busy ones too, and the waiting call ends
+    with WorkersClosed (which the actor logs, rather than reporting a broken reward function)."""
+    from vime.reward_workers import WorkersClosed
+
+    workers = RewardWorkers("exact", "reward_plugins:hangs_on_hang", workers=1, limit_s=60.0)
+    with trio.fail_after(30):
+        workers.start()
+        await workers.score("4", "4", {})
+        busy = workers.idle[0].process
+        with pytest.raises(BaseExceptionGroup) as ended:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(workers.score, "hang", "4", {})
+                await trio.sleep(0.5)
+                workers.close()
+                await workers.score("4", "4", {})
+    closed, other = ended.value.split(WorkersClosed)
+    assert other is None and len(closed.exceptions) == 2  # the busy call and the one after close
+    assert busy.poll() is not None and not workers.running
+
+
+async def test_metadata_a_worker_cannot_take_is_named():
+    workers = RewardWorkers("exact", "", workers=1, limit_s=10.0)
+    with pytest.raises(TypeError, match="keep its metadata to plain values"):
+        await workers.score("4", "4", {"x": object()})

@@ -352,6 +352,13 @@ class RunConfig:
             sections[section.name] = kind(**values)
         return cls(**sections)
 
+    def truncated_behaviour_logprobs(self) -> bool:
+        """Whether the rollout's log-probs are of a truncated distribution: vLLM reports the top-p/top-k
+        renormalised one. A stale token's ratio against them would be biased by the mass cut off (below 1 by
+        that much, at every token), so ``--stale-ratio behaviour`` falls back to proximal there."""
+        sampling = self.sampling
+        return self.rollout.rollout_backend == "vllm" and (sampling.top_p < 1 or sampling.top_k > 0)
+
     def train_engine_arguments(self, seed: int) -> dict[str, Any]:
         """What a trainer engine of ``--train-backend`` is built from: the same on every rank."""
         loss = self.loss
@@ -359,6 +366,8 @@ class RunConfig:
             agentic = self.agent.tool or self.agent.openai_endpoint
             longest = self.agent.max_response_tokens if agentic else self.sampling.max_new_tokens
             loss = dataclasses.replace(loss, loss_scale_tokens=longest)
+        if self.truncated_behaviour_logprobs() and loss.stale_ratio == "behaviour":
+            loss = dataclasses.replace(loss, stale_ratio="proximal")
         arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=loss,
                          grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
                          dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)

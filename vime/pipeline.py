@@ -134,6 +134,10 @@ def preflight(config: RunConfig) -> Placement:
     if not rows:
         raise ValueError(f"{data.data or data.custom_data_source}: no prompt rows; give at least one "
                          "{\"prompt\", \"label\"} row")
+    if config.truncated_behaviour_logprobs() and config.loss.stale_ratio == "behaviour" and data.max_staleness:
+        structlog.get_logger().warning("--top-p/--top-k with vLLM: its log-probs are of the truncated distribution, "
+                                       "so stale tokens take their PPO ratio against the trainer's recomputed "
+                                       "log-probs (--stale-ratio proximal) instead")
     if data.group_size == 1 and config.job.algo in GROUP_BASELINES:
         structlog.get_logger().warning(f"--group-size 1 with --advantage-estimator {config.job.algo}: its baseline is "
                                        "the group's own mean, so every advantage is 0 and nothing is learned; use "

@@ -38,10 +38,19 @@ START_S = 120.0  # a worker importing the function (and math-verify's sympy) may
 
 @dataclass
 class Scored:
-    """One call's outcome: the reward, and whether the limit cut it off (the reward is then 0)."""
+    """One call's outcome: the reward, and whether the call was cut off (the reward is then 0): it ran past the
+    limit, or its process died under it (killed for memory, say) -- an answer that breaks the scorer."""
 
     reward: float
     timed_out: bool = False
+
+
+class WorkersClosed(RuntimeError):
+    """The pool was closed (the actor is stopping) while a call waited or ran: nothing to score it with."""
+
+
+class _Died(Exception):
+    """A worker's process exited without answering."""
 
 
 class RewardWorkers:
@@ -54,42 +63,78 @@ class RewardWorkers:
                              f"(got {limit_s})")
         self.name, self.custom, self.size, self.limit_s = name, custom, workers, limit_s
         self.fn = rewards.resolve(name, custom)  # fails here, before any process starts, if it does not exist
-        self.inline = inspect.iscoroutinefunction(self.fn)
-        self.idle: list[_Worker] = []
+        self.inline = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
+            getattr(self.fn, "__call__", None))
+        self.idle: list[_Worker] = []  # waiting for a call; with the busy ones, ``workers`` while open
+        self.running: set[_Worker] = set()  # every process, idle or busy: close() kills them all
         self.free = trio.Semaphore(workers)
+        self.closed = False
         self.timeouts = 0
 
     def start(self) -> None:
         if not self.inline:
-            self.idle = [_Worker.start(self.name, self.custom) for _ in range(self.size)]
+            for _ in range(self.size):
+                self._add()
 
     def close(self) -> None:
-        for worker in self.idle:
+        """Kill every worker, busy ones too; calls waiting or running end with WorkersClosed."""
+        self.closed = True
+        for worker in self.running:
             worker.stop()
+        self.running.clear()
         self.idle = []
 
     async def score(self, response: str, label: str, metadata: dict[str, Any]) -> Scored:
-        """The reward of one response; 0 (and counted) when the call runs past the limit."""
+        """The reward of one response; 0 (and counted) when the call runs past the limit or its process dies."""
         if self.inline:
             with trio.move_on_after(self.limit_s):
                 return Scored(await rewards.score(self.fn, response, label, metadata))
             return self._timed_out()
+        try:
+            request = _frame({"response": response, "label": label, "metadata": metadata})
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"a sample cannot be sent to a reward worker ({err}): keep its metadata to plain "
+                            "values (strings, numbers, lists, maps)") from None
         async with self.free:
-            worker = self.idle.pop()
             try:
-                reward = await worker.call(response, label, metadata, self.limit_s)
-            except BaseException:
-                self._replace(worker)
-                raise
-            if reward is None:  # past the limit: the process is killed and replaced
-                self._replace(worker)
-                return self._timed_out()
-            self.idle.append(worker)
-            return Scored(reward)
+                return await self._call(request)
+            except trio.BrokenResourceError:  # the worker had died while idle: try once more on its replacement
+                return await self._call(request)
+
+    async def _call(self, request: bytes) -> Scored:
+        """One try on an idle worker; any failure but an answer replaces the worker."""
+        if self.closed:
+            raise WorkersClosed("the reward actor is stopping")
+        worker = self.idle.pop()
+        try:
+            reward = await worker.call(request, self.limit_s)
+        except _Died:
+            self._replace(worker)
+            return self._timed_out()
+        except trio.ClosedResourceError:  # close() closed its pipes under the call
+            self._replace(worker)
+            raise WorkersClosed("the reward actor is stopping") from None
+        except BaseException:
+            self._replace(worker)
+            raise
+        if reward is None:  # past the limit: the process is killed and replaced
+            self._replace(worker)
+            return self._timed_out()
+        if self.closed:
+            raise WorkersClosed("the reward actor is stopping")
+        self.idle.append(worker)
+        return Scored(reward)
+
+    def _add(self) -> None:
+        worker = _Worker.start(self.name, self.custom)
+        self.running.add(worker)
+        self.idle.append(worker)
 
     def _replace(self, worker: _Worker) -> None:
         worker.stop()
-        self.idle.append(_Worker.start(self.name, self.custom))
+        self.running.discard(worker)
+        if not self.closed:
+            self._add()
 
     def _timed_out(self) -> Scored:
         self.timeouts += 1
@@ -121,10 +166,8 @@ class _Worker:
     async def _read(self, size: int) -> bytes:
         while len(self.pending) < size:
             chunk = await self.stdout.receive_some()
-            if not chunk:
-                code = self.process.wait()  # its stdout closed: it has exited, or is about to
-                raise RuntimeError(f"a reward worker process died (exit code {code}); if the reward function "
-                                   "exits or crashes the interpreter, fix it")
+            if not chunk:  # its stdout closed: it has exited, or is about to
+                raise _Died()
             self.pending += chunk
         data, self.pending = self.pending[:size], self.pending[size:]
         return data
@@ -136,15 +179,20 @@ class _Worker:
             return msgpack.unpackb(await self._read(size))
         return None
 
-    async def call(self, response: str, label: str, metadata: dict[str, Any], limit_s: float) -> float | None:
-        """The reward, or None when the call ran past ``limit_s`` (the process must then be stopped)."""
+    async def call(self, request: bytes, limit_s: float) -> float | None:
+        """The reward for ``request`` (a frame), or None when the call ran past ``limit_s`` (the process must
+        then be stopped). BrokenResourceError: the process was gone before the request reached it."""
         if not self.ready:
-            hello = await self._reply(START_S)
+            try:
+                hello = await self._reply(START_S)
+            except _Died:
+                raise RuntimeError(f"a reward worker exited as it started (exit code {self.process.wait()}); "
+                                   "see the reward actor's log for its traceback") from None
             if hello != "ready":
                 problem = hello.get("error") if isinstance(hello, dict) else f"no answer in {START_S:.0f} s"
                 raise RuntimeError(f"a reward worker could not start: {problem}")
             self.ready = True
-        await self.stdin.send_all(_frame({"response": response, "label": label, "metadata": metadata}))
+        await self.stdin.send_all(request)
         answer = await self._reply(limit_s)
         if answer is None:
             return None
@@ -170,6 +218,7 @@ def _serve(name: str, custom: str) -> None:
     """A worker's loop: find the function, say ready, then score each request until stdin closes. Frames go
     out on the stdout it was started with; what the function prints goes to stderr."""
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the actor's to handle; it stops us
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = sys.stdin.buffer
@@ -187,8 +236,9 @@ def _serve(name: str, custom: str) -> None:
         return
     send("ready")
     while len(head := inp.read(4)) == 4:
-        request = msgpack.unpackb(inp.read(int.from_bytes(head, "big")))
+        body = inp.read(int.from_bytes(head, "big"))
         try:
+            request = msgpack.unpackb(body)
             answer: dict[str, Any] = {"reward": rewards.checked(fn, fn(request["response"], request["label"],
                                                                        **request["metadata"]))}
         except Exception as err:

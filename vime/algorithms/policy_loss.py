@@ -107,8 +107,13 @@ def ratio_anchor(config: PolicyLossConfig, old_logprobs: torch.Tensor, behaviour
     pushed up again. Entropy then collapses before the slower prompts are learned, and a prompt collapsed on a
     wrong answer gives all-equal rewards (advantage 0) from then on: the asynchronous plateau of issue 30.
     Against the behaviour log-probs the clip is PPO's trust region around the sampling policy: a token that
-    has already moved by more than the clip in its advantage's direction adds no gradient."""
-    if config.stale_ratio == "proximal" or config.off_policy_correction != "none":
+    has already moved by more than the clip in its advantage's direction adds no gradient (under PPO's loss;
+    CISPO keeps a clipped weight's gradient, so there the anchor only caps it).
+
+    Not for sequence-level ratios (GSPO): its clip is ~1e-4 wide, the anchor would mix per token within a
+    partial rollout, and a fully stale response would carry the engines' own mismatch inside it; nor where the
+    rollout's log-probs are of a truncated distribution (``RunConfig.train_engine_arguments``)."""
+    if config.stale_ratio == "proximal" or config.off_policy_correction != "none" or config.ratio_level == "sequence":
         return old_logprobs
     return torch.where(stale, behaviour_logprobs, old_logprobs)
 
