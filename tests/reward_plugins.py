@@ -56,3 +56,16 @@ def hangs_on_some(response: str, label: str, **metadata) -> float:
     if zlib.crc32(response.encode()) % 12 == 0:
         _spin_in_c()
     return 1.0 if label in response else 0.0
+
+
+def starts_a_sleeper(response: str, label: str, **metadata) -> float:
+    """Starts a process (as a reward running generated code would), writes its pid to the file named in
+    ``metadata["pid_file"]``, then hangs."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(metadata["pid_file"], "w") as out:
+        out.write(str(child.pid))
+    _spin_in_c()
+    return 0.0

@@ -198,3 +198,24 @@ async def test_metadata_a_worker_cannot_take_is_named():
     workers = RewardWorkers("exact", "", workers=1, limit_s=10.0)
     with pytest.raises(TypeError, match="keep its metadata to plain values"):
         await workers.score("4", "4", {"x": object()})
+
+
+async def test_what_a_timed_out_reward_started_is_killed_with_it(tmp_path):
+    """A reward that starts a process and hangs: at the limit its whole process group goes, the child too."""
+    pid_file = tmp_path / "child.pid"
+    workers = RewardWorkers("exact", "reward_plugins:starts_a_sleeper", workers=1, limit_s=2.0)
+    with trio.fail_after(60):
+        workers.start()
+        try:
+            assert (await workers.score("x", "4", {"pid_file": str(pid_file)})).timed_out
+        finally:
+            workers.close()
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not _alive(child), "the reward's own child outlived the timed-out call"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)

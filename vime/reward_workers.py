@@ -160,8 +160,9 @@ class _Worker:
         (below) goes when the thread that started the process ends, and trio's threads come and go."""
         # the actor's import path, so that a --custom-reward module found here is found there too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # a process group of its own: what a reward starts (a sandboxed run of generated code) is killed with it
         return cls(subprocess.Popen([sys.executable, "-m", "vime.reward_workers", name, custom],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True))
 
     async def _read(self, size: int) -> bytes:
         while len(self.pending) < size:
@@ -201,11 +202,12 @@ class _Worker:
         return answer["reward"]
 
     def stop(self) -> None:
-        """Kill the process (it may be stuck in C code that no signal handler interrupts) and reap it."""
+        """Kill the process and whatever it started (it may be stuck in C code that no signal handler
+        interrupts), and reap it."""
         for stream in (self.stdin, self.stdout):
             stream.close()
         with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
 
