@@ -45,15 +45,20 @@ def prepare(run_dir: Path, config: RunConfig) -> RunConfig:
     return config.replace(model_path=str(folder))  # responses stop at the tokenizer's EOS (the buffer's default)
 
 
-def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int = 2, arch: str = "qwen3") -> int:
+def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int | None = None, arch: str = "qwen3",
+                shape: str = "", tied_embeddings: bool | None = None) -> int:
     """Write a random tiny Qwen3 (``arch`` qwen3_moe: Qwen3-MoE) and its character-level tokenizer to
-    ``folder``; returns the eos id."""
+    ``folder``; returns the eos id. ``shape`` (``qwen3-0.6b``, ``qwen3-30b-a3b``: ``make_tiny_model.SHAPES``)
+    builds a real model's width and depth (``layers`` cuts the depth) over the same 16-token vocabulary, in
+    bf16 as the real checkpoints are stored: the task at a size where GPU kernels, conversion and weight
+    paths run as they do for real models, with the same start at chance. ``tied_embeddings`` overrides whether
+    the output layer shares the embedding's weight (tiny: not tied; a shape: as published)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from vime.devtools.make_tiny_model import tiny_config
+    from vime.devtools.make_tiny_model import full_config, tiny_config
 
     vocab = {token: index for index, token in enumerate(_SPECIAL + _SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -62,11 +67,15 @@ def build_model(folder: Path, *, seed: int, hidden_size: int = 128, layers: int 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>")
     tokenizer.save_pretrained(folder)
-    config = tiny_config(arch, len(vocab), hidden_size=hidden_size, layers=layers, pad_token_id=vocab["<pad>"],
-                         bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    token_ids = dict(pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    if shape:
+        config = full_config(shape, layers, vocab_size=len(vocab), **token_ids)
+    else:
+        config = tiny_config(arch, len(vocab), hidden_size=hidden_size, layers=layers or 2, **token_ids)
+    if tied_embeddings is not None:
+        config.tie_word_embeddings = tied_embeddings
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if shape else None)
+    model.save_pretrained(folder)
     return vocab["</s>"]
-
-

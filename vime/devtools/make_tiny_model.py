@@ -66,18 +66,18 @@ def tiny_config(arch: str, vocab_size: int, *, hidden_size: int = 64, layers: in
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
 
 
-def full_config(shape: str, layers: int | None = None, **token_ids: Any) -> Any:
-    """The transformers config of a real model's shape (``SHAPES``), with ``layers`` decoder layers if given;
-    ``token_ids`` are pad/bos/eos ids."""
+def full_config(shape: str, layers: int | None = None, vocab_size: int = 151936, **token_ids: Any) -> Any:
+    """The transformers config of a real model's shape (``SHAPES``), with ``layers`` decoder layers if given and
+    a vocabulary of ``vocab_size`` (the real one's by default); ``token_ids`` are pad/bos/eos ids."""
     import transformers
 
     if shape not in SHAPES:
         raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, not {shape!r}")
     arch, settings = SHAPES[shape]
     config_class = transformers.Qwen3Config if arch == "qwen3" else transformers.Qwen3MoeConfig
-    return config_class(**{**settings, **({} if layers is None else {"num_hidden_layers": layers})}, vocab_size=151936,
-                        head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                        **token_ids)
+    depth = {} if layers is None else {"num_hidden_layers": layers}
+    return config_class(**{**settings, **depth}, vocab_size=vocab_size, head_dim=128, max_position_embeddings=40960,
+                        rope_theta=1_000_000.0, rms_norm_eps=1e-6, **token_ids)
 
 
 def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: int = 0, hidden_size: int = 64,
