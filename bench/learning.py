@@ -49,7 +49,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -183,7 +183,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def matrix_label(row: dict[str, Any]) -> str:
+    """A matrix run's name in the plot's legend: its staleness bound, workers, seed and settings."""
+    label = f"k={row['max_staleness']} w={row['rollout_workers']} seed={row['seed']}"
+    if "run_dir" in row:
+        label += f" ({Path(row['run_dir']).name})"
+    if row.get("settings"):
+        label += " " + " ".join(f"{name}={value}" for name, value in row["settings"].items())
+    return label
+
+
+def plot(rows: list[dict[str, Any]], path: Path, label: Callable[[dict[str, Any]], str] = matrix_label) -> None:
+    """Reward and train-rollout log-prob gap against step, one line per row (``label`` names it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,18 +205,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         curves = row.get("curves")
         if not curves:
             continue
-        label = f"k={row['max_staleness']} w={row['rollout_workers']} seed={row['seed']}"
-        if "run_dir" in row:
-            label += f" ({Path(row['run_dir']).name})"
-        if row.get("settings"):
-            label += " " + " ".join(f"{name}={value}" for name, value in row["settings"].items())
-        reward_axis.plot(curves["raw_reward"], label=label, linewidth=0.8)
+        name = label(row)
+        reward_axis.plot(curves["raw_reward"], label=name, linewidth=0.8)
         if "train_rollout_logprob_abs_diff" not in curves:  # a --controlled run: no engine on the other side
             continue
         # the gap on the step's tokens: fresh ones where there are (synchronous), else stale ones
         gaps = [fresh if fresh is not None else stale for fresh, stale in
                 zip(curves["train_rollout_logprob_abs_diff"], curves["train_rollout_logprob_abs_diff_stale"])]
-        gap_axis.plot([float("nan") if gap is None else gap for gap in gaps], label=label, linewidth=0.8)
+        gap_axis.plot([float("nan") if gap is None else gap for gap in gaps], label=name, linewidth=0.8)
     reward_axis.set_ylabel("raw_reward")
     reward_axis.legend(fontsize=6, ncol=3)
     gap_axis.set_yscale("log")
