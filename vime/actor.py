@@ -7,7 +7,9 @@ extra one by hand, e.g. a rollout worker for a running job::
 
 The actor listens, registers with the driver at ADDRESS (which checks the
 token), then serves until the job ends, it is told to stop, or it gets
-SIGINT/SIGTERM. A refused join exits with status 2 and says why.
+SIGINT/SIGTERM. A refused join exits with status 2 and says why; so does
+one that could never succeed (TLS on one side only, a CA that does not
+match), found by one trial connection before the actor starts.
 
 An actor spawned by a driver (``--exit-with-parent PID``) must not outlive
 it, even when the driver is killed with ``kill -9``. The runtime notices and
@@ -41,6 +43,7 @@ from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
 from vime.transports.shm import pid_alive, remove_left_by
+from vime.transports.sockets import Handshake, probe_handshake
 
 DRIVER_GONE_GRACE_S = 15.0
 
@@ -100,6 +103,34 @@ def _json_settings(text: str) -> dict[str, Any]:
     return values
 
 
+def join_problem(settings: ActorSettings) -> str | None:
+    """Why joining the driver with these settings cannot work, saying what to pass instead; None when it can
+    (or the driver is not reachable yet: the join then waits for it as usual)."""
+    url = urlsplit(settings.driver)
+    if url.scheme not in ("tcp", "tls+tcp"):
+        return None
+    plain = f"tcp://{url.netloc}"
+    if url.scheme == "tls+tcp" and settings.tls is None:
+        return ("it is a TLS address; pass --tls-cert-key (a PEM with this host's certificate and key, signed by the "
+                "job's CA) and --tls-ca (the job's CA: the file its driver was given as --tls-ca)")
+    found, detail = probe_handshake(settings.driver, settings.tls)
+    if found is Handshake.PEER_WANTS_TLS:
+        return (f"it closed the connection at once, so the job uses TLS; join with --join tls+{plain} and pass "
+                "--tls-cert-key and --tls-ca (RUN_DIR/join on the driver's host holds the command)")
+    if found is Handshake.PEER_NOT_TLS:
+        return f"it does not speak TLS ({detail}); join with --join {plain}, without --tls-cert-key and --tls-ca"
+    if found is Handshake.PEER_UNTRUSTED and "mismatch" in detail:
+        return (f"the driver's certificate does not name {url.hostname} ({detail}); join by a name the certificate "
+                f"carries, or give the driver a certificate for {url.hostname}")
+    if found is Handshake.PEER_UNTRUSTED:
+        return (f"the driver's certificate is not signed by the CA in --tls-ca {settings.tls_ca} ({detail}); pass "
+                "the job's CA: the file its driver was given as --tls-ca")
+    if found is Handshake.WE_ARE_REFUSED:
+        return (f"the driver did not accept this actor's certificate (--tls-cert-key {settings.tls_cert_key}); pass "
+                "a certificate signed by the job's CA")
+    return None
+
+
 def _watch_parent_hard(parent_pid: int) -> None:
     """Thread body: once the parent is gone, give the graceful stop ``DRIVER_GONE_GRACE_S``, then clean up
     and end the process whatever its event loop is doing."""
@@ -134,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     configure(launch.log_level)
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
+    if parent_pid is None:  # joined by hand: the user's flags may not fit the job
+        problem = join_problem(settings)
+        if problem:
+            print(f"vime.actor: cannot join the driver at {settings.driver}: {problem}", file=sys.stderr)
+            return 2
     actor = cls(settings, json.loads(launch.config))
     try:
         trio.run(actor.serve)
