@@ -8,6 +8,7 @@ looked at, nor touched.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import trio
 
 from conftest import SESSION_MARK, marked_processes, open_job
 from vime.runtime import Actor
+from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, Blob
 from vime.transports.shm import SegmentPool, map_segment, remove_left_by, sweep_stale
 
@@ -136,20 +138,23 @@ async def test_an_actor_whose_loop_is_blocked_still_exits_when_its_driver_is_kil
     assert not list(shm_dir.iterdir())  # the driver's ipc sockets went with the last actor
 
 
-ENDINGS = ["normal end", "Ctrl-C", "SIGTERM", "kill -9"]
+ENDINGS = ["normal end", "Ctrl-C", "SIGTERM", "kill -9", "kill -9 of the trainer"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_a_cli_run_leaves_no_process_and_no_shared_memory(shm_dir, tmp_path, ending):
     """``python -m vime.scenario`` ended each way, with the run at work (weights went through shared memory):
-    afterwards no process of the run is left and the shared-memory folder is empty."""
+    afterwards no process of the run is left and the shared-memory folder is empty. A trainer killed with
+    kill -9 ends the run (the driver stops the rest); its segments must go with it."""
     mark = uuid.uuid4().hex
     run_dir = tmp_path / "run"
+    model = tmp_path / "model"
+    arithmetic.build_model(model, seed=0, hidden_size=512)  # weights of 1 MiB: they travel by shared memory
     steps = 2 if ending == "normal end" else 1000
     driver = subprocess.Popen(
         [sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(run_dir), "--steps", str(steps),
-         "--rollout-batch-size", "16"],
+         "--rollout-batch-size", "16", "--model-path", str(model)],
         env=dict(os.environ, **{SESSION_MARK: mark}, PYTHONUNBUFFERED="1"), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -157,8 +162,8 @@ def test_a_cli_run_leaves_no_process_and_no_shared_memory(shm_dir, tmp_path, end
             assert driver.wait(timeout=300) == 0, driver.stderr.read()[-3000:]
         else:
             _wait_for_a_step(driver, run_dir)
-            assert list(shm_dir.glob("vime-*-*-*")), "no segment while the run was at work: nothing to test"
-            _end(driver, ending)
+            assert list(shm_dir.glob(f"vime-{_trainer_pid(run_dir)}-*")), "the trainer lent no segment: nothing to test"
+            _end(driver, ending, run_dir)
             driver.wait(timeout=120)
         left = _wait_gone_sync(lambda: marked_processes(mark))
         assert not left, f"left running after {ending}: {left}"
@@ -180,11 +185,18 @@ def _wait_for_a_step(driver: subprocess.Popen, run_dir: Path) -> None:
         time.sleep(0.2)
 
 
-def _end(driver: subprocess.Popen, ending: str) -> None:
+def _end(driver: subprocess.Popen, ending: str, run_dir: Path) -> None:
     if ending == "Ctrl-C":  # the terminal sends SIGINT to the whole foreground process group
         os.killpg(driver.pid, signal.SIGINT)
+    elif ending == "kill -9 of the trainer":
+        os.kill(_trainer_pid(run_dir), signal.SIGKILL)
     else:
         driver.send_signal(signal.SIGTERM if ending == "SIGTERM" else signal.SIGKILL)
+
+
+def _trainer_pid(run_dir: Path) -> int:
+    actors = json.loads((run_dir / "actors.json").read_text())["actors"]
+    return next(actor["pid"] for actor in actors if actor["name"] == "trainer")
 
 
 def _wait_gone_sync(left: Callable[[], list[Any]]) -> list[Any]:
