@@ -23,6 +23,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import trio
+from test_async import _alive
 
 from conftest import SESSION_MARK, marked_processes, open_job
 from vime.runtime import Actor
@@ -210,12 +211,3 @@ def _wait_gone_sync(left: Callable[[], list[Any]]) -> list[Any]:
 async def _wait_gone(left: Callable[[], list[Any]], message: str) -> None:
     found = await trio.to_thread.run_sync(_wait_gone_sync, left)
     assert not found, f"{message}: {found}"
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped by whoever adopted it does not count)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
