@@ -1,8 +1,22 @@
-"""Shared fixtures: a running job (driver + real actor processes) in a temp folder."""
+"""Shared fixtures: a running job (driver + real actor processes) in a temp folder, throw-away TLS files --
+and the session's leak check.
+
+The leak check: this session marks its environment (``VIME_TEST_SESSION``, inherited by every process it
+starts, however deep) and gives vime a shared-memory folder of its own (``VIME_SHM_DIR``, where segments
+and the driver's ipc sockets go). At the end, a process still carrying the mark, or anything left in that
+folder, fails the run -- other users' vime processes and segments on the same machine are never looked at.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -12,6 +26,10 @@ from vime import Cluster
 from vime.logs import configure
 
 configure("warning")
+
+SESSION_MARK = "VIME_TEST_SESSION"
+LINGER_S = 15.0  # how long processes of the session may take to finish exiting once the tests are done
+_OWN_SHM_DIR = pytest.StashKey[Path]()
 
 
 @contextlib.asynccontextmanager
@@ -25,6 +43,26 @@ def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str]:
+    """A throw-away CA and one certificate it signs for localhost and 127.0.0.1, made with the openssl CLI;
+    returns them as Cluster.open's ``tls`` takes them. Skips the test where openssl is missing."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make test certificates")
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", f"/CN={ca_name}")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    (folder / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
+    (folder / "bundle.pem").write_text((folder / "node.pem").read_text() + (folder / "node.key").read_text())
+    return {"cert_key": str(folder / "bundle.pem"), "ca": str(folder / "ca.pem")}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests are real tests; on a machine without CUDA they are skipped, saying so."""
     import torch
@@ -35,3 +73,65 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Mark this session's processes and give its segments a folder of its own, before any test starts."""
+    mark = os.environ.setdefault(SESSION_MARK, uuid.uuid4().hex)
+    if "VIME_SHM_DIR" not in os.environ:
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        os.environ["VIME_SHM_DIR"] = tempfile.mkdtemp(prefix=f"vime-tests-{mark[:8]}-", dir=base)
+        config.stash[_OWN_SHM_DIR] = Path(os.environ["VIME_SHM_DIR"])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when its tests left vime processes running or files in the shared-memory folder."""
+    folder = session.config.stash.get(_OWN_SHM_DIR, None)
+    if folder is None:  # an outer session owns the folder and the check (a pytest run inside a test)
+        return
+    leaks = leaked_processes(os.environ[SESSION_MARK], LINGER_S)
+    for pid, command in leaks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    left = sorted(entry.name for entry in folder.iterdir())
+    shutil.rmtree(folder, ignore_errors=True)
+    if not (leaks or left):
+        return
+    lines = [f"pid {pid}: {command}" for pid, command in leaks] + [f"{folder}/{name}" for name in left]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = "the tests left these behind (killed and removed now):\n  " + "\n  ".join(lines)
+    if reporter is not None:
+        reporter.write_sep("=", "leaked vime processes or shared memory", red=True)
+        reporter.write_line(message)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def leaked_processes(mark: str, linger_s: float = 0.0) -> list[tuple[int, str]]:
+    """Processes other than this one whose environment carries ``VIME_TEST_SESSION=mark``, after giving
+    them ``linger_s`` to exit; each with its command line."""
+    deadline = time.monotonic() + linger_s
+    while True:
+        found = marked_processes(mark)
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+def marked_processes(mark: str) -> list[tuple[int, str]]:
+    """Live processes (not zombies) but this one carrying ``VIME_TEST_SESSION=mark``; each with its command."""
+    needle = f"{SESSION_MARK}={mark}".encode()
+    found: list[tuple[int, str]] = []
+    if not Path("/proc").is_dir():  # not Linux: nothing to read the environments from
+        return found
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if needle in environ.split(b"\0") and state != "Z":
+            found.append((int(entry.name), command))
+    return found

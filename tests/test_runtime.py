@@ -7,7 +7,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import torch
 import trio
 
-from conftest import open_job
+from conftest import make_tls_files, open_job
 from vime import PeerGone, RemoteError
 from vime.actor import _parser
 from vime.cluster import new_join_token
@@ -331,23 +330,7 @@ async def test_ask_times_out_with_a_useful_message(tmp_path):
 
 @pytest.fixture
 def tls_files(tmp_path):
-    """A throw-away CA and one certificate for localhost, made with the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is needed to make test certificates")
-    d = tmp_path / "tls"
-    d.mkdir()
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=vime-test-ca")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
-    (d / "bundle.pem").write_text((d / "node.pem").read_text() + (d / "node.key").read_text())
-    return {"cert_key": str(d / "bundle.pem"), "ca": str(d / "ca.pem")}
+    return make_tls_files(tmp_path / "tls")
 
 
 async def test_tls_transport_with_token(tmp_path, tls_files):

@@ -13,6 +13,15 @@ the runtime reclaims them when the driver reports the death. Segments left
 when the sender closes are unlinked. Names are checked against the writer's
 pattern before anything is opened, so a received name can never point
 outside the segment folder.
+
+Segments carry their writer's pid (``vime-PID-...``), and so does the
+driver's folder of ipc sockets kept beside them: what a process killed with
+``kill -9`` leaves behind is found by that pid. The driver removes a dead
+actor's at once (:func:`remove_left_by`) and, as it starts, whatever dead
+processes of the same user left (:func:`sweep_stale`). A pid is judged on
+this host's process table: processes in another pid namespace that share
+this folder would look dead, so give such containers a folder of their own
+(``VIME_SHM_DIR``).
 """
 
 from __future__ import annotations
@@ -23,19 +32,73 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
 _NAME = re.compile(r"^vime-[0-9]+-[0-9a-f]{8}-[0-9]+$")
+_LEFT_BY = re.compile(r"^vime-([0-9]+)-")  # a segment, or a driver's folder of ipc sockets
 _GRAIN = 1 << 20  # segment sizes round up to this, so near sizes share segments
 
 
 def segment_dir() -> Path:
-    """tmpfs when the OS has one (Linux), else the temp folder (still correct, slower)."""
+    """``$VIME_SHM_DIR`` when set (a test session's own folder, a container's); else tmpfs when the OS has one
+    (Linux), else the temp folder (still correct, slower). Every actor of a host must see the same one."""
+    chosen = os.environ.get("VIME_SHM_DIR")
+    if chosen:
+        return Path(chosen)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (any user's; a zombie counts until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_left_by(pid: int, folder: Path | None = None) -> list[str]:
+    """Remove the segments and socket folders of process ``pid``, which the caller knows is dead.
+
+    Receivers that still map a segment keep their mapping: only the name goes.
+    Returns the names removed.
+    """
+    folder = folder or segment_dir()
+    removed = []
+    for entry in folder.glob(f"vime-{pid}-*"):
+        if _LEFT_BY.match(entry.name) and entry.lstat().st_uid == os.getuid():
+            _remove_entry(entry)
+            removed.append(entry.name)
+    return removed
+
+
+def sweep_stale(folder: Path | None = None) -> list[str]:
+    """Remove what dead processes of this user left (``kill -9``, a crash, a power cut); returns the names.
+
+    Run by the driver as it starts: nothing else would ever free that memory.
+    """
+    folder = folder or segment_dir()
+    dead = set()
+    for entry in folder.glob("vime-*"):
+        match = _LEFT_BY.match(entry.name)
+        if match and not pid_alive(int(match[1])):
+            dead.add(int(match[1]))
+    return [name for pid in sorted(dead) for name in remove_left_by(pid, folder)]
+
+
+def _remove_entry(entry: Path) -> None:
+    """Unlink a segment or remove a socket folder; a concurrent sweep may have been first."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
 
 
 @dataclasses.dataclass

@@ -13,14 +13,21 @@ copy; the buffer is freed when the last view of it dies.
 
 Addresses: ``ipc://PATH`` on one host, ``tcp://HOST:PORT`` across hosts
 (port 0 picks a free one), ``tls+tcp://`` with a :class:`TlsFiles`.
+
+nng dials quietly and retries for ever, so a peer that will never accept us
+(it speaks TLS and we do not, or the reverse; a CA that does not match) looks
+the same as one that is slow. :func:`probe_handshake` makes one connection
+by hand first and says which it is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import os
 import socket
+import ssl
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,6 +61,70 @@ class TlsFiles:
             cert_key_file=self.cert_key_file,
             auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED,
         )
+
+
+class Handshake(enum.Enum):
+    """What :func:`probe_handshake` found at a peer's address."""
+
+    OK = "ok"
+    UNREACHABLE = "nothing answers there (yet)"
+    PEER_WANTS_TLS = "the peer closed the connection at once: it expects TLS"
+    PEER_NOT_TLS = "the peer does not speak TLS"
+    PEER_UNTRUSTED = "the peer's certificate is not trusted by our CA"
+    WE_ARE_REFUSED = "the peer did not accept our certificate"
+
+
+_SP_HEADER = b"\x00SP\x00"  # how every nng (SP) connection starts, both ways
+_PUSH0 = b"\x00\x50\x00\x00"  # protocol Push0, as our outboxes dial
+
+
+def probe_handshake(address: str, tls: TlsFiles | None, timeout: float = 5.0) -> tuple[Handshake, str]:
+    """Connect to a ``tcp://`` or ``tls+tcp://`` address once, as an outbox would, and say how it went.
+
+    Returns the finding and the detail the TLS library gave. A peer that is not
+    listening yet is UNREACHABLE: the caller may still wait for it.
+    """
+    url = urlsplit(address)
+    try:
+        raw = socket.create_connection((url.hostname, url.port), timeout=timeout)
+    except OSError as err:
+        return Handshake.UNREACHABLE, str(err)
+    with raw:
+        if url.scheme == "tls+tcp":
+            assert tls is not None, "a tls+tcp address needs TLS files"
+            return _probe_tls(raw, url.hostname, tls)
+        return _probe_sp(raw, Handshake.PEER_WANTS_TLS)
+
+
+def _probe_tls(raw: socket.socket, server_name: str, tls: TlsFiles) -> tuple[Handshake, str]:
+    """The TLS handshake, then the SP header: a peer that refuses our certificate says so only after
+    the handshake, by dropping the connection."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(tls.ca_file)
+    context.load_cert_chain(tls.cert_key_file)
+    try:
+        wrapped = context.wrap_socket(raw, server_hostname=server_name)
+    except ssl.SSLCertVerificationError as err:
+        return Handshake.PEER_UNTRUSTED, err.verify_message
+    except ssl.SSLError as err:
+        return Handshake.PEER_NOT_TLS, err.reason or str(err)
+    except OSError as err:
+        return Handshake.PEER_NOT_TLS, str(err)
+    return _probe_sp(wrapped, Handshake.WE_ARE_REFUSED)
+
+
+def _probe_sp(connection: socket.socket, if_dropped: Handshake) -> tuple[Handshake, str]:
+    """Send our SP header and read the peer's; a dropped connection is ``if_dropped``."""
+    try:
+        connection.sendall(_SP_HEADER + _PUSH0)
+        answer = connection.recv(len(_SP_HEADER))
+    except TimeoutError as err:  # slow, not refusing: the caller waits as usual
+        return Handshake.UNREACHABLE, str(err)
+    except (ssl.SSLError, OSError) as err:
+        return if_dropped, str(err)
+    if answer.startswith(_SP_HEADER):
+        return Handshake.OK, ""
+    return if_dropped, f"it answered {answer[:8]!r}"
 
 
 def _check(rv: int) -> None:

@@ -7,7 +7,19 @@ extra one by hand, e.g. a rollout worker for a running job::
 
 The actor listens, registers with the driver at ADDRESS (which checks the
 token), then serves until the job ends, it is told to stop, or it gets
-SIGINT/SIGTERM. A refused join exits with status 2 and says why.
+SIGINT/SIGTERM. A refused join exits with status 2 and says why; so does
+one that could never succeed (TLS on one side only, a CA that does not
+match), found by one trial connection before the actor starts.
+
+An actor spawned by a driver (``--exit-with-parent PID``) must not outlive
+it, even when the driver is killed with ``kill -9``. The runtime notices and
+stops gracefully; should that not happen (the actor's event loop busy in a
+long computation, or stuck), a watchdog thread ends the process
+``DRIVER_GONE_GRACE_S`` later. Either way the actor then removes what the
+dead driver left on this host (its shared memory and its folder of ipc
+sockets), since no one else would. Not PR_SET_PDEATHSIG: Linux sends it when
+the *thread* that forked the child exits, and trio forks from worker
+threads that exit after 10 s idle -- it would kill healthy actors.
 """
 
 from __future__ import annotations
@@ -18,6 +30,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +42,10 @@ from vime.logs import configure
 from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
+from vime.transports.shm import pid_alive, remove_left_by
+from vime.transports.sockets import Handshake, probe_handshake
+
+DRIVER_GONE_GRACE_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +103,73 @@ def _json_settings(text: str) -> dict[str, Any]:
     return values
 
 
+def join_problem(settings: ActorSettings) -> str | None:
+    """Why joining the driver with these settings cannot work, saying what to pass instead; None when it can
+    (or the driver is not reachable yet: the join then waits for it as usual)."""
+    url = urlsplit(settings.driver)
+    if url.scheme not in ("tcp", "tls+tcp"):
+        return None
+    plain = f"tcp://{url.netloc}"
+    if url.scheme == "tls+tcp" and settings.tls is None:
+        return ("it is a TLS address; pass --tls-cert-key (a PEM with this host's certificate and key, signed by the "
+                "job's CA) and --tls-ca (the job's CA: the file its driver was given as --tls-ca)")
+    found, detail = probe_handshake(settings.driver, settings.tls)
+    if found is Handshake.PEER_WANTS_TLS:
+        return (f"it closed the connection at once, so the job uses TLS; join with --join tls+{plain} and pass "
+                "--tls-cert-key and --tls-ca (RUN_DIR/join on the driver's host holds the command)")
+    if found is Handshake.PEER_NOT_TLS:
+        return f"it does not speak TLS ({detail}); join with --join {plain}, without --tls-cert-key and --tls-ca"
+    if found is Handshake.PEER_UNTRUSTED and "mismatch" in detail:
+        return (f"the driver's certificate does not name {url.hostname} ({detail}); join by a name the certificate "
+                f"carries, or give the driver a certificate for {url.hostname}")
+    if found is Handshake.PEER_UNTRUSTED:
+        return (f"the driver's certificate is not signed by the CA in --tls-ca {settings.tls_ca} ({detail}); pass "
+                "the job's CA: the file its driver was given as --tls-ca")
+    if found is Handshake.WE_ARE_REFUSED:
+        return (f"the driver did not accept this actor's certificate (--tls-cert-key {settings.tls_cert_key}); pass "
+                "a certificate signed by the job's CA")
+    return None
+
+
+def _watch_parent_hard(parent_pid: int) -> None:
+    """Thread body: once the parent is gone, give the graceful stop ``DRIVER_GONE_GRACE_S``, then clean up
+    and end the process whatever its event loop is doing."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    time.sleep(DRIVER_GONE_GRACE_S)
+    print(f"vime.actor: the driver (pid {parent_pid}) is gone and this actor did not stop within "
+          f"{DRIVER_GONE_GRACE_S:.0f} s; ending it", file=sys.stderr, flush=True)
+    remove_left_by(os.getpid())
+    _remove_left_by_driver(parent_pid)
+    os._exit(1)
+
+
+def _remove_left_by_driver(parent_pid: int) -> None:
+    """Remove a dead driver's shared memory and its folder of ipc sockets (both named for its pid, in the
+    same folder), which ``kill -9`` kept it from removing; every actor it spawned tries, so the last one out
+    leaves nothing."""
+    if not pid_alive(parent_pid):
+        remove_left_by(parent_pid)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     launch = ActorLaunch(**given_settings(args, ActorLaunch))
     if args.driver is None:
         parser.error("--join ADDRESS is required: the address of the job's driver")
+    parent_pid = os.getppid() if args.parent_pid == 0 else args.parent_pid
+    if parent_pid is not None:  # before the imports of the role, which take seconds
+        threading.Thread(target=_watch_parent_hard, args=(parent_pid,), daemon=True,
+                         name="driver-watchdog").start()
     configure(launch.log_level)
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
+    if parent_pid is None:  # joined by hand: the user's flags may not fit the job
+        problem = join_problem(settings)
+        if problem:
+            print(f"vime.actor: cannot join the driver at {settings.driver}: {problem}", file=sys.stderr)
+            return 2
     actor = cls(settings, json.loads(launch.config))
     try:
         trio.run(actor.serve)
@@ -111,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                   "right?", file=sys.stderr)
             return 2
         raise
+    finally:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            _remove_left_by_driver(parent_pid)
     return 0
 
 

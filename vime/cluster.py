@@ -17,6 +17,12 @@ SIGBUS) within ``QUICK_DEATH_S`` of starting, ``GIVE_UP_AFTER`` times in a
 row, is not restarted again: its start-up is broken (a bad engine argument,
 too little GPU memory), and the driver records a ``gave up`` event instead of
 looping. A kill (SIGKILL, SIGTERM) is someone's decision and does not count.
+
+Leaks: an actor that dies without closing (``kill -9``, a crash) leaves its
+shared-memory segments (``vime.transports.shm``); the driver removes them
+when it sees the death, and as it starts it sweeps what dead processes of
+the same user left, its own ipc sockets included (their folder carries the
+driver's pid, beside the segments).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from vime.logs import configure
 from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
+from vime.transports.shm import pid_alive, remove_left_by, segment_dir, sweep_stale
 
 QUICK_DEATH_S = 120.0
 GIVE_UP_AFTER = 3
@@ -131,7 +138,7 @@ class Cluster:
         self._event_posted = trio.lowlevel.ParkingLot()
         self._spawned: dict[str, _Spawned] = {}
         self._gone: set[str] = set()  # spawned actors dead and not to be restarted
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="vime-"))
+        self._socket_dir = Path(tempfile.mkdtemp(prefix=f"vime-{os.getpid()}-ipc-", dir=segment_dir()))
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self.driver: _Driver | None = None
@@ -153,6 +160,7 @@ class Cluster:
             raise ValueError(f"transport must be ipc, tcp or tls+tcp, not {transport!r}")
         if transport != "ipc" and token is None:
             token = new_join_token()
+        _sweep_stale()
         cluster = cls(Path(run_dir), transport=transport, host=host, token=token, record=record,
                       dead_after_s=dead_after_s, tls=tls, job_config=job_config)
         cluster.run_dir.mkdir(parents=True, exist_ok=True)
@@ -314,12 +322,23 @@ class Cluster:
         info = self.actors.pop(name, None)
         if info is None:
             return
+        self._remove_left_by(info)
         if self._closing:
             self.driver.log.info("actor exited", peer=name, peer_role=info.role, pid=info.pid, how=how)
         else:
             self.driver.log.error("actor died", peer=name, peer_role=info.role, pid=info.pid, how=how)
         self._post(ActorEvent("died", name, how, time.time()))
         self._publish_directory()
+
+    def _remove_left_by(self, info: ActorInfo) -> None:
+        """Free the shared memory of an actor that died on this host without closing (``kill -9``): its pool
+        may hold a GiB, and nobody else knows it is garbage. One still running (silent, not dead) keeps it."""
+        if info.host != os.uname().nodename or pid_alive(info.pid):
+            return
+        removed = remove_left_by(info.pid)
+        if removed:
+            self.driver.log.info("removed a dead actor's shared memory", peer=info.name, pid=info.pid,
+                                 segments=len(removed))
 
     def _directory(self) -> dict[str, str]:
         return {name: info.address for name, info in self.actors.items()}
@@ -390,6 +409,15 @@ class Cluster:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+def _sweep_stale() -> None:
+    """Remove the segments and socket folders that dead runs of this user left (a driver or an actor killed
+    with ``kill -9``): tmpfs is memory, and nothing else would ever free it."""
+    removed = sweep_stale()
+    if removed:
+        structlog.get_logger().info("removed what dead vime processes left", folder=str(segment_dir()),
+                                    entries=len(removed))
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -1,0 +1,142 @@
+"""TLS through the pipeline: a training run over ``tls+tcp`` with a rollout worker joined by hand over TLS, and
+joins that could never work (the wrong CA, a certificate the job's CA did not sign, TLS on one side only)
+refused at once, saying what to pass. Certificates are made by the tests (``make_tls_files``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from test_async import hold_run_until_serving
+
+from conftest import make_tls_files, open_job
+from vime.cluster import Cluster
+from vime.messages.runtime import StatusQuery
+from vime.metrics import MetricsFollower
+from vime.pipeline import train
+from vime.scenarios import arithmetic
+from vime.scenarios.selfcheck import ECHO, Ping, Pong
+
+REFUSED_WITHIN_S = 25.0  # below the 30 s a join waits for a driver that never answers
+
+
+@pytest.fixture
+def job_tls(tmp_path: Path) -> dict[str, str]:
+    return make_tls_files(tmp_path / "job-tls")
+
+
+@pytest.fixture
+def other_tls(tmp_path: Path) -> dict[str, str]:
+    """Files of another CA: what a user has from another job, or made by mistake."""
+    return make_tls_files(tmp_path / "other-tls", ca_name="another-ca")
+
+
+def _tls_flags(files: dict[str, str]) -> list[str]:
+    return ["--tls-cert-key", files["cert_key"], "--tls-ca", files["ca"]]
+
+
+async def _join(address: str, token: str, name: str, *flags: str, stderr: int | None = None) -> trio.Process:
+    """Start ``python -m vime.actor`` joining ``address`` as a user would, the token in the environment."""
+    env = dict(os.environ, VIME_TOKEN=token, PYTHONUNBUFFERED="1")
+    return await trio.lowlevel.open_process([sys.executable, "-m", "vime.actor", ECHO, "--join", address,
+                                             "--name", name, *flags], env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL if stderr is None else stderr)
+
+
+async def _refusal(address: str, token: str, name: str, *flags: str) -> tuple[int, str]:
+    """Exit status and stderr of a join expected to end by itself, well before the registration timeout."""
+    process = await _join(address, token, name, *flags, stderr=subprocess.PIPE)
+    with trio.fail_after(REFUSED_WITHIN_S):
+        said = await process.stderr.receive_some(1 << 16) or b""
+        while chunk := await process.stderr.receive_some(1 << 16):
+            said += chunk
+        return await process.wait(), said.decode()
+
+
+async def test_an_actor_joins_a_tls_job_by_hand(tmp_path, job_tls):
+    async with open_job(tmp_path, "tls+tcp", tls=job_tls) as job:
+        process = await _join(job.address, job.token, "remote0", *_tls_flags(job_tls))
+        try:
+            await job.wait_event("joined", "remote0", timeout=90)  # a loaded 2-core machine starts Python slowly
+            assert job.actors["remote0"].address.startswith("tls+tcp://") and job.actors["remote0"].joined
+            assert await job.ask("remote0", Ping(payload=b"over tls")) == Pong(payload=b"over tls")
+        finally:
+            process.kill()
+            await process.wait()
+
+
+WRONG = {
+    "the wrong CA": (lambda job, other: _tls_flags(other), "is not signed by the CA in --tls-ca"),
+    "a certificate of another CA": (lambda job, other: ["--tls-cert-key", other["cert_key"], "--tls-ca", job["ca"]],
+                                    "did not accept this actor's certificate"),
+    "no TLS files": (lambda job, other: [], "it is a TLS address; pass --tls-cert-key"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG))
+async def test_a_join_with_tls_files_that_cannot_work_is_refused_saying_what_to_pass(tmp_path, job_tls, other_tls,
+                                                                                       case):
+    """Before the fix each waited 30 s and said 'did not answer; is the job running and the address right?'
+    (or, without TLS files, died with a ValueError traceback)."""
+    flags, expected = WRONG[case]
+    async with open_job(tmp_path, "tls+tcp", tls=job_tls) as job:
+        code, said = await _refusal(job.address, job.token, "intruder", *flags(job_tls, other_tls))
+        assert code == 2 and expected in said and "Traceback" not in said, said
+        assert "intruder" not in job.actors
+
+
+async def test_a_plain_tcp_join_of_a_tls_job_is_told_to_use_tls(tmp_path, job_tls):
+    async with open_job(tmp_path, "tls+tcp", tls=job_tls) as job:
+        plain = job.address.replace("tls+tcp://", "tcp://")
+        code, said = await _refusal(plain, job.token, "plain0")
+        assert code == 2 and f"join with --join {job.address}" in said and "--tls-ca" in said, said
+
+
+async def test_a_tls_join_of_a_plain_tcp_job_is_told_to_drop_tls(tmp_path, job_tls):
+    async with open_job(tmp_path, "tcp") as job:
+        code, said = await _refusal(job.address.replace("tcp://", "tls+tcp://"), job.token, "tls0",
+                                    *_tls_flags(job_tls))
+        assert code == 2 and "does not speak TLS" in said and f"join with --join {job.address}" in said, said
+
+
+@pytest.mark.slow
+async def test_a_tls_run_trains_and_a_rollout_worker_joins_it_over_tls(tmp_path, job_tls):
+    """``--transport tls+tcp`` end to end: every actor listens on TLS, a worker joins by hand over TLS and is
+    given work, and every step is trained."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=6, rollout_workers=1,
+                                                                      rollout_batch_size=16, max_staleness=1))
+    seen: dict[str, object] = {}
+
+    async def join(job: Cluster, row: dict) -> None:
+        if row["step"] != 0:
+            return
+        command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir", str(run_dir),
+                   "--name", "rollout-tls", *_tls_flags(job_tls)]
+        log = open(run_dir / "logs" / "rollout-tls.log", "wb")
+        seen["process"] = await trio.lowlevel.open_process(command, stdout=log, stderr=log,
+                                                           env=dict(os.environ, VIME_TOKEN=job.token))
+        await hold_run_until_serving(job, "rollout-tls", "joined")
+        with trio.fail_after(60):
+            while not (await job.ask("router", StatusQuery())).counters.get("dispatched_to:rollout-tls"):
+                await trio.sleep(0.05)
+        seen["addresses"] = [a["address"] for a in json.loads((run_dir / "actors.json").read_text())["actors"]]
+
+    try:
+        summary = await train(config, run_dir, transport="tls+tcp", tls=job_tls, on_step=join, timeout_s=400)
+    finally:
+        process = seen.get("process")
+        if process is not None and process.returncode is None:
+            with trio.move_on_after(30):  # the job's end shuts the joined worker down too
+                await process.wait()
+            process.kill()
+    assert seen["process"].returncode == 0  # it served and left when the job ended
+    assert len(seen["addresses"]) == 6 and all(a.startswith("tls+tcp://") for a in seen["addresses"])
+    assert "--tls-ca" in (run_dir / "join").read_text()
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["step"] for row in rows] == list(range(6)) and summary["groups"]["lost"] == 0
