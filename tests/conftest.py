@@ -10,11 +10,13 @@ folder, fails the run -- other users' vime processes and segments on the same ma
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +38,7 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SESSION_MARK = "VIME_TEST_SESSION"
+WATCHDOG_S = float(os.environ.get("VIME_TEST_WATCHDOG_S", 1500))  # the longest test takes ~600 s on a busy 2-core CPU
 LINGER_S = 15.0  # how long processes of the session may take to finish exiting once the tests are done
 _OWN_SHM_DIR = pytest.StashKey[Path]()
 
@@ -44,6 +47,46 @@ _OWN_SHM_DIR = pytest.StashKey[Path]()
 async def open_job(run_dir: Path, transport: str = "ipc", **kwargs: Any) -> AsyncIterator[Cluster]:
     async with Cluster.open(run_dir, transport=transport, **kwargs) as cluster:
         yield cluster
+
+
+class Hung(Exception):
+    """A test ran past ``WATCHDOG_S``."""
+
+
+@pytest.fixture(autouse=True)
+def watchdog(request: pytest.FixtureRequest) -> Any:
+    """A test that runs past ``WATCHDOG_S`` fails, with every thread's stack of this process and of each actor
+    it started, instead of hanging CI until its own limit (a resumed driver hung once so, and said nothing).
+
+    A timer thread, not SIGALRM: math-verify's ``signal.alarm`` would cancel an interval timer. On expiry the
+    actors of this session get SIGUSR1 (``vime.actor`` writes its stacks to its log) and the main thread a
+    SIGUSR2 whose handler raises :class:`Hung` in whatever the test is doing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main = threading.main_thread().ident
+
+    def hang(signum: int, frame: Any) -> None:
+        raise Hung(f"{request.node.nodeid} ran past {WATCHDOG_S:.0f} s (VIME_TEST_WATCHDOG_S): the stacks of this "
+                   "process are in its captured stderr, each actor's in its log (after 'Current thread')")
+
+    def expire() -> None:
+        for pid, command in marked_processes(os.environ[SESSION_MARK]):
+            if "vime.actor" in command:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        faulthandler.dump_traceback(all_threads=True)
+        signal.pthread_kill(main, signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, hang)
+    timer = threading.Timer(WATCHDOG_S, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
 
 
 @pytest.fixture(params=["ipc", "tcp"])

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_parent_hard, args=(parent_pid,), daemon=True,
                          name="driver-watchdog").start()
     configure(launch.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, to the log
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
     if parent_pid is None:  # joined by hand: the user's flags may not fit the job
