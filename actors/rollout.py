@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import torch
 import trio
@@ -51,6 +51,7 @@ from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, Worke
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
 from vime.seeds import sampling_seed
 from vime.transports.codec import Envelope
+from vime.transports.msglog import STEP
 from vime.weights import RECEIVED, WantWeights, WeightReceiver
 
 
@@ -71,6 +72,7 @@ class RolloutWorker(Actor):
         self.engine_calls = BetweenSteps(self.wake.set)  # handlers' engine calls, run between two steps
         self.applied = Changed()  # a weight version was applied
         self.leaving = False
+        self.step_gate: Callable[[], Awaitable[None]] | None = None  # set by a replay: see _step_point
 
     async def on_start(self) -> None:
         self.run = RunConfig.from_dict(self.config)
@@ -163,6 +165,7 @@ class RolloutWorker(Actor):
             await self._run_engine_calls()
             if self.weights.apply():
                 self._weights_applied()
+            await self._step_point()
             self._admit()
             if not self.engine.busy or self.weights.loading is not None:
                 await self.wake.wait()
@@ -171,6 +174,15 @@ class RolloutWorker(Actor):
             self.stepped.notify()
             for sequence in finished:
                 await self._finish(sequence)
+
+    async def _step_point(self) -> None:
+        """Which groups the engine starts next, and so what its batches hold, depends on the messages handled by
+        now, which timing decides: a recorded worker marks each such point in its log, and a replayed one waits
+        here (``step_gate``) until the replay reaches the same mark. Nothing awaits between here and _admit."""
+        if self._log_writer is not None:
+            self._log_writer.write(STEP, "", b"", {})
+        if self.step_gate is not None:
+            await self.step_gate()
 
     async def _run_engine_calls(self) -> None:
         """What handlers asked of the engine (``vime.tasks.BetweenSteps``); a call that loads weights is an update."""
