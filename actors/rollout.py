@@ -165,8 +165,9 @@ class RolloutWorker(Actor):
             await self._run_engine_calls()
             if self.weights.apply():
                 self._weights_applied()
-            await self._step_point()
-            self._admit()
+            if self.engine.busy or self._startable():
+                await self._step_point()
+                self._admit()
             if not self.engine.busy or self.weights.loading is not None:
                 await self.wake.wait()
                 continue
@@ -178,9 +179,12 @@ class RolloutWorker(Actor):
     async def _step_point(self) -> None:
         """Which groups the engine starts next, and so what its batches hold, depends on the messages handled by
         now, which timing decides: a recorded worker marks each such point in its log, and a replayed one waits
-        here (``step_gate``) until the replay reaches the same mark. Nothing awaits between here and _admit."""
-        if self._log_writer is not None:
-            self._log_writer.write(STEP, "", b"", {})
+        here (``step_gate``) until the replay reaches the same mark. Only points where the engine is busy or
+        has work to start are marked: how often an idle loop wakes is timing too. Nothing awaits between here
+        and _admit."""
+        if self._log_writer is not None:  # the messages whose handling had started: the replay starts as many
+            dispatched = self.counters["handled"] + self.errors["handler"] + self._busy
+            self._log_writer.write(STEP, "", b"", {}, {"dispatched": dispatched})
         if self.step_gate is not None:
             await self.step_gate()
 
@@ -208,10 +212,17 @@ class RolloutWorker(Actor):
         self.next_request += 1
         return sequence
 
+    def _startable(self) -> bool:
+        """Whether _admit would start anything now."""
+        if self.gpu.holds_starts or self.weights.loading is not None:
+            return False  # the GPU is the colocated trainer's until the next weights, or they are arriving
+        version = self.engine.weight_version
+        return bool(self.continuing) or any(g.min_weight_version <= version for g, _ in self.waiting)
+
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        if self.gpu.holds_starts or self.weights.loading is not None:
-            return  # the GPU is the colocated trainer's until the next weights, or they are arriving
+        if not self._startable():
+            return
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []

@@ -160,9 +160,13 @@ class _Walk:
         self.outbound = {r.offset: [m for m in _decode_all(r) if _compared(m)] for r in records if r.direction == "out"}
         self.recorded = [m for r in records if r.direction == "out" for m in self.outbound[r.offset]]
         self.produced: list[Envelope] = []
+        self.capturing = True
         self.reply_ids: dict[int, int] = {}  # a recorded ask's id -> the replayed one's
         self.threads = 0  # the actor's calls running in worker threads
         self.steps_open = self.steps_started = 0  # a rollout worker's engine steps the log allows, and taken
+        # at each step mark, how many messages the original had started handling: no more, no fewer here
+        self.step_dispatched = [r.meta.get("dispatched", math.inf) for r in records if r.direction == STEP]
+        self.dispatched = 0
         self._steps = trio.lowlevel.ParkingLot()
         actor._send_hook = self._sent
         route = actor._route
@@ -171,7 +175,7 @@ class _Walk:
             actor.step_gate = self._step_gate
 
     def _sent(self, envelope: Envelope) -> None:
-        if not _compared(envelope):
+        if not (self.capturing and _compared(envelope)):
             return
         index = len(self.produced)
         self.produced.append(envelope)
@@ -186,20 +190,54 @@ class _Walk:
         return envelope
 
     async def _step_gate(self) -> None:
-        """A rollout worker's next engine step waits until the walk reaches its mark in the log."""
-        while self.steps_started >= self.steps_open:
+        """A rollout worker's next engine step waits until the walk reaches its mark in the log and as many
+        messages were handled as there."""
+        while self.steps_started >= self.steps_open or self.dispatched < self._dispatch_limit():
             await self._steps.park()
         self.steps_started += 1
+        self.actor._queue_ready.unpark_all()
+
+    def _dispatch_limit(self) -> float:
+        """Messages may be handled up to the next step mark's count (none: all of them)."""
+        marks = self.step_dispatched
+        return marks[self.steps_started] if self.steps_started < len(marks) else math.inf
+
+    async def _handle_loop(self) -> None:
+        """The runtime's handler loop, but holding a message back while handling it would pass the next step
+        mark: a frame's messages are handled one by one, and the original's engine step fell among them."""
+        actor = self.actor
+        while True:
+            while not actor._queue or self.dispatched >= self._dispatch_limit():
+                await actor._queue_ready.park()
+            self.dispatched += 1
+            self._steps.unpark_all()
+            actor._busy = True
+            try:
+                await actor._dispatch(*actor._queue.popleft())
+            finally:
+                actor._busy = False
 
     async def drive(self) -> None:
         actor = self.actor
         async with trio.open_nursery() as nursery:
             actor._nursery = nursery
             await actor.on_start()
-            nursery.start_soon(actor._handle_loop)
+            nursery.start_soon(self._handle_loop)
+            nursery.start_soon(self._stop_when_asked)
             if await self._walk():
                 await self._settle()
-            nursery.cancel_scope.cancel()
+            if not actor._stopping.is_set():  # the original was killed, or the log ends early: clean up unseen
+                self.capturing = False
+                actor._stopping.set()
+            await trio.sleep_forever()
+
+    async def _stop_when_asked(self) -> None:
+        """As the runtime does on Shutdown: on_stop, whose messages (a worker handing its groups back) count,
+        then nothing more."""
+        await self.actor._stopping.wait()
+        await self.actor.on_stop()
+        await trio.testing.wait_all_tasks_blocked()
+        self.actor._nursery.cancel_scope.cancel()
 
     async def _walk(self) -> bool:
         """Each record in turn; False once the actor stalled short of what the log says it sent."""
@@ -367,6 +405,9 @@ def show(path: Path, out: Any = sys.stdout, role: str | None = None) -> None:
     print(f"{'time (UTC)':<15} {'dir':<4} {'peer':<16} {'kind':<16} {'bytes':>10} {'wv':>4}  reply_to", file=out)
     for record in log.records:
         stamp = datetime.datetime.fromtimestamp(record.wall_time, datetime.timezone.utc).strftime("%H:%M:%S.%f")
+        if record.direction == STEP:
+            print(f"{stamp:<15} step (an engine step began)", file=out)
+            continue
         if record.direction == "open":
             meta = record.meta
             print(f"{stamp:<15} open {meta.get('name', '')} role={meta.get('role')} pid={meta.get('pid')} "
