@@ -275,7 +275,8 @@ class RolloutWorker(Actor):
         if params is None:
             await self._response_done(group)
             return
-        follow = self._sequence(episode.prompt_ids + episode.response_ids, params)
+        seed = sampling_seed(self.run.job.seed, group.request.group_id, index, turn=len(episode.turns))
+        follow = self._sequence(episode.prompt_ids + episode.response_ids, params, seed=seed)
         self.by_request[follow.request_id] = (group, index)
         self.continuing.append(follow)
         self.wake.set()
