@@ -117,6 +117,21 @@ def scan(path: Path) -> Scan:
     return Scan(records, pos, problem)
 
 
+def opening(path: Path) -> dict[str, Any] | None:
+    """The meta of a log's opening record (who wrote it, with what settings), read without the rest of the
+    file; None when it does not start with one."""
+    with open(path, "rb") as file:
+        head = file.read(_RECORD.size)
+        if len(head) < _RECORD.size:
+            return None
+        length, crc = _RECORD.unpack(head)
+        body = file.read(length)
+    if len(body) < length or zlib.crc32(body) != crc:
+        return None
+    record = _parse(body, 0)
+    return record.meta if record.direction == "open" else None
+
+
 def _records(data: bytes) -> Iterator[tuple[LogRecord, int] | str]:
     """Each intact record with the offset just past it; a string says why reading stopped."""
     pos = 0

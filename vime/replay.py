@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +58,7 @@ from vime.messages.runtime import Registered
 from vime.roles import resolve_role
 from vime.runtime import UNREPLAYED_KINDS, Actor, ActorSettings
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame
-from vime.transports.msglog import STEP, LogRecord, scan
+from vime.transports.msglog import STEP, LogRecord, opening, scan
 from vime.transports.records import is_record, to_fields
 
 # Logs of processes that are not actors a replay could rebuild, and why.
@@ -86,11 +87,14 @@ class Divergence:
     replayed: Envelope | None
     field: str
     fields: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    more_fields: int = 0  # differing fields beyond those in ``fields``
 
     def __str__(self) -> str:
         lines = [f"first divergence at sent message #{self.index} ({self.field}):",
                  f"  recorded: {_describe(self.recorded)}", f"  replayed: {_describe(self.replayed)}"]
         lines += [f"  {path}: recorded {old}, replayed {new}" for path, old, new in self.fields]
+        if self.more_fields:
+            lines.append(f"  ... and {self.more_fields} more differing fields")
         return "\n".join(lines)
 
 
@@ -171,7 +175,7 @@ class _Walk:
         actor._send_hook = self._sent
         route = actor._route
         actor._route = lambda envelope, arrived: route(self._renumbered(envelope), arrived)
-        if hasattr(actor, "step_gate"):
+        if hasattr(actor, "step_gate") and self.step_dispatched:  # a log from before step marks: ungated
             actor.step_gate = self._step_gate
 
     def _sent(self, envelope: Envelope) -> None:
@@ -320,9 +324,7 @@ def _compare(recorded: list[Any], replayed: list[Envelope]) -> Divergence | None
         differences = list(_differences(old.payload, new.payload, "payload", MEASURED.get(old.kind, frozenset())))
         if differences:
             shown = differences[:_DIFFERENCES_SHOWN]
-            if len(differences) > len(shown):
-                shown.append((f"... and {len(differences) - len(shown)} more fields", "", ""))
-            return Divergence(index, old, new, "payload", shown)
+            return Divergence(index, old, new, "payload", shown, len(differences) - len(shown))
     if len(recorded) != len(replayed):
         index = min(len(recorded), len(replayed))
         old = recorded[index] if index < len(recorded) else None
@@ -439,23 +441,53 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv[1:])
         show(args.log, role=args.role)
         return 0
-    parser.add_argument("log", type=Path, help="an actor's message log (RUN_DIR/messages/NAME.vlog)")
+    parser.add_argument("log", type=Path, help="an actor's message log (RUN_DIR/messages/NAME.vlog), or a run's "
+                                               "RUN_DIR/messages: each of its logs")
     parser.add_argument("--role", default=None,
                         help="replay with this role (built-in name or package.module:Class) instead of the logged one")
     args = parser.parse_args(argv)
     configure("warning")
+    if args.log.is_dir():
+        return _replay_folder(args.log)
     try:
-        result = replay(args.log, args.role)
+        return _replay_one(args.log, args.role)
     except LookupError as err:
         print(f"cannot replay {args.log}: {err}", file=sys.stderr)
         return 2
+
+
+def _replay_one(path: Path, role: str | None) -> int:
+    """Replay one log and print the outcome and what it cost; the exit status (0, or 1 on a divergence)."""
+    started = time.monotonic()
+    result = replay(path, role)
     if result.problem:
         print(f"note: {result.problem}")
     if result.divergence is not None:
         print(result.divergence)
         return 1
-    print(f"no divergence ({result.received_frames} frames received, {result.compared} sent messages compared)")
+    print(f"no divergence ({result.received_frames} frames received, {result.compared} sent messages compared, "
+          f"{time.monotonic() - started:.1f} s)")
     return 0
+
+
+def _replay_folder(folder: Path) -> int:
+    """Every log of a run: first, before any work, those that cannot be replayed and why; then each other one."""
+    logs = sorted(folder.glob("*.vlog"))
+    if not logs:
+        print(f"cannot replay {folder}: no message logs (*.vlog) in it; --record writes them", file=sys.stderr)
+        return 2
+    replayable = []
+    for path in logs:
+        try:
+            _role(None, (opening(path) or {}).get("role", ""))
+            replayable.append(path)
+        except LookupError as err:
+            print(f"{path.name}: not replayed: {err}")
+    status = 0
+    for path in replayable:  # each in a process of its own, as it ran: torch's thread count is process-wide
+        print(f"{path.name}:", flush=True)
+        status = max(status, subprocess.run([sys.executable, "-m", "vime.replay", str(path)]).returncode)
+    return status
 
 
 if __name__ == "__main__":
