@@ -169,7 +169,7 @@ class _Walk:
         self.threads = 0  # the actor's calls running in worker threads
         self.steps_open = self.steps_started = 0  # a rollout worker's engine steps the log allows, and taken
         # at each step mark, how many messages the original had started handling: no more, no fewer here
-        self.step_dispatched = [r.meta.get("dispatched", math.inf) for r in records if r.direction == STEP]
+        self.step_dispatched = [r.meta.get("dispatched", 0) for r in records if r.direction == STEP]
         self.dispatched = 0
         self._steps = trio.lowlevel.ParkingLot()
         actor._send_hook = self._sent
