@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import torch
 import trio
@@ -51,6 +51,7 @@ from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, Worke
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
 from vime.seeds import sampling_seed
 from vime.transports.codec import Envelope
+from vime.transports.msglog import STEP
 from vime.weights import RECEIVED, WantWeights, WeightReceiver
 
 
@@ -71,6 +72,7 @@ class RolloutWorker(Actor):
         self.engine_calls = BetweenSteps(self.wake.set)  # handlers' engine calls, run between two steps
         self.applied = Changed()  # a weight version was applied
         self.leaving = False
+        self.step_gate: Callable[[], Awaitable[None]] | None = None  # set by a replay: see _step_point
 
     async def on_start(self) -> None:
         self.run = RunConfig.from_dict(self.config)
@@ -163,7 +165,9 @@ class RolloutWorker(Actor):
             await self._run_engine_calls()
             if self.weights.apply():
                 self._weights_applied()
-            self._admit()
+            if self.engine.busy or self._startable():
+                await self._step_point()
+                self._admit()
             if not self.engine.busy or self.weights.loading is not None:
                 await self.wake.wait()
                 continue
@@ -171,6 +175,18 @@ class RolloutWorker(Actor):
             self.stepped.notify()
             for sequence in finished:
                 await self._finish(sequence)
+
+    async def _step_point(self) -> None:
+        """Which groups the engine starts next, and so what its batches hold, depends on the messages handled by
+        now, which timing decides: a recorded worker marks each such point in its log, and a replayed one waits
+        here (``step_gate``) until the replay reaches the same mark. Only points where the engine is busy or
+        has work to start are marked: how often an idle loop wakes is timing too. Nothing awaits between here
+        and _admit."""
+        if self._log_writer is not None:  # the messages whose handling had started: the replay starts as many
+            dispatched = self.counters["handled"] + self.errors["handler"] + self._busy
+            self._log_writer.write(STEP, "", b"", {}, {"dispatched": dispatched})
+        if self.step_gate is not None:
+            await self.step_gate()
 
     async def _run_engine_calls(self) -> None:
         """What handlers asked of the engine (``vime.tasks.BetweenSteps``); a call that loads weights is an update."""
@@ -196,10 +212,17 @@ class RolloutWorker(Actor):
         self.next_request += 1
         return sequence
 
+    def _startable(self) -> bool:
+        """Whether _admit would start anything now."""
+        if self.gpu.holds_starts or self.weights.loading is not None:
+            return False  # the GPU is the colocated trainer's until the next weights, or they are arriving
+        version = self.engine.weight_version
+        return bool(self.continuing) or any(g.min_weight_version <= version for g, _ in self.waiting)
+
     def _admit(self) -> None:
         """Start the waiting groups whose weight version the engine now holds."""
-        if self.gpu.holds_starts or self.weights.loading is not None:
-            return  # the GPU is the colocated trainer's until the next weights, or they are arriving
+        if not self._startable():
+            return
         if self.continuing:  # a response's next turn goes on under whatever weights the engine holds
             self.engine.add(self.continuing)
             self.continuing = []
@@ -252,7 +275,8 @@ class RolloutWorker(Actor):
         if params is None:
             await self._response_done(group)
             return
-        follow = self._sequence(episode.prompt_ids + episode.response_ids, params)
+        seed = sampling_seed(self.run.job.seed, group.request.group_id, index, turn=len(episode.turns))
+        follow = self._sequence(episode.prompt_ids + episode.response_ids, params, seed=seed)
         self.by_request[follow.request_id] = (group, index)
         self.continuing.append(follow)
         self.wake.set()

@@ -9,6 +9,15 @@ worker reports it done, and re-issues a worker's requests to the others
 (counted as ``reissued``) when it dies, leaves (WorkerLeaving, after
 SIGTERM), or comes back as a new process under the same name -- so a
 worker that goes away loses no prompt.
+
+Resuming: the router keeps its counters and the ids of the groups it holds
+(requested, not yet done) current in RUN_DIR/checkpoints/router.json: at
+every re-issue, and every ``STATE_EVERY_S`` seconds. A router started for a
+resumed run (``--resume``) takes the counters back -- a summary goes on
+counting the re-issues before the crash -- and counts the groups held at the
+crash (``held_at_crash``). Those are not lost: the resumed buffer issues
+every one of them again, from its checkpoint's groups in flight or, for
+those issued after it, from its data cursor, under the same ids.
 """
 
 from __future__ import annotations
@@ -16,10 +25,16 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import trio
+
+from vime import checkpoint
+from vime.config import ActorStart
 from vime.messages.pipeline import GenerateGroup, GroupDone, WorkerLeaving, WorkerReady
 from vime.messages.runtime import Status
 from vime.runtime import Actor, ActorSettings, handles
 from vime.transports.codec import Envelope
+
+STATE_EVERY_S = 1.0  # a kill -9 loses at most this much of the counters' news (re-issues: none)
 
 
 class Router(Actor):
@@ -32,6 +47,39 @@ class Router(Actor):
         self.tokens: dict[str, int] = {}  # worker -> tokens of the groups it is generating
         self.requests: dict[int, GenerateGroup] = {}  # every group not yet done
         self.waiting: collections.deque[int] = collections.deque()
+        self.resume_from = ActorStart.from_dict(self.config).resume_from
+        self.state_path = checkpoint.folder(settings.run_dir) / "router.json" if settings.run_dir else None
+
+    async def on_start(self) -> None:
+        if self.state_path is None:  # not part of a run (a test's router)
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resume_from is not None:
+            self._restore()
+        self.start_soon(self._keep_state)
+
+    async def on_stop(self) -> None:
+        self._save_state()
+
+    def _restore(self) -> None:
+        """Take back the counters of the run's earlier router, and count the groups it held when it stopped."""
+        saved = checkpoint.read_json(self.state_path)
+        if saved is None:
+            self.log.warning("resumed without the earlier router's state; its counters start at 0",
+                             path=str(self.state_path))
+            return
+        self.counters.update(saved["counters"])
+        self.counters["held_at_crash"] += len(saved["held"])
+        self.log.info("resumed", reissued=self.counters["reissued"], held_at_crash=len(saved["held"]))
+
+    async def _keep_state(self) -> None:
+        while True:
+            self._save_state()
+            await trio.sleep(STATE_EVERY_S)
+
+    def _save_state(self) -> None:
+        if self.state_path is not None:
+            checkpoint.write_json(self.state_path, {"counters": dict(self.counters), "held": sorted(self.requests)})
 
     def status(self) -> Status:
         status = super().status()
@@ -85,6 +133,7 @@ class Router(Actor):
             self.log.warning("re-issuing a rollout worker's groups", worker=worker, why=why, groups=len(orphans))
             self.counters["reissued"] += len(orphans)
             self.waiting.extendleft(reversed(orphans))
+            self._save_state()
 
     async def _assign(self) -> None:
         while self.waiting:

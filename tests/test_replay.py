@@ -3,6 +3,8 @@ divergence, and a planted divergence found."""
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from test_async import hold_run_until_serving
 
 from conftest import open_job
-from vime.replay import replay
+from vime.cluster import Cluster
+from vime.pipeline import train
+from vime.replay import replay, show
+from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, TALLY, Add, Blob, Snapshot, Total, Totals
 from vime.transports.codec import decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter, scan
@@ -107,9 +113,12 @@ async def test_replay_finds_a_planted_divergence(tmp_path):
     result = await trio.to_thread.run_sync(replay, tampered, TALLY)
     assert result.divergence is not None
     assert result.divergence.index == 16 and result.divergence.field == "payload"
+    ((path, recorded, replayed),) = result.divergence.fields  # field by field: only the one that differs
+    assert path == "payload.total" and int(recorded) == int(replayed) + 1
     cli = subprocess.run([sys.executable, "-m", "vime.replay", str(tampered), "--role", TALLY], capture_output=True,
                          text=True)
     assert cli.returncode == 1 and "first divergence at sent message #16" in cli.stdout
+    assert f"payload.total: recorded {recorded}, replayed {replayed}" in cli.stdout
 
 
 async def test_replay_restores_shared_memory_tensors_from_the_log(tmp_path):
@@ -120,3 +129,56 @@ async def test_replay_restores_shared_memory_tensors_from_the_log(tmp_path):
         assert torch.equal(reply.tensor, tensor)
     result = await trio.to_thread.run_sync(replay, tmp_path / "messages" / "echo0.vlog", ECHO)
     assert result.divergence is None and result.compared == 1
+
+
+async def record_pipeline_run_with_a_joined_worker(run_dir: Path) -> dict:
+    """A short asynchronous run over tcp, every actor recording, and a rollout worker joined by hand (it gets
+    the job's settings from the driver, as on another host)."""
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=6, rollout_workers=1, rollout_batch_size=8, rollout_capacity=4, max_staleness=1, max_new_tokens=8))
+    joined: dict[str, trio.Process] = {}
+
+    async def join(job: Cluster, row: dict) -> None:
+        if row["step"] == 0:
+            command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir",
+                       str(run_dir), "--record", "--name", "rollout-joined", "--token", job.token]
+            joined["process"] = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL,
+                                                                 stderr=subprocess.DEVNULL)
+            await hold_run_until_serving(job, "rollout-joined", "joined")
+
+    try:
+        return await train(config, run_dir, transport="tcp", record=True, on_step=join, timeout_s=300)
+    finally:
+        with trio.move_on_after(30):  # the job's end shuts the joined worker down too
+            await joined["process"].wait()
+        joined["process"].kill()
+
+
+async def test_every_actor_kind_replays_with_no_divergence_in_time_proportionate_to_the_run(tmp_path):
+    """Buffer, router, reward, trainer, a rollout worker started by the driver and one joined by hand: each
+    replays with no divergence, each in less time than the run took. The driver's log is refused before
+    any work, saying why."""
+    run_dir = tmp_path / "run"
+    summary = await record_pipeline_run_with_a_joined_worker(run_dir)
+    logs = {path.stem: path for path in (run_dir / "messages").glob("*.vlog")}
+    assert set(logs) == {"buffer", "router", "reward", "trainer", "rollout-0", "rollout-joined", "driver"}
+    with pytest.raises(LookupError, match="driver log is not replayed: the driver .* is not an actor"):
+        replay(logs["driver"])
+    cli = await trio.run_process([sys.executable, "-m", "vime.replay", str(run_dir / "messages")],
+                                 capture_stdout=True, capture_stderr=True, check=False)
+    said = cli.stdout.decode()
+    assert cli.returncode == 0, said
+    outcomes = dict(re.findall(r"^(\S+)\.vlog:\n(.*)$", said, re.MULTILINE))
+    assert said.startswith("driver.vlog: not replayed: a driver log is not replayed")  # before any work
+    assert sorted(outcomes) == sorted(set(logs) - {"driver"}), said
+    assert all(outcome.startswith("no divergence") for outcome in outcomes.values()), said
+    assert not re.search(r"\b0 sent messages compared", said), said
+    seconds = {name: float(re.search(r"([0-9.]+) s\)$", outcome)[1]) for name, outcome in outcomes.items()}
+    assert max(seconds.values()) < summary["total_s"], (seconds, summary["total_s"])  # each kind, alone, less
+    assert "(an engine step began)" in show_text(logs["rollout-joined"])
+
+
+def show_text(path: Path) -> str:
+    shown = io.StringIO()
+    show(path, shown)
+    return shown.getvalue()

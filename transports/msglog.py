@@ -4,7 +4,10 @@ and sent, as the raw bytes, with direction, peer and both clocks.
 File layout: records, each ``u32 body_len | u32 crc32(body) | body`` with
 ``body = u32 meta_len | meta (msgpack map) | frame | attachments``. The first
 record's direction is ``"open"``; its meta says which actor wrote the log and
-with what settings, so a replay can rebuild it. Shared-memory segments a frame
+with what settings, so a replay can rebuild it. Then ``"in"`` and ``"out"``
+records hold frames; a ``"step"`` record (no frame) marks where an actor's own
+loop took a step that the messages alone do not place (a rollout worker's
+engine step), so a replay takes it at the same point. Shared-memory segments a frame
 refers to are unlinked once read, so their bytes are stored after the frame as
 *attachments* (only when recording; this is where the log costs a copy).
 
@@ -26,13 +29,15 @@ from typing import Any, Iterator
 
 import msgpack
 
+STEP = "step"  # the direction of a record marking one step of an actor's own loop
+
 _RECORD = struct.Struct("<II")
 _META_LEN = struct.Struct("<I")
 
 
 @dataclasses.dataclass(slots=True)
 class LogRecord:
-    direction: str  # "open", "in" or "out"
+    direction: str  # "open", "in", "out" or STEP
     peer: str
     wall_time: float
     mono_time: float
@@ -110,6 +115,21 @@ def scan(path: Path) -> Scan:
         record, pos = item
         records.append(record)
     return Scan(records, pos, problem)
+
+
+def opening(path: Path) -> dict[str, Any] | None:
+    """The meta of a log's opening record (who wrote it, with what settings), read without the rest of the
+    file; None when it does not start with one."""
+    with open(path, "rb") as file:
+        head = file.read(_RECORD.size)
+        if len(head) < _RECORD.size:
+            return None
+        length, crc = _RECORD.unpack(head)
+        body = file.read(length)
+    if len(body) < length or zlib.crc32(body) != crc:
+        return None
+    record = _parse(body, 0)
+    return record.meta if record.direction == "open" else None
 
 
 def _records(data: bytes) -> Iterator[tuple[LogRecord, int] | str]:

@@ -13,6 +13,11 @@ Records are stored in the wire format (``vime.transports.codec``), so a
 checkpoint is read back with the same validation as a message; ``trainer.pt``
 is read with ``torch.load(weights_only=True)``, which refuses code objects.
 
+The router keeps its own state current beside the checkpoints
+(``checkpoints/router.json``, :func:`write_json`): its counters and the groups
+it holds, read back by a resumed router, so that a resumed run's summary still
+counts the re-issues before the crash and the groups the router held then.
+
 The trainer's writes are here too: :func:`save_training` (a resumable
 checkpoint of the engine, its tokenizer and the buffer's state) and
 :func:`export_hf` (the policy as a Hugging Face folder, usable as
@@ -22,6 +27,7 @@ every ``--save-hf-every`` steps).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -84,6 +90,19 @@ def export_hf(folder: Path, engine: TrainEngine, tokenizer: Any) -> Path:
         tokenizer.save_pretrained(tmp)
 
     return write_folder(folder, write)
+
+
+def write_json(path: Path, document: Any) -> None:
+    """``document`` as JSON at ``path``, replaced whole (a reader, or a kill -9, never meets half a file);
+    not synced: for state kept current while a run goes on, where the newest few writes may be lost."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(document))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    """What :func:`write_json` wrote; None when there is no such file."""
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def latest(run_dir: str | Path) -> Path | None:

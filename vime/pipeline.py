@@ -228,7 +228,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
     collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
-    resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer and buffer
+    resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer, buffer and router
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
                             tls=tls) as job:
         if job.token:
@@ -236,7 +236,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             _write_private(run_dir / "join",
                            f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
         seed = config.job.seed
-        await job.spawn("router", "router", document, seed=actor_seed(seed, "router"), env=environment(placed.others))
+        await job.spawn("router", "router", resumed, seed=actor_seed(seed, "router"), env=environment(placed.others))
         await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
         await job.spawn("trainer", "trainer", resumed, seed=actor_seed(seed, "trainer"),
                         env=environment(placed.trainer))
@@ -333,7 +333,8 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
         "eval": {str(row["weight_version"]): {k: v for k, v in row.items() if k.startswith("eval/")}
                  for row in sorted(evals, key=lambda row: row["weight_version"])},
         "groups": {"issued": buffer.get("issued", 0), "trained": buffer.get("trained", 0),
-                   "reissued": router.get("reissued", 0), "dropped_stale": buffer.get("dropped_stale", 0),
+                   "reissued": router.get("reissued", 0), "held_by_router_at_crash": router.get("held_at_crash", 0),
+                   "dropped_stale": buffer.get("dropped_stale", 0),
                    "dropped_filtered": buffer.get("dropped_filtered", 0), "duplicates": buffer.get("duplicates", 0),
                    "injected": buffer.get("injected", 0),
                    "resumed_in_flight": buffer.get("resumed_in_flight", 0),

@@ -6,10 +6,14 @@ What each random stream of a training run is seeded with:
   gives the actor as ``ActorSettings.seed`` (``--seed`` of ``vime.actor``):
   the buffer's seeds the prompt order, the trainer's the model init, a
   rollout worker's the draws of sequences that bring no seed of their own
-  (a tool call's next turn, an OpenAI-endpoint request);
+  (an OpenAI-endpoint request: an external agent's turns are not replayed
+  either way);
 * each response's sampling -- :func:`sampling_seed`, from the run's seed, the
-  prompt group and the response's index, so that which worker generates it,
-  and beside which other sequences, does not change what it samples;
+  prompt group, the response's index and, after a tool call, its turn, so
+  that which worker generates it, beside which other sequences, and whether
+  the worker is the one that started the run or one started by a resume or a
+  restart, does not change what it samples: no worker holds sampling state a
+  resume would have to restore;
 * a benchmark's forced response lengths -- the run's seed and the group
   (``vime.groups.forced_lengths``), for the same reason.
 
@@ -30,10 +34,14 @@ def actor_seed(run_seed: int, role: str, index: int = 0) -> int:
     return run_seed + ROLLOUT_SEED_OFFSET + index if role == "rollout" else run_seed
 
 
-def sampling_seed(run_seed: int, group_id: int, index: int) -> int:
-    """The seed of response ``index`` of prompt group ``group_id``: a function of the run's seed and the
-    response alone, so that what a response samples does not depend on which other sequences shared its
-    engine's batches (the order requests arrive in, other workers, a re-issue). An engine drawing for a whole
-    batch from one stream made the same seed give different rewards from the first step on."""
-    digest = hashlib.blake2b(f"{run_seed}:{group_id}:{index}".encode(), digest_size=8).digest()
+def sampling_seed(run_seed: int, group_id: int, index: int, turn: int = 0) -> int:
+    """The seed of turn ``turn`` (0: the first; n: the one after the n-th round of tool calls) of response
+    ``index`` of prompt group ``group_id``: a function of the run's seed and the response alone, so that what
+    a response samples does not depend on which other sequences shared its engine's batches (the order
+    requests arrive in, other workers, a re-issue), nor on what the worker drew before (a resumed run's
+    workers start afresh). An engine drawing for a whole batch from one stream made the same seed give
+    different rewards from the first step on; a worker's own stream made a resumed run draw its tool turns
+    again as the run's first ones."""
+    key = f"{run_seed}:{group_id}:{index}" + (f":{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
