@@ -42,6 +42,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
+from vime.reward_workers import RewardWorkers
 from vime.seeds import actor_seed
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -64,7 +65,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     (readable by its owner only) holds the command that adds a rollout
     worker from another host.
     """
-    placed = preflight(config)
+    placed, row = preflight(config)
+    await check_reward(config, row)
     # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
     config = config.replace(rollout_workers=len(placed.engines))
     make_run_folder(run_dir)
@@ -90,14 +92,14 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     return summary
 
 
-def preflight(config: RunConfig) -> Placement:
+def preflight(config: RunConfig) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
-    Returns where each process goes; raises ValueError saying what to pass."""
+    Returns where each process goes and the first prompt row; raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
     placed = place(config, visible_gpus())
     if config.rollout.use_rollout_routing_replay:
@@ -145,7 +147,31 @@ def preflight(config: RunConfig) -> Placement:
     held_out = eval_rows(config)
     check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
                     rows + held_out)
-    return placed
+    return placed, rows[0]
+
+
+async def check_reward(config: RunConfig, row: dict[str, Any]) -> None:
+    """Call a --custom-reward once, as the reward actor will (in a worker process, under --reward-timeout),
+    on ``row``'s label as the response: a function that returns None, NaN or a string, or raises, is refused
+    here (ValueError naming it and what it returned) instead of killing the reward actor mid-run. Built-ins
+    pass their contract test (tests/test_rewards.py)."""
+    settings = config.reward
+    if not settings.custom_reward:
+        return
+    workers = RewardWorkers(settings.reward, settings.custom_reward, workers=1, limit_s=settings.reward_timeout)
+    metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
+    workers.start()
+    try:
+        scored = await workers.score(str(row["label"]), str(row["label"]), metadata)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"--custom-reward {settings.custom_reward}, called on a prompt's label as the answer: "
+                         f"{err}; fix it (vime.rewards.check_contract checks a function)") from None
+    finally:
+        workers.close()
+    if scored.timed_out:
+        structlog.get_logger().warning(f"--custom-reward {settings.custom_reward} took over --reward-timeout "
+                                       f"{settings.reward_timeout} s on a prompt's label as the answer: such calls "
+                                       "score 0; raise --reward-timeout if it needs the time")
 
 
 def make_run_folder(run_dir: Path) -> None:
