@@ -261,3 +261,62 @@ def test_a_reward_that_raises_mid_run_puts_its_message_on_the_console(tmp_path):
                           env=env)
     assert result.returncode == 1, result.stdout + result.stderr[-800:]
     assert "GraderDown: the grading service at grader:9000 is down" in result.stderr, result.stderr[-800:]
+
+
+async def test_the_join_file_runs_as_written_and_the_summary_counts_workers_and_refused_joins(tmp_path):
+    """RUN_DIR/join, run as it stands on a host with vime installed, adds a worker: the installed vime-actor
+    (not ``python -m``, which a system python cannot run) and the token from the environment, never on a
+    command line. The same with a wrong token is refused and counted in summary.json, beside each worker's
+    groups; the trailing reward is named for what it is. Before: ``python -m vime.actor ... --token T``, and
+    neither count."""
+    import os
+    from pathlib import Path
+
+    import trio
+
+    from vime.pipeline import train
+    from vime.scenarios import arithmetic
+
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=4, rollout_batch_size=4,
+                                                                        max_new_tokens=2))
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    seen: dict[str, object] = {}
+
+    async def join(job, row) -> None:
+        if seen:
+            return
+        text = (run_dir / "join").read_text()
+        seen["text"], seen["token"] = text, job.token
+        with open(tmp_path / "joined.log", "wb") as log:
+            seen["joined"] = await trio.lowlevel.open_process(["sh", str(run_dir / "join")], env=env, stdout=log,
+                                                              stderr=log)
+        seen["refused"] = await trio.run_process(["sh", "-c", text.replace(job.token, "0" * 32)], env=env,
+                                                 capture_stdout=True, capture_stderr=True, check=False)
+        with trio.fail_after(90):
+            while not [e for e in job.events if e.what == "joined" and e.name.startswith("rollout-")
+                       and e.name != "rollout-0"]:
+                await trio.sleep(0.1)
+
+    try:
+        summary = await train(config, run_dir, transport="tcp", on_step=join, timeout_s=300)
+    finally:
+        joined = seen.get("joined")
+        if joined is not None and joined.returncode is None:
+            with trio.move_on_after(30):  # the job's end stops it
+                await joined.wait()
+            joined.kill()
+    text = seen["text"]
+    assert "--token" not in text and "python" not in text and "\nvime-actor rollout --join tcp://" in text, text
+    assert f"\nexport VIME_TOKEN={seen['token']}\n" in text
+    refused = seen["refused"]
+    assert refused.returncode == 2 and b"join refused" in refused.stderr, refused.stderr[-500:]
+    assert joined.returncode == 0, (tmp_path / "joined.log").read_text()[-2000:]
+    assert summary["refused_joins"] == 1
+    workers = summary["workers"]
+    assert "rollout-0" in workers and workers["rollout-0"]["groups"] > 0
+    assert abs(sum(worker["share"] for worker in workers.values()) - 1) < 1e-9
+    assert sum(worker["groups"] for worker in workers.values()) >= summary["groups"]["trained"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["raw_reward_last10_mean"] == sum(row["raw_reward"] for row in rows) / len(rows)
+    assert "final_raw_reward" not in summary

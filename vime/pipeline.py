@@ -191,6 +191,15 @@ def _write_private(path: Path, text: str) -> None:
         file.write(text)
 
 
+def join_command(address: str, token: str, tls: dict[str, str] | None) -> str:
+    """RUN_DIR/join: the command that adds a rollout worker from another host. The installed ``vime-actor``
+    (a bare ``python`` may not be the one vime is installed in) and the token in the environment, since a
+    command line is shown to every user of that host by ``ps``."""
+    files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
+    return (f"# add a rollout worker from another host: run these two lines there (the token stays out of ps)\n"
+            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
+
+
 def _resume_point(run_dir: Path) -> Path:
     """The checkpoint to continue from; ValueError when there is none."""
     found = checkpoint.latest(run_dir)
@@ -258,9 +267,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
                             tls=tls) as job:
         if job.token:
-            files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
-            _write_private(run_dir / "join",
-                           f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
+            _write_private(run_dir / "join", join_command(job.address, job.token, tls))
         seed = config.job.seed
         await job.spawn("router", "router", document, seed=actor_seed(seed, "router"), env=environment(placed.others))
         await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
@@ -280,6 +287,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
             nursery.cancel_scope.cancel()  # the steps are done: an engine still starting is not waited for
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
+        counters["driver"] = {"refused_joins": job.driver.errors["unauthorized"] if job.driver else 0}
     return rows, arrived, counters, ready_s
 
 
@@ -348,7 +356,7 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
         "algo": config.job.algo,
         "seed": config.job.seed,
         "steps": len(rows),
-        "final_raw_reward": _trailing_mean(rows, len(rows) - 1) if rows else None,
+        "raw_reward_last10_mean": _trailing_mean(rows, len(rows) - 1) if rows else None,
         "first_step_reward_0.9": target,
         "seconds_to_reward_0.9": None if target is None else arrived[target],
         **{f"max_{key}": max((row[key] for row in rows if row.get(key) is not None), default=None)
@@ -369,7 +377,18 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
                        "in_flight", "ready", "trained", "dropped_stale", "dropped_filtered")),
                    # from the trainer's own record of the groups in each batch
                    "trained_twice": _trained_twice(rows)},
+        "workers": _worker_shares(router),
+        "refused_joins": counters.get("driver", {}).get("refused_joins", 0),
     }
+
+
+def _worker_shares(router: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each rollout worker's groups sent to it by the router, and its share of all sent: whether the load was
+    spread, and how much a joined worker took on. A re-issued group counts for each worker it was sent to."""
+    sent = {key.removeprefix("dispatched_to:"): count for key, count in router.items()
+            if key.startswith("dispatched_to:")}
+    total = sum(sent.values())
+    return {worker: {"groups": count, "share": count / total} for worker, count in sorted(sent.items())}
 
 
 def _trained_twice(rows: list[dict[str, Any]]) -> int:

@@ -108,7 +108,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
         return 1
     finally:
         display.close()
-    print(json.dumps({k: summary[k] for k in ("final_raw_reward", "first_step_reward_0.9",
+    print(json.dumps({k: summary[k] for k in ("raw_reward_last10_mean", "first_step_reward_0.9",
                                               "seconds_to_reward_0.9", "max_train_rollout_logprob_abs_diff",
                                               "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
