@@ -191,19 +191,20 @@ def test_ctrl_c_ends_quietly_with_the_run_folder_and_the_resume_command(tmp_path
 
 def test_an_out_folder_in_use_is_refused_and_a_refused_run_leaves_the_folder_as_it_found_it(tmp_path):
     """An earlier run's folder is not written over (its logs and checkpoints would mix with the new run's): exit
-    2 naming it and what to do. Before: the run went ahead in it."""
+    2 naming it and what to do. Before: the run went ahead in it. A folder with other files only is used."""
     used = tmp_path / "used"
     used.mkdir()
     (used / "config.json").write_text("{}")
     result = scenario_run("--out", str(used), *SMALL)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert f"--out {used} is not empty (config.json)" in result.stderr and f"--resume {used}" in result.stderr
+    assert f"--out {used} holds an earlier run (config.json)" in result.stderr and f"--resume {used}" in result.stderr
     assert sorted(path.name for path in used.iterdir()) == ["config.json"]
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    refused = scenario_run("--out", str(empty), *SMALL, "--reward", "nope")  # after its model is built
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "launcher.log").write_text("")
+    refused = scenario_run("--out", str(other), *SMALL, "--reward", "nope")  # after its model is built
     assert refused.returncode == 2 and "not a built-in reward" in refused.stderr, refused.stderr[-500:]
-    assert empty.is_dir() and not list(empty.iterdir())
+    assert [path.name for path in other.iterdir()] == ["launcher.log"]
 
 
 def test_resuming_a_finished_run_is_refused_unless_more_steps_are_asked(tmp_path):
@@ -320,3 +321,4 @@ async def test_the_join_file_runs_as_written_and_the_summary_counts_workers_and_
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["raw_reward_last10_mean"] == sum(row["raw_reward"] for row in rows) / len(rows)
     assert "final_raw_reward" not in summary
+

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import trio
 
@@ -85,13 +86,13 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     from vime.pipeline import RunFailed, make_run_folder, progress_display, train
 
     resume = training_launch.resume is not None
-    fresh = not run_dir.exists()
+    undo = None if resume else _undoer(run_dir)
     try:
         make_run_folder(run_dir)
         config = (from_flags(args, _saved_config(run_dir)) if resume
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:
-        return _refuse(err, run_dir if not resume else None, fresh)
+        return _refuse(err, undo)
     if getattr(args, "kl_coef", None):  # a run with ppo or reinforce++ would otherwise take it in the new meaning
         print("note: --kl-coef is the KL penalty folded into the reward (slime's meaning); the KL term in the loss, "
               "which vime's --kl-coef set before issue 31, is --kl-loss-coef", flush=True)
@@ -102,7 +103,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
         summary = trio.run(lambda: train(config, run_dir, record=training_launch.record, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=launch.tls()))
     except ValueError as err:  # train's preflight: raised before any actor starts
-        return _refuse(err, run_dir if not resume else None, fresh)
+        return _refuse(err, undo)
     except RunFailed as err:
         print(f"run failed: {err}", file=sys.stderr)
         return 1
@@ -115,15 +116,20 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     return 0
 
 
+# What every run writes as it starts (its settings, its actors' list and logs), and what it leaves: a folder
+# holding any of them holds a run. Other files (a launcher's own log, say) may be there.
+RUN_FILES = ("config.json", "actors.json", "logs", "metrics.jsonl", "checkpoints")
+
+
 def _check_unused(run_dir: Path) -> None:
-    """A new run's folder must be new or empty: a run written over an earlier one would mix the two's
-    logs, checkpoints and metrics. ValueError saying what to do instead."""
+    """A new run's folder must not hold an earlier run: the new one would write over its metrics and summary
+    and mix its logs and checkpoints with the old. ValueError saying what to do instead."""
     held = sorted(path.name for path in run_dir.iterdir()) if run_dir.is_dir() else []
-    if not held:
+    if not set(held) & set(RUN_FILES):
         return
     then = (f"continue that run with --resume {run_dir}, " if (run_dir / "config.json").is_file() else "")
-    raise ValueError(f"--out {run_dir} is not empty ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); "
-                     f"{then}pass a new folder, or remove this one first")
+    raise ValueError(f"--out {run_dir} holds an earlier run ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}"
+                     f"); {then}pass a new folder, or remove this one first")
 
 
 def _check_resumable(run_dir: Path, steps: int | None) -> None:
@@ -176,25 +182,32 @@ def _saved_config(run_dir: Path) -> RunConfig:
     return RunConfig.from_dict(json.loads(path.read_text()))
 
 
-def _refuse(error: ValueError, made: Path | None = None, fresh: bool = False) -> int:
-    """Say why the run is refused; exit status 2. ``made``: the new run's folder, emptied again (removed when
-    ``fresh``, made by this command) since nothing ran in it."""
-    if made is not None and made.is_dir():
-        _empty(made, remove=fresh)
+def _refuse(error: ValueError, undo: Callable[[], None] | None = None) -> int:
+    """Say why the run is refused; exit status 2. ``undo`` takes back what this command wrote in the run folder,
+    since nothing ran in it."""
+    if undo is not None:
+        undo()
     print(f"python -m vime.scenario: {error}", file=sys.stderr)
     return 2
 
 
-def _empty(folder: Path, *, remove: bool) -> None:
-    """Remove ``folder`` (``remove``) or only what is in it."""
-    if remove:
-        shutil.rmtree(folder)
-        return
-    for path in folder.iterdir():
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+def _undoer(run_dir: Path) -> Callable[[], None]:
+    """What puts ``run_dir`` back as it is now: removed if it does not exist yet, else only what is added to it
+    is removed."""
+    before = {path.name for path in run_dir.iterdir()} if run_dir.is_dir() else None
+
+    def undo() -> None:
+        if before is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+        for path in run_dir.iterdir():
+            if path.name in before:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return undo
 
 
 if __name__ == "__main__":
