@@ -322,3 +322,17 @@ async def test_the_join_file_runs_as_written_and_the_summary_counts_workers_and_
     assert summary["raw_reward_last10_mean"] == sum(row["raw_reward"] for row in rows) / len(rows)
     assert "final_raw_reward" not in summary
 
+
+def test_steps_count_from_one_on_the_console_in_metrics_and_in_checkpoints(tmp_path):
+    """One convention: step N is the Nth step, which publishes weight version N; its checkpoint is step_N.
+    Before: the console said "step 1/3" of the row metrics.jsonl called step 0."""
+    from vime import checkpoint
+
+    run_dir = tmp_path / "run"
+    result = scenario_run("--out", str(run_dir), *SMALL, "--save-every", "2")
+    assert result.returncode == 0, result.stdout + result.stderr[-800:]
+    shown = [int(line.split()[1].split("/")[0]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert shown == [1, 3] and [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["weight_version"] == row["step"] for row in rows)
+    assert checkpoint.step_of(checkpoint.latest(run_dir)) == 2

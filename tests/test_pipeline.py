@@ -43,7 +43,7 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
                         eval_samples=2, eval_top_k=1)
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
-    assert [row["step"] for row in rows] == list(range(45))
+    assert [row["step"] for row in rows] == list(range(1, 46))
     assert REQUIRED <= set(rows[0])
     assert all(0 < row["train_tflops_per_gpu"] < 10 for row in rows)  # a CPU process: well under 10 TFLOP/s
     start = statistics.fmean(row["raw_reward"] for row in rows[:3])
@@ -82,7 +82,7 @@ async def test_custom_reward_injected_prompts_and_buffer_replay(tmp_path, monkey
     printed = []
 
     async def inject_once(job, row):
-        if row["step"] == 0:
+        if row["step"] == 1:
             result = await trio.run_process([sys.executable, "-m", "vime.inject", str(run_dir), str(extra)],
                                             capture_stdout=True)
             printed.append(result.stdout.decode())
@@ -182,7 +182,7 @@ async def test_a_reward_that_hangs_scores_zero_and_the_run_goes_on(tmp_path, mon
                         reward_timeout=0.5, reward_workers=2)
     await train(config, run_dir, timeout_s=180)
     rows = MetricsFollower(run_dir).new_rows()
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [1, 2, 3]
     assert sum(row["reward_timeouts"] for row in rows) > 0, [row["reward_timeouts"] for row in rows]
 
 

@@ -83,8 +83,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         if isinstance(cause, (RuntimeError, TimeoutError)):
             raise RunFailed(str(cause)) from cause
         raise
-    resumed_at = checkpoint.step_of(start) if start else 0  # rows before it came from an earlier driver
-    arrived = [seconds if row["step"] >= resumed_at else None for row, seconds in zip(rows, arrived)]
+    resumed_at = checkpoint.step_of(start) if start else 0  # rows up to it came from an earlier driver
+    arrived = [seconds if row["step"] > resumed_at else None for row, seconds in zip(rows, arrived)]
     summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
@@ -351,14 +351,14 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
              counters: dict[str, dict[str, int]],
              ready_s: float | None, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
-    target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
+    reached = next((index for index in range(len(rows)) if _trailing_mean(rows, index) >= 0.9), None)
     return {
         "algo": config.job.algo,
         "seed": config.job.seed,
         "steps": len(rows),
         "raw_reward_last10_mean": _trailing_mean(rows, len(rows) - 1) if rows else None,
-        "first_step_reward_0.9": target,
-        "seconds_to_reward_0.9": None if target is None else arrived[target],
+        "first_step_reward_0.9": None if reached is None else rows[reached]["step"],
+        "seconds_to_reward_0.9": None if reached is None else arrived[reached],
         **{f"max_{key}": max((row[key] for row in rows if row.get(key) is not None), default=None)
            for key in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_stale")},
         "startup_s": ready_s,
@@ -397,23 +397,24 @@ def _trained_twice(rows: list[dict[str, Any]]) -> int:
     return len(ids) - len(set(ids))
 
 
-def _trailing_mean(rows: list[dict[str, Any]], step: int, window: int = 10) -> float:
-    """Mean raw_reward over the ``window`` steps ending at ``step``: one lucky batch does not count."""
-    chosen = [r["raw_reward"] for r in rows[max(0, step - window + 1):step + 1]]
+def _trailing_mean(rows: list[dict[str, Any]], index: int, window: int = 10) -> float:
+    """Mean raw_reward over the ``window`` rows ending at ``rows[index]``: one lucky batch does not count."""
+    chosen = [r["raw_reward"] for r in rows[max(0, index - window + 1):index + 1]]
     return sum(chosen) / len(chosen) if chosen else 0.0
 
 
 class PlainProgress:
-    """One line per step (or every ``every`` steps): for logs and pipes."""
+    """A line for the first step, every ``every``-th and the last: for logs and pipes. Steps count from 1, as in
+    metrics.jsonl: step N publishes weight version N, and a checkpoint written after it is step_N."""
 
     def __init__(self, steps: int, every: int = 10) -> None:
         self.steps, self.every = steps, every
 
     def __call__(self, row: dict[str, Any]) -> None:
         step = row["step"]
-        if step % self.every == 0 or step + 1 == self.steps:
+        if step == 1 or step % self.every == 0 or step == self.steps:
             values = "  ".join(f"{key}={row[key]:.4g}" for key in SHOWN if row.get(key) is not None)
-            print(f"step {step + 1}/{self.steps}  {values}", flush=True)
+            print(f"step {step}/{self.steps}  {values}", flush=True)
 
     def close(self) -> None:
         pass
@@ -433,7 +434,7 @@ class RichProgress:
     def __call__(self, row: dict[str, Any]) -> None:
         metrics = "  ".join(f"{key.split('_')[-1] if key.startswith('train_') else key}={row[key]:.3g}"
                             for key in SHOWN if row.get(key) is not None)
-        self.progress.update(self.task, completed=row["step"] + 1, metrics=metrics)
+        self.progress.update(self.task, completed=row["step"], metrics=metrics)
 
     def close(self) -> None:
         self.progress.stop()
