@@ -66,17 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return _refuse(err)
     print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
-    if not training:
-        figures = trio.run(scenario.run, run_dir, launch.transport, lambda line: print(f"  {line}", flush=True))
-        print("PASSED" if figures["passed"] else "FAILED", flush=True)
-        return 0 if figures["passed"] else 1
     try:
-        return _train(name, scenario, args, launch, training_launch, run_dir)
-    except BaseException as err:  # noqa: BLE001 -- Ctrl-C, maybe inside the job's exception group; re-raised otherwise
+        if training:
+            return _train(name, scenario, args, launch, training_launch, run_dir)
+        figures = trio.run(scenario.run, run_dir, launch.transport, lambda line: print(f"  {line}", flush=True))
+    except BaseException as err:  # Ctrl-C, maybe inside the job's exception group; anything else goes on up
         if not _interrupted(err):
             raise
-        print(f"\ninterrupted; run folder {run_dir}\n{_how_to_continue(name, run_dir)}", file=sys.stderr, flush=True)
+        then = f"\n{_how_to_continue(name, run_dir)}" if training else ""
+        print(f"\ninterrupted; run folder {run_dir}{then}", file=sys.stderr, flush=True)
         return 130
+    print("PASSED" if figures["passed"] else "FAILED", flush=True)
+    return 0 if figures["passed"] else 1
 
 
 def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: LaunchConfig,
