@@ -195,12 +195,12 @@ class Trainer(Actor):
                      "time_checkpoint_s": time.perf_counter() - synced}
             tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
                       / max(train_s, 1e-9) / 1e12 / max(len(self.gpus), 1))
-            row = step_row(step, self.engine.weight_version, samples, tensors, times, tflops,
+            row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
                            trainer_memory_mib(self.gpus), batch.stats, metrics)
             if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
                 await self._export(self.run_dir / "checkpoint")
             await self.rows.add(row)
-            self.log.info("step", step=step, weight_version=self.engine.weight_version,
+            self.log.info("step", step=step + 1, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
 
     async def _write_checkpoints(self, step: int) -> None:

@@ -83,7 +83,6 @@ SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time
 OPTIONAL = {"time_sleep_s"}  # absent from runs made before the trainer wrote it: 0 there
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
              "-lms", "500"]
-EARLIER = ("metrics.jsonl", "summary.json", "row_times.json", "gpu.csv", "e2e.json")
 
 
 @contextlib.contextmanager
@@ -133,9 +132,8 @@ def run(args: argparse.Namespace, staleness: int, flags: list[str]) -> Path:
     settings = args.settings or "e2e"
     name = args.placement + ("" if settings == "e2e" else f"-{settings}") + f"-k{staleness}"
     run_dir = args.out / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for earlier in EARLIER:  # a reused folder must not lend this run an earlier run's rows
-        (run_dir / earlier).unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts afresh: vime.scenario refuses a folder with a run
+    run_dir.mkdir(parents=True)
     command = [sys.executable, "-m", "vime.scenario", args.scenario, *flags, "--steps", str(args.steps),
                "--max-staleness", str(staleness), "--out", str(run_dir)]
     print(f"{name}: {' '.join(command[1:])}", flush=True)

@@ -69,7 +69,7 @@ def figures(run_dir: Path) -> dict:
         "steps": summary["steps"],
         "step_to_0.9": summary["first_step_reward_0.9"],
         "seconds_to_0.9": summary["seconds_to_reward_0.9"],
-        "final_reward": summary["final_raw_reward"],
+        "raw_reward_last10_mean": summary["raw_reward_last10_mean"],
         "max_logprob_diff": summary["max_train_rollout_logprob_abs_diff"],
         "startup_s": summary["startup_s"],
         "total_s": summary["total_s"],
@@ -83,7 +83,7 @@ def figures(run_dir: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'run':<10} {'to 0.9':>7} {'s to 0.9':>8} {'final':>6} {'max |dlogp|':>11} {'total s':>7} "
+    head = (f"{'run':<10} {'to 0.9':>7} {'s to 0.9':>8} {'last10':>6} {'max |dlogp|':>11} {'total s':>7} "
             f"{'step':>6} {'wait':>6} {'gen':>6} {'reward':>6} {'train':>6} {'sync':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -91,7 +91,7 @@ def table(results: list[dict]) -> str:
         seconds = "-" if r["seconds_to_0.9"] is None else f"{r['seconds_to_0.9']:.0f}"
         parts = " ".join(f"{r['median_' + p]:6.3f}" for p in PARTS)
         gap = "-" if r["max_logprob_diff"] is None else f"{r['max_logprob_diff']:.1e}"
-        lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['final_reward']:6.3f} {gap:>11} "
+        lines.append(f"{r['run']:<10} {to:>7} {seconds:>8} {r['raw_reward_last10_mean']:6.3f} {gap:>11} "
                      f"{r['total_s']:7.0f} {parts}")
     head = (f"{'run':<18} {'k':>2} {'workers':>7} {'samples/s':>9} {'vs first':>8} {'idle':>5}"
             "  staleness share (age:share)")

@@ -54,7 +54,7 @@ async def hold_run_until_serving(job: Cluster, worker: str, event: str) -> None:
 
 def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int, batch: int) -> None:
     groups = summary["groups"]
-    assert [row["step"] for row in rows] == list(range(steps))
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
     assert [row["weight_version"] for row in rows] == list(range(1, steps + 1))
     assert groups["trained"] == steps * batch == sum(len(row["group_ids"]) for row in rows)
     assert groups["lost"] == 0 and groups["trained_twice"] == 0
@@ -67,23 +67,23 @@ def assert_every_group_trained_once(summary: dict, rows: list[dict], steps: int,
 @pytest.mark.parametrize("weight_sync", ["auto", pytest.param("broadcast", marks=pytest.mark.slow)])
 async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path, weight_sync):
     run_dir = tmp_path / "run"
-    steps, batch = 24, 16  # the faults come at steps 1, 4 and 6: a fast run must not end before the third
+    steps, batch = 24, 16  # the faults come at steps 2, 5 and 7: a fast run must not end before the third
     config = config_for(run_dir, steps=steps, rollout_workers=3, rollout_batch_size=batch, rollout_capacity=4,
                         max_staleness=1, max_new_tokens=12, off_policy_correction="tis", weight_sync=weight_sync)
     done: list[str] = []
     held: list[int] = []
 
     async def faults(job: Cluster, row: dict) -> None:
-        if row["step"] == 1:
+        if row["step"] == 2:
             held.append(await stop_while_busy(job, "rollout-0"))
             job.kill("rollout-0")
             await hold_run_until_serving(job, "rollout-0", "restarted")  # so the new process can be killed again
-            done.append("killed at 1")
-        if row["step"] == 4:  # the restarted process
+            done.append("killed at 2")
+        if row["step"] == 5:  # the restarted process
             held.append(await stop_while_busy(job, "rollout-0"))
             job.kill("rollout-0")
-            done.append("killed at 4")
-        if row["step"] == 6:
+            done.append("killed at 5")
+        if row["step"] == 7:
             held.append(await stop_while_busy(job, "rollout-2"))
             job.kill("rollout-2", signal.SIGTERM)
             job.kill("rollout-2", signal.SIGCONT)
@@ -92,7 +92,7 @@ async def test_killed_twice_and_leaving_workers_lose_and_repeat_nothing(tmp_path
 
     summary = await train(config, run_dir, on_step=faults, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
-    assert done == ["killed at 1", "killed at 4", "left"]
+    assert done == ["killed at 2", "killed at 5", "left"]
     assert_every_group_trained_once(summary, rows, steps, batch)
     assert summary["groups"]["reissued"] >= held[0] + held[1] >= 2  # the killed worker's groups went elsewhere
     assert all(row["staleness_max"] <= 1 for row in rows)
@@ -117,7 +117,7 @@ async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothi
                         max_staleness=2, save_every=3, eval_data=str(held_out), eval_every=2)
 
     async def kill(job: Cluster, row: dict) -> None:
-        if row["step"] == 4:
+        if row["step"] == 5:
             job.kill(victim)
 
     died = rf"actor {victim} died .*checkpoint of step \d+ with --resume {run_dir}"
@@ -131,7 +131,7 @@ async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothi
     summary = await train(config, run_dir, resume=True, timeout_s=240)
     rows = MetricsFollower(run_dir).new_rows()
     assert_every_group_trained_once(summary, rows, steps, batch)
-    assert [rows[s]["group_ids"] for s in range(resumed_at)] == [before[s]["group_ids"] for s in range(resumed_at)]
+    assert [rows[s]["group_ids"] for s in range(resumed_at)] == [before[s + 1]["group_ids"] for s in range(resumed_at)]
     assert summary["groups"]["resumed_in_flight"] + summary["groups"]["ready_at_end"] > 0
     assert "resumed" in (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed" in (run_dir / "logs" / "buffer.log").read_text()
@@ -166,7 +166,7 @@ async def test_a_worker_joins_over_tcp_with_the_token_and_is_refused_without(tmp
     seen: dict[str, object] = {}
 
     async def join(job: Cluster, row: dict) -> None:
-        if row["step"] != 2:
+        if row["step"] != 3:
             return
         command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir", str(run_dir)]
         log = open(run_dir / "logs" / "rollout-joined.log", "wb")
@@ -190,7 +190,7 @@ async def test_a_worker_joins_over_tcp_with_the_token_and_is_refused_without(tmp
             seen["process"].kill()
     code, said = seen["refused"]
     assert code == 2 and "join refused" in said and "token" in said, said
-    assert seen["joined_at_step"] == 2
+    assert seen["joined_at_step"] == 3
     assert (run_dir / "join").stat().st_mode & 0o077 == 0  # the token is for the run's owner only
     assert seen["process"].returncode == 0  # it left when the job ended
     joined = [line for line in (run_dir / "logs" / "rollout-joined.log").read_text().splitlines() if '"joined"' in line]

@@ -136,3 +136,203 @@ def test_launch_flags_come_from_the_launch_settings():
     bad = run("vime.scenario", "selfcheck", "--transport", "udp")
     assert bad.returncode == 2 and "--transport: invalid choice: 'udp'" in bad.stderr
     assert "--resume" not in run("vime.scenario", "selfcheck", "--help").stdout  # a training flag only
+
+
+SMALL = ("--steps", "3", "--rollout-batch-size", "4", "--max-new-tokens", "2")
+
+
+def scenario_run(*flags: str, env: dict[str, str] | None = None,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", *flags], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def with_plugins(tmp_path, source: str) -> dict[str, str]:
+    """An environment in which ``plugins`` (written from ``source``) imports, as a user's reward module."""
+    import os
+    import textwrap
+
+    (tmp_path / "plugins.py").write_text(textwrap.dedent(source))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+
+
+def test_ctrl_c_ends_quietly_with_the_run_folder_and_the_resume_command(tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the whole foreground group) mid-run: no traceback, the run folder and
+    the command that resumes it, exit 130. Before: a 55-line traceback, no command."""
+    import os
+    import shlex
+    import signal
+    import time
+
+    from vime import checkpoint
+
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(run_dir),
+                                "--steps", "200", "--rollout-batch-size", "4", "--save-every", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("step "):
+                break
+        deadline = time.monotonic() + 60
+        while checkpoint.latest(run_dir) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, out + err
+    assert "Traceback" not in out + err and len(err.splitlines()) <= 6, err
+    assert f"run folder {run_dir}" in err
+    command = shlex.split(err.strip().splitlines()[-1])
+    assert command == [sys.executable, "-m", "vime.scenario", "arithmetic", "--resume", str(run_dir)], err
+
+
+def test_an_out_folder_in_use_is_refused_and_a_refused_run_leaves_the_folder_as_it_found_it(tmp_path):
+    """An earlier run's folder is not written over (its logs and checkpoints would mix with the new run's): exit
+    2 naming it and what to do. Before: the run went ahead in it. A folder with other files only is used."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "config.json").write_text("{}")
+    result = scenario_run("--out", str(used), *SMALL)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"--out {used} holds an earlier run (config.json)" in result.stderr and f"--resume {used}" in result.stderr
+    assert sorted(path.name for path in used.iterdir()) == ["config.json"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "launcher.log").write_text("")
+    refused = scenario_run("--out", str(other), *SMALL, "--reward", "nope")  # after its model is built
+    assert refused.returncode == 2 and "not a built-in reward" in refused.stderr, refused.stderr[-500:]
+    assert [path.name for path in other.iterdir()] == ["launcher.log"]
+
+
+def test_resuming_a_finished_run_is_refused_unless_more_steps_are_asked(tmp_path):
+    """--resume of a run that ended would train again the steps after its last checkpoint and overwrite its
+    metrics and summary: refused (exit 2) saying so; with --steps beyond its end it says what it replaces.
+    Before: it retrained silently."""
+    from vime.config import RunConfig
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(RunConfig().replace(steps=3).to_dict()))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 3}))
+    (run_dir / "metrics.jsonl").write_text("kept\n")
+    result = scenario_run("--resume", str(run_dir))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"--resume {run_dir}: that run finished its 3 steps" in result.stderr
+    assert "add --steps N with N over 3" in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == "kept\n"
+    further = scenario_run("--resume", str(run_dir), "--steps", "5")
+    assert f"resuming the finished run {run_dir} to 5 steps" in further.stdout, further.stdout + further.stderr
+
+
+def test_a_reward_returning_none_nan_or_a_string_is_refused_before_any_actor_starts(tmp_path):
+    """The custom reward is called once, as the reward actor calls it, before anything starts: exit 2 naming the
+    function and its value. Before: the reward actor died mid-run, exit 1."""
+    env = with_plugins(tmp_path, """
+        def gives_none(response, label, **metadata):
+            return None
+
+        def gives_nan(response, label, **metadata):
+            return float("nan")
+
+        def gives_text(response, label, **metadata):
+            return "1.0"
+        """)
+    for function, value in [("gives_none", "None"), ("gives_nan", "nan"), ("gives_text", "'1.0'")]:
+        out = tmp_path / function
+        result = scenario_run("--out", str(out), *SMALL, "--custom-reward", f"plugins:{function}", env=env)
+        assert result.returncode == 2, result.stdout + result.stderr[-800:]
+        assert f"reward function '{function}' returned {value}; it must return a finite float" in result.stderr
+        assert not out.exists()  # refused before anything was left in it
+
+
+def test_a_reward_that_raises_mid_run_puts_its_message_on_the_console(tmp_path):
+    env = with_plugins(tmp_path, """
+        class GraderDown(Exception):
+            pass
+
+        def flaky(response, label, **metadata):
+            if response.strip() != label.strip():
+                raise GraderDown("the grading service at grader:9000 is down")
+            return 1.0
+        """)
+    result = scenario_run("--out", str(tmp_path / "run"), *SMALL, "--custom-reward", "plugins:flaky",
+                          env=env)
+    assert result.returncode == 1, result.stdout + result.stderr[-800:]
+    assert "GraderDown: the grading service at grader:9000 is down" in result.stderr, result.stderr[-800:]
+
+
+async def test_the_join_file_runs_as_written_and_the_summary_counts_workers_and_refused_joins(tmp_path):
+    """RUN_DIR/join, run as it stands on a host with vime installed, adds a worker: the installed vime-actor
+    (not ``python -m``, which a system python cannot run) and the token from the environment, never on a
+    command line. The same with a wrong token is refused and counted in summary.json, beside each worker's
+    groups; the trailing reward is named for what it is. Before: ``python -m vime.actor ... --token T``, and
+    neither count."""
+    import os
+    from pathlib import Path
+
+    import trio
+
+    from vime.pipeline import train
+    from vime.scenarios import arithmetic
+
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=4, rollout_batch_size=4,
+                                                                        max_new_tokens=2))
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    seen: dict[str, object] = {}
+
+    async def join(job, row) -> None:
+        if seen:
+            return
+        text = (run_dir / "join").read_text()
+        seen["text"], seen["token"] = text, job.token
+        with open(tmp_path / "joined.log", "wb") as log:
+            seen["joined"] = await trio.lowlevel.open_process(["sh", str(run_dir / "join")], env=env, stdout=log,
+                                                              stderr=log)
+        seen["refused"] = await trio.run_process(["sh", "-c", text.replace(job.token, "0" * 32)], env=env,
+                                                 capture_stdout=True, capture_stderr=True, check=False)
+        with trio.fail_after(90):
+            while not [e for e in job.events if e.what == "joined" and e.name.startswith("rollout-")
+                       and e.name != "rollout-0"]:
+                await trio.sleep(0.1)
+
+    try:
+        summary = await train(config, run_dir, transport="tcp", on_step=join, timeout_s=300)
+    finally:
+        joined = seen.get("joined")
+        if joined is not None and joined.returncode is None:
+            with trio.move_on_after(30):  # the job's end stops it
+                await joined.wait()
+            joined.kill()
+    text = seen["text"]
+    assert "--token" not in text and "python" not in text and "\nvime-actor rollout --join tcp://" in text, text
+    assert f"\nexport VIME_TOKEN={seen['token']}\n" in text
+    refused = seen["refused"]
+    assert refused.returncode == 2 and b"join refused" in refused.stderr, refused.stderr[-500:]
+    assert joined.returncode == 0, (tmp_path / "joined.log").read_text()[-2000:]
+    assert summary["refused_joins"] == 1
+    workers = summary["workers"]
+    assert "rollout-0" in workers and workers["rollout-0"]["groups"] > 0
+    assert abs(sum(worker["share"] for worker in workers.values()) - 1) < 1e-9
+    assert sum(worker["groups"] for worker in workers.values()) >= summary["groups"]["trained"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["raw_reward_last10_mean"] == sum(row["raw_reward"] for row in rows) / len(rows)
+    assert "final_raw_reward" not in summary
+
+
+def test_steps_count_from_one_on_the_console_in_metrics_and_in_checkpoints(tmp_path):
+    """One convention: step N is the Nth step, which publishes weight version N; its checkpoint is step_N.
+    Before: the console said "step 1/3" of the row metrics.jsonl called step 0."""
+    from vime import checkpoint
+
+    run_dir = tmp_path / "run"
+    result = scenario_run("--out", str(run_dir), *SMALL, "--save-every", "2")
+    assert result.returncode == 0, result.stdout + result.stderr[-800:]
+    shown = [int(line.split()[1].split("/")[0]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert shown == [1, 3] and [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["weight_version"] == row["step"] for row in rows)
+    assert checkpoint.step_of(checkpoint.latest(run_dir)) == 2

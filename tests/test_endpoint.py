@@ -194,7 +194,7 @@ async def test_an_external_agent_completes_episodes_that_are_trained_on(tokenize
         await train(config, run_dir, timeout_s=300)
     assert finished.is_set()
     rows = MetricsFollower(run_dir).new_rows()
-    assert [row["step"] for row in rows] == [0, 1]
+    assert [row["step"] for row in rows] == [1, 2]
     assert [row["raw_reward"] for row in rows] == [statistics.fmean(rewards[:4]), statistics.fmean(rewards[4:])]
     assert all(0 < row["response_tokens"] <= 4 * 4 for row in rows)
 

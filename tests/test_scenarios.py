@@ -97,7 +97,7 @@ def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [1, 2, 3]
     assert all({"raw_reward", "train_rollout_logprob_abs_diff"} <= set(row) for row in rows)
     assert [row.get("eval/weight_version") for row in rows] == [None, 2, 3]
     assert all(0 <= row["eval/pass@1"] <= 1 and row["eval/prompts"] == 4 for row in rows[1:])

@@ -426,7 +426,7 @@ async def test_a_colocated_engine_restarted_mid_run_is_built_between_training_st
     from vime.pipeline import train
 
     async def kill_rollout_1(job, row: dict) -> None:
-        if row["step"] != 1:
+        if row["step"] != 2:
             return
         job.kill("buffer", signal.SIGSTOP)  # no more steps until the worker is back, or the run could end first
         try:

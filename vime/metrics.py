@@ -88,7 +88,7 @@ class StepRows:
                 await self.changed.until(lambda: version in self.eval_results)
                 row.update(self.eval_results[version])
             self.writer.write({k: plain(v) for k, v in row.items()})
-            self.written = row["step"] + 1
+            self.written = row["step"]
             self.changed.notify()
 
     async def until_written(self, steps: int, version: int) -> None:
@@ -104,7 +104,8 @@ class StepRows:
 def step_row(step: int, weight_version: int, samples: list[Sample], tensors: TensorBatch, times: dict[str, float],
              tflops: float, memory: dict[str, float], stats: dict[str, float],
              metrics: dict[str, Any]) -> dict[str, Any]:
-    """A training step's row: what it trained on, its time split (``times``: the ``time_*`` seconds and
+    """The row of step ``step`` (counted from 1: step N publishes weight version N and writes checkpoint step_N):
+    what it trained on, its time split (``times``: the ``time_*`` seconds and
     ``step_time_s``), ``train_tflops_per_gpu``, the trainer's memory, the batch's stats and the engine's
     metrics."""
     response_tokens = int(tensors.response_mask.sum())

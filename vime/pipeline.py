@@ -42,6 +42,7 @@ from vime.metrics import MetricsFollower
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
+from vime.reward_workers import RewardWorkers
 from vime.seeds import actor_seed
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -64,7 +65,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     (readable by its owner only) holds the command that adds a rollout
     worker from another host.
     """
-    placed = preflight(config)
+    placed, row = preflight(config)
+    await check_reward(config, row)
     # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
     config = config.replace(rollout_workers=len(placed.engines))
     make_run_folder(run_dir)
@@ -81,8 +83,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
         if isinstance(cause, (RuntimeError, TimeoutError)):
             raise RunFailed(str(cause)) from cause
         raise
-    resumed_at = checkpoint.step_of(start) if start else 0  # rows before it came from an earlier driver
-    arrived = [seconds if row["step"] >= resumed_at else None for row, seconds in zip(rows, arrived)]
+    resumed_at = checkpoint.step_of(start) if start else 0  # rows up to it came from an earlier driver
+    arrived = [seconds if row["step"] > resumed_at else None for row, seconds in zip(rows, arrived)]
     summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
@@ -90,14 +92,14 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     return summary
 
 
-def preflight(config: RunConfig) -> Placement:
+def preflight(config: RunConfig) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
-    Returns where each process goes; raises ValueError saying what to pass."""
+    Returns where each process goes and the first prompt row; raises ValueError saying what to pass."""
     check_model_folder(config.model.model_path)
     placed = place(config, visible_gpus())
     if config.rollout.use_rollout_routing_replay:
@@ -145,7 +147,31 @@ def preflight(config: RunConfig) -> Placement:
     held_out = eval_rows(config)
     check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
                     rows + held_out)
-    return placed
+    return placed, rows[0]
+
+
+async def check_reward(config: RunConfig, row: dict[str, Any]) -> None:
+    """Call a --custom-reward once, as the reward actor will (in a worker process, under --reward-timeout),
+    on ``row``'s label as the response: a function that returns None, NaN or a string, or raises, is refused
+    here (ValueError naming it and what it returned) instead of killing the reward actor mid-run. Built-ins
+    pass their contract test (tests/test_rewards.py)."""
+    settings = config.reward
+    if not settings.custom_reward:
+        return
+    workers = RewardWorkers(settings.reward, settings.custom_reward, workers=1, limit_s=settings.reward_timeout)
+    metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
+    workers.start()
+    try:
+        scored = await workers.score(str(row["label"]), str(row["label"]), metadata)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"--custom-reward {settings.custom_reward}, called on a prompt's label as the answer: "
+                         f"{err}; fix it (vime.rewards.check_contract checks a function)") from None
+    finally:
+        workers.close()
+    if scored.timed_out:
+        structlog.get_logger().warning(f"--custom-reward {settings.custom_reward} took over --reward-timeout "
+                                       f"{settings.reward_timeout} s on a prompt's label as the answer: such calls "
+                                       "score 0; raise --reward-timeout if it needs the time")
 
 
 def make_run_folder(run_dir: Path) -> None:
@@ -163,6 +189,15 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(descriptor, "w") as file:
         os.fchmod(file.fileno(), 0o600)
         file.write(text)
+
+
+def join_command(address: str, token: str, tls: dict[str, str] | None) -> str:
+    """RUN_DIR/join: the command that adds a rollout worker from another host. The installed ``vime-actor``
+    (a bare ``python`` may not be the one vime is installed in) and the token in the environment, since a
+    command line is shown to every user of that host by ``ps``."""
+    files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
+    return (f"# add a rollout worker from another host: run these two lines there (the token stays out of ps)\n"
+            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
 
 
 def _resume_point(run_dir: Path) -> Path:
@@ -232,9 +267,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
                             tls=tls) as job:
         if job.token:
-            files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
-            _write_private(run_dir / "join",
-                           f"python -m vime.actor rollout --join {job.address} --token {job.token}{files}\n")
+            _write_private(run_dir / "join", join_command(job.address, job.token, tls))
         seed = config.job.seed
         await job.spawn("router", "router", resumed, seed=actor_seed(seed, "router"), env=environment(placed.others))
         await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
@@ -254,6 +287,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
             rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
             nursery.cancel_scope.cancel()  # the steps are done: an engine still starting is not waited for
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
+        counters["driver"] = {"refused_joins": job.driver.errors["unauthorized"] if job.driver else 0}
     return rows, arrived, counters, ready_s
 
 
@@ -317,14 +351,14 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
              counters: dict[str, dict[str, int]],
              ready_s: float | None, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
-    target = next((row["step"] for row in rows if _trailing_mean(rows, row["step"]) >= 0.9), None)
+    reached = next((index for index in range(len(rows)) if _trailing_mean(rows, index) >= 0.9), None)
     return {
         "algo": config.job.algo,
         "seed": config.job.seed,
         "steps": len(rows),
-        "final_raw_reward": _trailing_mean(rows, len(rows) - 1) if rows else None,
-        "first_step_reward_0.9": target,
-        "seconds_to_reward_0.9": None if target is None else arrived[target],
+        "raw_reward_last10_mean": _trailing_mean(rows, len(rows) - 1) if rows else None,
+        "first_step_reward_0.9": None if reached is None else rows[reached]["step"],
+        "seconds_to_reward_0.9": None if reached is None else arrived[reached],
         **{f"max_{key}": max((row[key] for row in rows if row.get(key) is not None), default=None)
            for key in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_stale")},
         "startup_s": ready_s,
@@ -344,7 +378,18 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
                        "in_flight", "ready", "trained", "dropped_stale", "dropped_filtered")),
                    # from the trainer's own record of the groups in each batch
                    "trained_twice": _trained_twice(rows)},
+        "workers": _worker_shares(router),
+        "refused_joins": counters.get("driver", {}).get("refused_joins", 0),
     }
+
+
+def _worker_shares(router: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each rollout worker's groups sent to it by the router, and its share of all sent: whether the load was
+    spread, and how much a joined worker took on. A re-issued group counts for each worker it was sent to."""
+    sent = {key.removeprefix("dispatched_to:"): count for key, count in router.items()
+            if key.startswith("dispatched_to:")}
+    total = sum(sent.values())
+    return {worker: {"groups": count, "share": count / total} for worker, count in sorted(sent.items())}
 
 
 def _trained_twice(rows: list[dict[str, Any]]) -> int:
@@ -353,23 +398,24 @@ def _trained_twice(rows: list[dict[str, Any]]) -> int:
     return len(ids) - len(set(ids))
 
 
-def _trailing_mean(rows: list[dict[str, Any]], step: int, window: int = 10) -> float:
-    """Mean raw_reward over the ``window`` steps ending at ``step``: one lucky batch does not count."""
-    chosen = [r["raw_reward"] for r in rows[max(0, step - window + 1):step + 1]]
+def _trailing_mean(rows: list[dict[str, Any]], index: int, window: int = 10) -> float:
+    """Mean raw_reward over the ``window`` rows ending at ``rows[index]``: one lucky batch does not count."""
+    chosen = [r["raw_reward"] for r in rows[max(0, index - window + 1):index + 1]]
     return sum(chosen) / len(chosen) if chosen else 0.0
 
 
 class PlainProgress:
-    """One line per step (or every ``every`` steps): for logs and pipes."""
+    """A line for the first step, every ``every``-th and the last: for logs and pipes. Steps count from 1, as in
+    metrics.jsonl: step N publishes weight version N, and a checkpoint written after it is step_N."""
 
     def __init__(self, steps: int, every: int = 10) -> None:
         self.steps, self.every = steps, every
 
     def __call__(self, row: dict[str, Any]) -> None:
         step = row["step"]
-        if step % self.every == 0 or step + 1 == self.steps:
+        if step == 1 or step % self.every == 0 or step == self.steps:
             values = "  ".join(f"{key}={row[key]:.4g}" for key in SHOWN if row.get(key) is not None)
-            print(f"step {step + 1}/{self.steps}  {values}", flush=True)
+            print(f"step {step}/{self.steps}  {values}", flush=True)
 
     def close(self) -> None:
         pass
@@ -389,7 +435,7 @@ class RichProgress:
     def __call__(self, row: dict[str, Any]) -> None:
         metrics = "  ".join(f"{key.split('_')[-1] if key.startswith('train_') else key}={row[key]:.3g}"
                             for key in SHOWN if row.get(key) is not None)
-        self.progress.update(self.task, completed=row["step"] + 1, metrics=metrics)
+        self.progress.update(self.task, completed=row["step"], metrics=metrics)
 
     def close(self) -> None:
         self.progress.stop()

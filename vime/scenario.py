@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 import trio
 
@@ -54,19 +58,42 @@ def main(argv: list[str] | None = None) -> int:
     configure(launch.log_level)
     resume = training_launch.resume is not None
     run_dir = training_launch.resume or launch.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        if resume:
+            _check_resumable(run_dir, getattr(args, "steps", None))
+        else:
+            _check_unused(run_dir)
+    except ValueError as err:
+        return _refuse(err)
     print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
-    if not training:
+    try:
+        if training:
+            return _train(name, scenario, args, launch, training_launch, run_dir)
         figures = trio.run(scenario.run, run_dir, launch.transport, lambda line: print(f"  {line}", flush=True))
-        print("PASSED" if figures["passed"] else "FAILED", flush=True)
-        return 0 if figures["passed"] else 1
+    except BaseException as err:  # Ctrl-C, maybe inside the job's exception group; anything else goes on up
+        if not _interrupted(err):
+            raise
+        then = f"\n{_how_to_continue(name, run_dir)}" if training else ""
+        print(f"\ninterrupted; run folder {run_dir}{then}", file=sys.stderr, flush=True)
+        return 130
+    print("PASSED" if figures["passed"] else "FAILED", flush=True)
+    return 0 if figures["passed"] else 1
+
+
+def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: LaunchConfig,
+           training_launch: TrainingLaunchConfig, run_dir: Path) -> int:
+    """Prepare and run a training scenario; the exit status. A run refused before any actor starts leaves
+    RUN_DIR as it found it, so that the corrected command may use the same --out."""
     from vime.pipeline import RunFailed, make_run_folder, progress_display, train
 
+    resume = training_launch.resume is not None
+    undo = None if resume else _undoer(run_dir)
     try:
         make_run_folder(run_dir)
         config = (from_flags(args, _saved_config(run_dir)) if resume
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
     except ValueError as err:
-        return _refuse(err)
+        return _refuse(err, undo)
     if getattr(args, "kl_coef", None):  # a run with ppo or reinforce++ would otherwise take it in the new meaning
         print("note: --kl-coef is the KL penalty folded into the reward (slime's meaning); the KL term in the loss, "
               "which vime's --kl-coef set before issue 31, is --kl-loss-coef", flush=True)
@@ -77,16 +104,75 @@ def main(argv: list[str] | None = None) -> int:
         summary = trio.run(lambda: train(config, run_dir, record=training_launch.record, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=launch.tls()))
     except ValueError as err:  # train's preflight: raised before any actor starts
-        return _refuse(err)
+        return _refuse(err, undo)
     except RunFailed as err:
         print(f"run failed: {err}", file=sys.stderr)
         return 1
     finally:
         display.close()
-    print(json.dumps({k: summary[k] for k in ("final_raw_reward", "first_step_reward_0.9", "seconds_to_reward_0.9",
-                                              "max_train_rollout_logprob_abs_diff", "total_s")}), flush=True)
+    print(json.dumps({k: summary[k] for k in ("raw_reward_last10_mean", "first_step_reward_0.9",
+                                              "seconds_to_reward_0.9", "max_train_rollout_logprob_abs_diff",
+                                              "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
     return 0
+
+
+# What every run writes as it starts (its settings, its actors' list and logs), and what it leaves: a folder
+# holding any of them holds a run. Other files (a launcher's own log, say) may be there.
+RUN_FILES = ("config.json", "actors.json", "logs", "metrics.jsonl", "checkpoints")
+
+
+def _check_unused(run_dir: Path) -> None:
+    """A new run's folder must not hold an earlier run: the new one would write over its metrics and summary
+    and mix its logs and checkpoints with the old. ValueError saying what to do instead."""
+    held = sorted(path.name for path in run_dir.iterdir()) if run_dir.is_dir() else []
+    if not set(held) & set(RUN_FILES):
+        return
+    then = (f"continue that run with --resume {run_dir}, " if (run_dir / "config.json").is_file() else "")
+    raise ValueError(f"--out {run_dir} holds an earlier run ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}"
+                     f"); {then}pass a new folder, or remove this one first")
+
+
+def _check_resumable(run_dir: Path, steps: int | None) -> None:
+    """Refuse to resume a run that finished (it has summary.json for all its steps) unless ``--steps`` asks
+    for more: resuming would train again the steps after its last checkpoint and replace its results.
+    With more steps, say what will be replaced."""
+    from vime import checkpoint  # torch comes with it: not for --help
+
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return
+    done = json.loads(summary_path.read_text()).get("steps", 0)
+    if done < _saved_config(run_dir).job.steps:
+        return  # a resumed run that died after it asked for more steps
+    saved = checkpoint.latest(run_dir)
+    start = checkpoint.step_of(saved) if saved else 0
+    if steps is None or steps <= done:
+        raise ValueError(f"--resume {run_dir}: that run finished its {done} steps (see its summary.json); "
+                         f"resuming it would train steps {start + 1} to {done} again from its last checkpoint "
+                         "and overwrite metrics.jsonl and summary.json. To train it further, add --steps N with N "
+                         f"over {done}; to start again, pass a new --out")
+    print(f"resuming the finished run {run_dir} to {steps} steps from its checkpoint of step {start}: steps "
+          f"{start + 1} to {done} are trained again and replace their rows in metrics.jsonl; summary.json and "
+          "report.png are rewritten at the end", flush=True)
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Ctrl-C, alone or inside an exception group (trio's nurseries wrap what ends them)."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.subgroup(KeyboardInterrupt) is not None
+    return isinstance(error, KeyboardInterrupt)
+
+
+def _how_to_continue(name: str, run_dir: Path) -> str:
+    """The command that continues an interrupted run, or why there is none."""
+    from vime import checkpoint
+
+    saved = checkpoint.latest(run_dir) if run_dir.is_dir() else None
+    if saved is None:
+        return "no checkpoint was written (--save-every N writes them), so it cannot be resumed; start it again"
+    command = shlex.join([sys.executable, "-m", "vime.scenario", name, "--resume", str(run_dir)])
+    return f"continue it from the checkpoint of step {checkpoint.step_of(saved)} with:\n  {command}"
 
 
 def _saved_config(run_dir: Path) -> RunConfig:
@@ -97,9 +183,32 @@ def _saved_config(run_dir: Path) -> RunConfig:
     return RunConfig.from_dict(json.loads(path.read_text()))
 
 
-def _refuse(error: ValueError) -> int:
+def _refuse(error: ValueError, undo: Callable[[], None] | None = None) -> int:
+    """Say why the run is refused; exit status 2. ``undo`` takes back what this command wrote in the run folder,
+    since nothing ran in it."""
+    if undo is not None:
+        undo()
     print(f"python -m vime.scenario: {error}", file=sys.stderr)
     return 2
+
+
+def _undoer(run_dir: Path) -> Callable[[], None]:
+    """What puts ``run_dir`` back as it is now: removed if it does not exist yet, else only what is added to it
+    is removed."""
+    before = {path.name for path in run_dir.iterdir()} if run_dir.is_dir() else None
+
+    def undo() -> None:
+        if before is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+        for path in run_dir.iterdir():
+            if path.name in before:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return undo
 
 
 if __name__ == "__main__":
