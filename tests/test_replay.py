@@ -139,7 +139,7 @@ async def record_pipeline_run_with_a_joined_worker(run_dir: Path) -> dict:
     joined: dict[str, trio.Process] = {}
 
     async def join(job: Cluster, row: dict) -> None:
-        if row["step"] == 0:
+        if row["step"] == 1:
             command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir",
                        str(run_dir), "--record", "--name", "rollout-joined", "--token", job.token]
             joined["process"] = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL,

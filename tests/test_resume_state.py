@@ -40,14 +40,14 @@ async def test_a_resumed_run_keeps_the_routers_counters_and_counts_the_groups_it
                 await trio.sleep(0.05)
 
     async def kill_a_worker_then_the_trainer(job: Cluster, row: dict) -> None:
-        if row["step"] == 1:  # frozen with groups, then killed: the router re-issues them (it is restarted)
+        if row["step"] == 2:  # frozen with groups, then killed: the router re-issues them (it is restarted)
             job.kill("rollout-0", signal.SIGSTOP)
             await router_holds(job, ("rollout-0",))
             job.kill("rollout-0")
             with trio.fail_after(60):
                 while not (await job.ask("router", StatusQuery())).counters.get("reissued"):
                     await trio.sleep(0.05)
-        if row["step"] == 4:  # checkpoint 4 is written; the workers frozen, so the router holds their groups
+        if row["step"] == 5:  # step 4 wrote the last checkpoint; the workers frozen, so the router holds their groups
             for worker in ("rollout-0", "rollout-1"):
                 job.kill(worker, signal.SIGSTOP)
             before.update(await router_holds(job, ("rollout-0", "rollout-1")))
@@ -62,7 +62,7 @@ async def test_a_resumed_run_keeps_the_routers_counters_and_counts_the_groups_it
     assert groups["reissued"] >= before["reissued"]  # was 0: a resumed router started its counters afresh
     assert groups["held_by_router_at_crash"] == len(held)
     assert groups["lost"] == 0 and groups["trained_twice"] == 0
-    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(8))
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, 9))
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ async def test_a_tls_run_trains_and_a_rollout_worker_joins_it_over_tls(tmp_path,
     seen: dict[str, object] = {}
 
     async def join(job: Cluster, row: dict) -> None:
-        if row["step"] != 0:
+        if row["step"] != 1:
             return
         command = [sys.executable, "-m", "vime.actor", "rollout", "--join", job.address, "--run-dir", str(run_dir),
                    "--name", "rollout-tls", *_tls_flags(job_tls)]
@@ -139,4 +139,4 @@ async def test_a_tls_run_trains_and_a_rollout_worker_joins_it_over_tls(tmp_path,
     assert len(seen["addresses"]) == 6 and all(a.startswith("tls+tcp://") for a in seen["addresses"])
     assert "--tls-ca" in (run_dir / "join").read_text()
     rows = MetricsFollower(run_dir).new_rows()
-    assert [row["step"] for row in rows] == list(range(6)) and summary["groups"]["lost"] == 0
+    assert [row["step"] for row in rows] == list(range(1, 7)) and summary["groups"]["lost"] == 0
