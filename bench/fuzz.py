@@ -462,7 +462,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Example: nice .venv/bin/python "
                                      "bench/fuzz.py --json bench/results/fuzz-cpu.json")
     parser.add_argument("--frames", type=int, default=100_000, help="frames (HTTP: requests) per target")
-    parser.add_argument("--limit-s", type=float, default=90.0, help="each target stops sending after this long")
+    parser.add_argument("--limit-s", type=float, default=300.0, help="each target stops sending after this long")
     parser.add_argument("--targets", default="", help="comma-separated names (buffer/tcp, join/ipc, http); all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")

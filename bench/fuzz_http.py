@@ -204,7 +204,7 @@ class HttpFuzz:
                 "slow_loris_opened": len(self._loris), "slow_loris_closed_by_server": self.loris_closed}
 
 
-async def fuzz_http(fuzz: HttpFuzz, requests: int, deadline: float, workers: int = 4,
+async def fuzz_http(fuzz: HttpFuzz, requests: int, deadline: float, workers: int = 8,
                     loris_wait_s: float = 0.0) -> None:
     """Send up to ``requests`` garbage requests from ``workers`` connections at a time, a vanishing stream
     every 500th; then wait until ``loris_wait_s`` after the start and count the slow-loris connections closed."""

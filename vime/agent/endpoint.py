@@ -302,18 +302,20 @@ class AgentEndpoint:
         yield chunk({}, reply["finish_reason"], token_ids=reply["token_ids"], logprobs=reply["logprobs"])
 
 
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str,), "stream": (bool,), "logprobs": (bool,), "max_tokens": (int,), "max_completion_tokens": (int,),
-    "n": (int,), "temperature": (int, float), "top_p": (int, float), "tools": (list,), "messages": (list,)}
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"), "stream": ((bool,), "true or false"), "logprobs": ((bool,), "true or false"),
+    "max_tokens": ((int,), "a positive integer"), "max_completion_tokens": ((int,), "a positive integer"),
+    "n": ((int,), "an integer"), "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
+    "tools": ((list,), "a list"), "messages": ((list,), "a list of {role, content} objects")}
 
 
 def _check_types(body: dict[str, Any]) -> None:
     """A field of a completion request of the wrong JSON type is refused whatever the episode's state, so a
     client learns of its mistake at once (``null`` is the field left out; a bool is no number)."""
-    for name, types in _FIELD_TYPES.items():
+    for name, (types, what) in _FIELD_TYPES.items():
         value = body.get(name)
-        if value is not None and (type(value) not in types):
-            raise HTTPError(400, f"{name} must be {' or '.join(t.__name__ for t in types)}, not {value!r:.80}")
+        if value is not None and type(value) not in types:
+            raise HTTPError(400, f"{name} must be {what}, not {value!r:.80}")
     for message in body.get("messages") or []:
         if not (isinstance(message, dict) and message.get("role") in _ROLES
                 and (message.get("content") is None or _is_content(message["content"]))):
