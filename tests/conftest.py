@@ -14,7 +14,6 @@ import faulthandler
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ import pytest
 from hypothesis import settings
 
 from vime import Cluster
+from vime.devtools import certificates
 from vime.logs import configure
 
 configure("warning")
@@ -95,23 +95,10 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str]:
-    """A throw-away CA and one certificate it signs for localhost and 127.0.0.1, made with the openssl CLI;
-    returns them as Cluster.open's ``tls`` takes them. Skips the test where openssl is missing."""
+    """Throw-away TLS files (:mod:`vime.devtools.certificates`); skips the test where openssl is missing."""
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is needed to make test certificates")
-    folder.mkdir(parents=True, exist_ok=True)
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", f"/CN={ca_name}")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
-    (folder / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
-    (folder / "bundle.pem").write_text((folder / "node.pem").read_text() + (folder / "node.key").read_text())
-    return {"cert_key": str(folder / "bundle.pem"), "ca": str(folder / "ca.pem")}
+    return certificates.make_tls_files(folder, ca_name)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,6 +5,10 @@ message *kind* on the wire, and its field annotations are the schema every
 arriving payload is checked against before any handler sees it. Nothing here
 knows about RL: the kinds themselves live beside the code that sends them.
 
+A record may check what types cannot say (an address that must be dialable) in ``__post_init__``:
+a ValueError it raises refuses the message like a schema error, and a sender building a bad record
+learns of it at once.
+
 Supported field types: ``int``, ``float``, ``str``, ``bytes``, ``bool``,
 ``Any``, ``torch.Tensor``, ``numpy.ndarray``, ``list[T]``, ``dict[str, T]``,
 ``T | None`` and other records (nested as maps). Deliberately absent: sets,
@@ -117,7 +121,10 @@ def _compile_record(record_type: type) -> Check:
                 converted[key] = checks[key](item)
             except SchemaError as err:
                 raise err.under(key) from None
-        return record_type(**converted)
+        try:
+            return record_type(**converted)
+        except ValueError as err:  # the record's own __post_init__ refused a value its types allow
+            raise SchemaError(str(err)) from None
 
     return validate
 

@@ -243,13 +243,18 @@ class Outbox:
         tls: TlsFiles | None = None,
     ) -> None:
         self.address = address
+        if tls is None and address.startswith("tls+"):
+            raise ValueError(f"{address} needs TLS files (--tls-cert-key, --tls-ca)")
+        server_name = urlsplit(address).hostname if tls is not None else None  # ValueError for a malformed one
         # nng buffers whole frames: keep few, so a slow peer pushes back on tell() soon.
         self._sock = pynng.Push0(send_buffer_size=8)
-        if tls is not None:
-            self._sock.tls_config = tls.config(urlsplit(address).hostname)
-        elif address.startswith("tls+"):
-            raise ValueError(f"{address} needs TLS files (--tls-cert-key, --tls-ca)")
-        self._sock.dial(address, block=False)
+        try:  # an address nng refuses must not leave the socket open (strangers' reply addresses are made up)
+            if tls is not None:
+                self._sock.tls_config = tls.config(server_name)
+            self._sock.dial(address, block=False)
+        except BaseException:
+            self._sock.close()
+            raise
         self._fd = self._sock.send_fd
         self._reply_address = reply_address
         self._token = token

@@ -94,7 +94,9 @@ def export_hf(folder: Path, engine: TrainEngine, tokenizer: Any) -> Path:
 
 def write_json(path: Path, document: Any) -> None:
     """``document`` as JSON at ``path``, replaced whole (a reader, or a kill -9, never meets half a file);
-    not synced: for state kept current while a run goes on, where the newest few writes may be lost."""
+    not synced: for state kept current while a run goes on, where the newest few writes may be lost. The
+    folder is made if missing (an actor may write before the trainer's first checkpoint makes it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(document))
     os.replace(tmp, path)

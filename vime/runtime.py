@@ -498,7 +498,13 @@ class Actor:
 
     async def _send(self, to: str, payload: Any, *, weight_version: int | None, msg_id: int | None = None,
                     wants_reply: bool = False, reply_to: int | None = None, address: str | None = None) -> None:
-        """Encode and queue one message; ``address`` overrides the lookup of ``to``."""
+        """Encode and queue one message; ``address`` overrides the lookup of ``to``.
+
+        A reply to a stranger (an error reply to a frame's own reply address, or a peer that is not in the
+        directory) never waits for room: a peer that never reads would otherwise stall the handler loop, or
+        pile up one waiting task per bad frame. When its outbox is full it is dropped and counted.
+        """
+        stranger = reply_to is not None and (address is not None or (to not in self.directory and to != "driver"))
         envelope = Envelope(type(payload).__name__, self.name, to, msg_id if msg_id is not None else next(self._ids),
                             reply_to, self.now(), weight_version, wants_reply, payload)
         if self._send_hook is not None:
@@ -515,7 +521,12 @@ class Actor:
         outbox = self._outbox(address)
         if not ((wants_reply or reply_to is not None) and outbox.send_now(encoded)):
             try:
-                await outbox.put(encoded)
+                if stranger:
+                    outbox.put_nowait(encoded)
+                else:
+                    await outbox.put(encoded)
+            except trio.WouldBlock:
+                self.counters["replies_dropped"] += 1
             except trio.ClosedResourceError:
                 raise PeerGone(f"{to} left or died before {envelope.kind} could be sent") from None
 
@@ -662,7 +673,7 @@ class Actor:
                         outbox.close()
         try:
             await self._send(to, error, weight_version=None, reply_to=msg_id, address=address or None)
-        except (LookupError, PeerGone, pynng.NNGException) as err:
+        except (LookupError, PeerGone, pynng.NNGException, ValueError) as err:  # ValueError: an address we cannot dial
             self.log.warning("could not send an error reply", to=to, error=str(err))
 
     def _route(self, envelope: Envelope, arrived: float) -> None:

@@ -98,7 +98,7 @@ async def serve_agents(host: TurnHost, nursery: trio.Nursery, agent: AgentConfig
         return await served[0].handle(request)
 
     bind, _, port = agent.openai_endpoint.rpartition(":")
-    bound = await nursery.start(functools.partial(http.serve, handle, bind, int(port)))
+    bound = await nursery.start(functools.partial(http.serve, handle, bind, int(port), counters=host.counters))
     endpoint = AgentEndpoint(host, f"http://{bind}:{bound}", thinking=thinking,
                              max_response_tokens=agent.max_response_tokens)
     served.append(endpoint)
@@ -166,7 +166,7 @@ class AgentEndpoint:
 
     async def _end(self, episode: _Open, body: dict[str, Any]) -> dict[str, Any]:
         reward = body.get("reward")
-        if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        if reward is not None and not (type(reward) in (int, float) and math.isfinite(reward)):  # (not a bool)
             raise HTTPError(400, f"reward must be a finite number or left out, not {reward!r}")
         if episode.busy or episode.episode is None or episode.last is None:
             raise HTTPError(409, "the episode has no finished reply yet: end it after a completion has returned")
@@ -176,13 +176,16 @@ class AgentEndpoint:
         return {"id": episode.id, "ended": True, "tokens": len(episode.episode.response_ids)}
 
     async def _complete(self, episode: _Open, body: dict[str, Any]) -> Response:
+        _check_types(body)
         if episode.busy:
             raise HTTPError(409, "a completion of this episode is still running; wait for it")
         messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
+                                                                      for m in messages):
             raise HTTPError(400, "messages must be a list of {role, content} objects")
         self._check_sampling(episode, body)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or episode.sampling.max_new_tokens
+        asked = next((body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None),
+                     episode.sampling.max_new_tokens)
         if not isinstance(asked, int) or asked < 1:
             raise HTTPError(400, f"max_tokens must be a positive integer, not {asked!r}")
         prompt, inserted = self._context(episode, messages, body.get("tools"))
@@ -297,6 +300,41 @@ class AgentEndpoint:
         if "tool_calls" in reply["message"]:
             yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply["message"]["tool_calls"])]})
         yield chunk({}, reply["finish_reason"], token_ids=reply["token_ids"], logprobs=reply["logprobs"])
+
+
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"), "stream": ((bool,), "true or false"), "logprobs": ((bool,), "true or false"),
+    "max_tokens": ((int,), "a positive integer"), "max_completion_tokens": ((int,), "a positive integer"),
+    "n": ((int,), "an integer"), "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
+    "tools": ((list,), "a list"), "messages": ((list,), "a list of {role, content} objects")}
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    """A field of a completion request of the wrong JSON type is refused whatever the episode's state, so a
+    client learns of its mistake at once (``null`` is the field left out; a bool is no number)."""
+    for name, (types, what) in _FIELD_TYPES.items():
+        value = body.get(name)
+        if value is not None and type(value) not in types:
+            raise HTTPError(400, f"{name} must be {what}, not {value!r:.80}")
+    for message in body.get("messages") or []:
+        if not (isinstance(message, dict) and message.get("role") in _ROLES
+                and (message.get("content") is None or _is_content(message["content"]))):
+            raise HTTPError(400, f"messages must be {{role, content}} objects, role one of {sorted(_ROLES)} and "
+                                 f"content text or a list of text parts, not {message!r:.80}")
+    for tool in body.get("tools") or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if not (named and tool.get("type") == "function"):
+            raise HTTPError(400, f'tools must be {{"type": "function", "function": {{"name", ...}}}} objects, not '
+                                 f"{tool!r:.80}")
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _is_content(content: Any) -> bool:
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content))
 
 
 def _visible(text: str) -> str:

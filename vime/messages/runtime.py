@@ -6,9 +6,12 @@ Who sends what to whom is in each docstring; the other subsystems' kinds are in 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from vime.transports.records import message
+
+_DIALABLE = re.compile(r"ipc://[^\x00]+|(tls\+)?tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
 
 @message
@@ -20,6 +23,14 @@ class Register:
     address: str
     pid: int
     host: str
+
+    def __post_init__(self) -> None:
+        """The driver dials ``address`` to tell everyone the directory: one it cannot dial must not get in."""
+        if not self.name:
+            raise ValueError("Register.name is empty")
+        if not _DIALABLE.fullmatch(self.address):
+            raise ValueError(f"Register.address {self.address[:100]!r} is not ipc://PATH or tcp://HOST:PORT "
+                             "(tls+tcp://HOST:PORT)")
 
 
 @message
