@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import vime
 
 
@@ -336,3 +338,20 @@ def test_steps_count_from_one_on_the_console_in_metrics_and_in_checkpoints(tmp_p
     assert shown == [1, 3] and [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["weight_version"] == row["step"] for row in rows)
     assert checkpoint.step_of(checkpoint.latest(run_dir)) == 2
+
+
+def test_an_error_after_the_run_does_not_take_its_folder_back(tmp_path, monkeypatch):
+    """Only a run refused before anything started is undone: a ValueError from after the training (a torn
+    line read for the summary, a report that cannot be drawn) once made the refusal path remove the finished
+    run's metrics, logs and checkpoints -- the whole folder for a new --out."""
+    import vime.pipeline
+    from vime import scenario
+
+    def broken_report(*args, **kwargs):
+        raise ValueError("the report could not be drawn")
+
+    monkeypatch.setattr(vime.pipeline, "write_report", broken_report)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="the report could not be drawn"):
+        scenario.main(["--out", str(out), *SMALL])
+    assert (out / "metrics.jsonl").is_file() and (out / "summary.json").is_file() and (out / "logs").is_dir()

@@ -65,13 +65,16 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     (readable by its owner only) holds the command that adds a rollout
     worker from another host.
     """
-    placed, row = preflight(config)
-    await check_reward(config, row)
+    try:
+        placed, row = preflight(config)
+        await check_reward(config, row)
+        make_run_folder(run_dir)
+        start = _resume_point(run_dir) if resume else None
+    except ValueError as err:
+        raise Refused(str(err)) from err
     # --rollout-num-gpus decides the number of workers: config.json (and every actor) says so too
     config = config.replace(rollout_workers=len(placed.engines))
-    make_run_folder(run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    start = _resume_point(run_dir) if resume else None
     for name in ("metrics.jsonl", "eval.jsonl"):
         _keep_rows_up_to(run_dir / name, checkpoint.step_of(start) if start else -1)
     started = time.monotonic()
@@ -218,6 +221,12 @@ def _keep_rows_up_to(path: Path, version: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
+
+
+class Refused(ValueError):
+    """The run was refused before anything started (its flags, data or reward cannot work); the message says
+    what to pass. Only then may a caller take back what it made in the run folder: a ValueError from later
+    (a torn line while the summary is written) must not remove a finished run."""
 
 
 class RunFailed(RuntimeError):

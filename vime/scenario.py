@@ -84,7 +84,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
            training_launch: TrainingLaunchConfig, run_dir: Path) -> int:
     """Prepare and run a training scenario; the exit status. A run refused before any actor starts leaves
     RUN_DIR as it found it, so that the corrected command may use the same --out."""
-    from vime.pipeline import RunFailed, make_run_folder, progress_display, train
+    from vime.pipeline import Refused, RunFailed, make_run_folder, progress_display, train
 
     resume = training_launch.resume is not None
     undo = None if resume else _undoer(run_dir)
@@ -103,7 +103,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     try:
         summary = trio.run(lambda: train(config, run_dir, record=training_launch.record, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=launch.tls()))
-    except ValueError as err:  # train's preflight: raised before any actor starts
+    except Refused as err:  # before any actor started
         return _refuse(err, undo)
     except RunFailed as err:
         print(f"run failed: {err}", file=sys.stderr)
