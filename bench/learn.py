@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def launch(names: list[str], models: dict[str, Path], args: argparse.Namespace, 
         if waiting and len(running) < args.parallel:
             name = waiting.pop(0)
             run_dir = root / name
+            shutil.rmtree(run_dir, ignore_errors=True)  # the scenario refuses a folder holding an earlier run
             command = command_of(name, models[RUNS[name][3]], args, run_dir)
             log = open(root / f"{name}.log", "w")
             running[name] = (subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), command,

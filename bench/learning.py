@@ -42,6 +42,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def summarize(run_dir: Path) -> tuple[dict[str, Any], dict[str, list]]:
 
 def run_one(staleness: int, workers: int, seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out = root / f"k{staleness}-w{workers}-s{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # the scenario refuses a folder holding an earlier run
     command = command_of(staleness, workers, seed, args.steps, out, args.extra)
     started = time.monotonic()
     with open(root / f"{out.name}.log", "w") as log:

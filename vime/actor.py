@@ -155,6 +155,7 @@ def _remove_left_by_driver(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, to the log
     parser = _parser()
     args = parser.parse_args(argv)
     launch = ActorLaunch(**given_settings(args, ActorLaunch))
@@ -165,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_parent_hard, args=(parent_pid,), daemon=True,
                          name="driver-watchdog").start()
     configure(launch.log_level)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, to the log
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
     if parent_pid is None:  # joined by hand: the user's flags may not fit the job

@@ -28,4 +28,6 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
     (folder / "bundle.pem").write_text((folder / "node.pem").read_text() + (folder / "node.key").read_text())
+    for secret in ("ca.key", "node.key", "bundle.pem"):
+        (folder / secret).chmod(0o600)
     return {"cert_key": str(folder / "bundle.pem"), "ca": str(folder / "ca.pem")}
