@@ -166,10 +166,12 @@ def marked_processes(mark: str) -> list[tuple[int, str]]:
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+        if int(parent) == os.getpid() and "multiprocessing.resource_tracker" in command:
+            continue  # multiprocessing's helper of this very process: it ends when this process does
         if needle in environ.split(b"\0") and state != "Z":
             found.append((int(entry.name), command))
     return found

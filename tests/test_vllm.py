@@ -203,17 +203,24 @@ def test_abort_stops_running_and_queued_sequences(dense):
     assert sequences[0].finish_reason is None and len(sequences[0].response_ids) < 20
 
 
-def test_a_tied_output_layer_follows_the_embedding_it_shares(tmp_path, cpu_environment):
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, cpu_environment):
+    """An engine of a tied-embedding model, and a second such model's folder. Module-scoped like ``dense``: an
+    engine dropped mid-module takes vLLM's process-wide parallel groups with it, and ``dense`` fails after."""
+    first, second = tmp_path_factory.mktemp("tied-first"), tmp_path_factory.mktemp("tied-second")
+    arithmetic.build_model(first, seed=0, tied_embeddings=True)
+    arithmetic.build_model(second, seed=1, tied_embeddings=True)
+    return VllmRolloutEngine(str(first), dtype=DTYPE, seed=0, engine_args=ENGINE_ARGS), first, second
+
+
+def test_a_tied_output_layer_follows_the_embedding_it_shares(tied):
     """Qwen3 up to 4B ties its output layer to the embedding, and a weight set carries only the embedding.
     vLLM's CPU build keeps a repacked copy of the output layer for the logits that its layer-wise reload
     did not refresh: after an update the logits came from the first weights (a train-rollout gap of 0.025
     in the pipeline after one step, where an untied model stays at 1e-7)."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    arithmetic.build_model(first, seed=0, tied_embeddings=True)
-    arithmetic.build_model(second, seed=1, tied_embeddings=True)
+    engine, first, second = tied
     weights = dict(load_causal_lm(second).named_parameters())
     assert "lm_head.weight" not in weights  # what a trainer of a tied model sends
-    engine = VllmRolloutEngine(str(first), dtype=DTYPE, seed=0, engine_args=ENGINE_ARGS)
     engine.load_weights(weights, engine.weight_version + 1)
     after = Sequence(next(IDS), load_tokenizer(first)("3+4=")["input_ids"],
                      SamplingParams(temperature=1.0, max_new_tokens=10))

@@ -153,6 +153,7 @@ async def _answer(handler: Handler, request: Request) -> Response:
     except HTTPError as err:
         return _error(err.status, str(err))
     except Exception as err:  # a bug in a handler answers 500 and leaves the server serving
+        _log.exception("a request's handler failed", method=request.method, path=request.path)
         return _error(500, f"{type(err).__name__}: {err}")
 
 
