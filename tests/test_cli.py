@@ -132,7 +132,7 @@ def test_every_actor_setting_is_a_flag():
 
 def test_launch_flags_come_from_the_launch_settings():
     result = run("vime.scenario", "arithmetic", "--help")
-    for flag in ("--transport {ipc,tcp,tls+tcp}", "--resume RUN_DIR", "--record, --no-record", "--tls-cert-key",
+    for flag in ("--transport {ipc,tcp,tls+tcp}", "--resume RUN_DIR", "--record [ROLES]", "--tls-cert-key",
                  "--host", "--out", "--log-level"):
         assert flag in result.stdout, flag
     bad = run("vime.scenario", "selfcheck", "--transport", "udp")

@@ -448,9 +448,24 @@ class LaunchConfig:
 class TrainingLaunchConfig:
     """The launch flags of a training scenario, beside :class:`LaunchConfig`'s."""
 
-    record: bool = setting(False, "write every actor's message log to RUN_DIR/messages/")
+    record: str = setting("", "write message logs to RUN_DIR/messages/: every actor's with --record alone, or those "
+                              "of the roles named, e.g. --record router,buffer (a rollout worker's log holds every "
+                              "weight version it gets)", const="all", metavar="ROLES")
     resume: Path | None = setting(None, "continue a run that died from its latest checkpoint, with its settings "
                                         "(flags given here override them, e.g. --steps)", metavar="RUN_DIR")
+
+    def recorded_roles(self) -> frozenset[str]:
+        """The roles whose message logs the run writes; ValueError naming an unknown one."""
+        if self.record in ("", "all"):
+            return frozenset(RECORDABLE if self.record else ())
+        roles = frozenset(name.strip() for name in self.record.split(",") if name.strip())
+        if unknown := sorted(roles - set(RECORDABLE)):
+            raise ValueError(f"--record {self.record}: no role {', '.join(unknown)}; name some of "
+                             f"{', '.join(RECORDABLE)}, or give --record alone for all of them")
+        return roles
+
+
+RECORDABLE = ("driver", "router", "reward", "trainer", "buffer", "rollout")  # the roles of a training run
 
 
 def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:

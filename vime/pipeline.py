@@ -16,13 +16,14 @@ from the checkpoint's state; the rollout workers get its weights.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 import structlog
 import trio
@@ -33,7 +34,7 @@ from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
 from vime.backends.hf import check_model_folder, load_tokenizer
 from vime.cluster import Cluster
-from vime.config import ActorStart, RunConfig
+from vime.config import RECORDABLE, ActorStart, RunConfig
 from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.gpu_turns import start_engines_in_turn
@@ -48,7 +49,7 @@ from vime.seeds import actor_seed
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
 
 
-async def train(config: RunConfig, run_dir: Path, *, record: bool = False, transport: str = "ipc",
+async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[str] = False, transport: str = "ipc",
                 show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
                 on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None,
                 resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None) -> dict[str, Any]:
@@ -58,6 +59,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool = False, trans
     router re-issues their groups meanwhile), unless one keeps failing as it
     starts (``vime.cluster``); that, or the death of any other actor, ends
     the run with an error naming its log and how to resume.
+    ``record``: write the message logs of every actor (True) or of the roles named (``"router"``,
+    ``"rollout"``, ... and ``"driver"``: :data:`vime.config.RECORDABLE`).
     ``on_step(job, row)`` runs after each step is seen. Raises RunFailed
     when the job cannot go on. Over tcp (or ``tls+tcp``, with ``tls`` as
     :meth:`Cluster.open` takes it), every actor listens on ``host`` (an
@@ -233,9 +236,10 @@ class RunFailed(RuntimeError):
     """The job could not go on: an actor failed to start or died, or steps stopped coming."""
 
 
-def last_error(log: Path) -> str | None:
-    """The last error an actor logged, as one line (its event and the exception's last line), for the console:
-    "actor reward died" alone sends the user to a log for what the actor already said."""
+def last_error(log: Path, since: float = 0.0) -> str | None:
+    """The last error an actor logged at or after the wall time ``since``, as one line (its event and the
+    exception's last line), for the console: "actor reward died" alone sends the user to a log for what the
+    actor already said. A resumed run's logs go on from the earlier run's, whose last words are not this one's."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
@@ -245,11 +249,21 @@ def last_error(log: Path) -> str | None:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+        if not isinstance(entry, dict) or _logged_at(entry) < since:
+            continue
+        if entry.get("level") in ("error", "critical"):
             raised = [match.group(1) for part in str(entry.get("exception", "")).splitlines()
                       if (match := _RAISED.match(part))]
             return str(entry.get("event", "")) + (f": {raised[-1]}" if raised else "")
     return None
+
+
+def _logged_at(entry: dict[str, Any]) -> float:
+    """When a log line was written (vime.logs stamps ISO UTC); 0 for a line without a readable stamp."""
+    try:
+        return datetime.datetime.fromisoformat(str(entry.get("timestamp"))).timestamp()
+    except ValueError:
+        return 0.0
 
 
 # "SomeError: what", as a traceback's last line says it (inside an exception group's "| " frame too)
@@ -263,7 +277,7 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool, transport: str,
+async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool | Collection[str], transport: str,
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
                started: float, start: Path | None, host: str,
@@ -273,22 +287,22 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
     resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer, buffer and router
-    async with Cluster.open(run_dir, transport=transport, host=host, record=record, job_config=document,
-                            tls=tls) as job:
+    recorded = frozenset(RECORDABLE if record is True else record or ())
+    async with Cluster.open(run_dir, transport=transport, host=host, record="driver" in recorded,
+                            job_config=document, tls=tls) as job:
         if job.token:
             _write_private(run_dir / "join", join_command(job.address, job.token, tls))
         seed = config.job.seed
-        await job.spawn("router", "router", resumed, seed=actor_seed(seed, "router"), env=environment(placed.others))
-        await job.spawn("reward", "reward", document, seed=actor_seed(seed, "reward"), env=environment(placed.others))
-        await job.spawn("trainer", "trainer", resumed, seed=actor_seed(seed, "trainer"),
-                        env=environment(placed.trainer))
-        await job.spawn("buffer", "buffer", resumed, seed=actor_seed(seed, "buffer"),  # first prompts wait
-                        env=environment(placed.others))
+        # in dependency order; the buffer's start issues the first prompts, which wait for a rollout worker
+        for role, role_config, gpus in (("router", resumed, placed.others), ("reward", document, placed.others),
+                                        ("trainer", resumed, placed.trainer), ("buffer", resumed, placed.others)):
+            await job.spawn(role, role, role_config, seed=actor_seed(seed, role), record=role in recorded,
+                            env=environment(gpus))
         ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
             nonlocal ready_s
-            await _spawn_rollouts(job, config, document, placed)
+            await _spawn_rollouts(job, config, document, placed, record="rollout" in recorded)
             ready_s = time.monotonic() - started
 
         async with trio.open_nursery() as nursery:
@@ -300,12 +314,13 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     return rows, arrived, counters, ready_s
 
 
-async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement) -> None:
+async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement,
+                          record: bool) -> None:
     """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
         await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
-                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]))
+                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]), record=record)
         return name
 
     await start_engines_in_turn(job, placed, spawn)
@@ -331,7 +346,7 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
                 raise RuntimeError(f"actor {broken[0].name} keeps failing as it starts, so it is not restarted again: "
                                    f"{broken[0].detail}\nfix what its log says, then {then}")
             log = run_dir / "logs" / f"{died[0].name}.log"
-            said = last_error(log)
+            said = last_error(log, since=time.time() - (time.monotonic() - started))
             raise RuntimeError(f"actor {died[0].name} died ({died[0].detail})" + (f": {said}" if said else "")
                                + f"; see {log}; {then}")
         if deadline is not None and time.monotonic() > deadline:

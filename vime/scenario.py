@@ -89,6 +89,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     resume = training_launch.resume is not None
     undo = None if resume else _undoer(run_dir)
     try:
+        recorded = training_launch.recorded_roles()
         make_run_folder(run_dir)
         config = (from_flags(args, _saved_config(run_dir)) if resume
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
@@ -101,7 +102,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
         print("no --eval-data: held-out evaluation is off", flush=True)
     display = progress_display(config.job.steps)
     try:
-        summary = trio.run(lambda: train(config, run_dir, record=training_launch.record, transport=launch.transport,
+        summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=launch.tls()))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)
