@@ -10,9 +10,9 @@
 * **join targets**: a real driver (``vime.Cluster``) on each transport, sent the same plus broken
   ``Register`` messages; afterwards a real actor registers;
 * **http**: a rollout worker serving ``--openai-endpoint`` (the Qwen3 tokenizer's tiny model when the
-  shared data folder has it, else the arithmetic one), sent malformed HTTP, huge headers, invalid JSON,
-  a wrong type in every field of every route, streams whose client vanishes after the first chunk, and
-  slow-loris bodies held open until the server's read deadline.
+  shared data folder has it, else the arithmetic one given a chat template), sent malformed HTTP, huge
+  headers, invalid JSON, a wrong type in every field of every route, streams whose client vanishes after
+  the first chunk, and slow-loris bodies held open until the server's read deadline.
 
 Per target it records frames (requests) sent, the ones the actor read, accepted (handled; for HTTP,
 a 2xx answer to garbage; must be 0), the actor's own error counters (from ``StatusQuery``), whether a
@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,17 +93,36 @@ def prepare_configs(folder: Path) -> dict[str, str]:
     from vime.scenarios import arithmetic
 
     config = arithmetic.prepare(folder, arithmetic.defaults())
-    model = folder / "model"
-    if (QWEN3_TOKENIZER / "tokenizer.json").is_file():  # a chat template, so completions reach the engine
+    # The endpoint renders agents' messages with the chat template: without one every completion is refused,
+    # and the vanishing streams would never stream.
+    if (QWEN3_TOKENIZER / "tokenizer.json").is_file():
         from vime.devtools.make_tiny_model import make_tiny_model
 
         model = make_tiny_model("qwen3", QWEN3_TOKENIZER, folder / "qwen3-model", seed=0)
+    else:  # a machine without the shared data folder (CI's checkout): the arithmetic model, given a template
+        model = with_chat_template(Path(config.model.model_path), folder / "chat-model")
     http = config.replace(model_path=str(model), openai_endpoint="127.0.0.1:0", chat_template=True,
                           max_response_tokens=64)
     paths = {"actor": folder / "config.json", "http": folder / "config-http.json"}
     paths["actor"].write_text(json.dumps(config.to_dict()))
     paths["http"].write_text(json.dumps(http.to_dict()))
     return {key: str(path) for key, path in paths.items()}
+
+
+ARITHMETIC_CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['content'] }}</s>{% endfor %}"
+                            "{% if add_generation_prompt %}<s>{% endif %}")
+
+
+def with_chat_template(model: Path, out: Path) -> Path:
+    """A copy of the arithmetic ``model`` whose tokenizer has a chat template (turns as ``<s>text</s>``; its
+    16 tokens cannot spell the roles): enough for the endpoint to render conversations and insert turns."""
+    from vime.backends.hf import load_tokenizer
+
+    shutil.copytree(model, out, dirs_exist_ok=True)
+    tokenizer = load_tokenizer(out)
+    tokenizer.chat_template = ARITHMETIC_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def listen_address(transport: str, folder: Path, name: str) -> str:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import json
 import random
+import socket
+import struct
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -78,6 +80,23 @@ async def exchange(host: str, port: int, data: bytes, *, read: bool = True, vani
             if answer.startswith(b"HTTP/1.1 ") and answer[9:12].isdigit():
                 return int(answer[9:12])
     return None
+
+
+async def hang_up(host: str, port: int, data: bytes, *, after: bytes | None, wait_s: float = 0.0, reset: bool = False,
+                  read_all: bool = False) -> bytes:
+    """Send ``data`` on a new connection and leave once ``after`` has come (None: at once), ``wait_s`` later, with a
+    reset (SO_LINGER 0) or a plain close; or, ``read_all``, read until the server closes. What was received."""
+    received = b""
+    with trio.fail_after(60):
+        async with await trio.open_tcp_stream(host, port) as stream:
+            await stream.send_all(data)
+            while (read_all or (after is not None and after not in received)) and (
+                    chunk := await stream.receive_some(65536)):
+                received += chunk
+            await trio.sleep(wait_s)
+            if reset:
+                stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return received
 
 
 async def claim(url: str) -> dict[str, Any] | None:
@@ -191,9 +210,10 @@ class HttpFuzz:
         body = {"model": "m", "messages": episode["messages"], "stream": True, "max_tokens": 2}
         status = await exchange(self.host, self.port, request("POST", f"/episodes/{episode['id']}/v1/chat/completions",
                                                               json.dumps(body).encode()), vanish_after=1)
-        self.vanished += 1
-        self.statuses[f"vanished-{status}"] += 1
-        if status == 200:  # the next turn repeats the conversation (an assistant's text need not match)
+        self.statuses[f"vanishing-stream {status}"] += 1  # (a 500 here is a server failure like any other)
+        if status == 200:  # it streamed, then its client vanished: only such a stream counts as vanished
+            self.vanished += 1
+            # The next turn repeats the conversation (an assistant's text need not match).
             episode["messages"] = [*episode["messages"], {"role": "assistant", "content": ""},
                                    {"role": "user", "content": "and?"}]
         elif status == 400:  # the episode is full

@@ -6,14 +6,20 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 from test_episode import TOKENIZER, ScriptedEngine, _engine_output
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fuzz_http import hang_up  # noqa: E402
+from fuzz_http import request as http_request  # noqa: E402
 
 from vime.actors.rollout import RolloutWorker
 from vime.agent.calculator import SCHEMA
@@ -249,6 +255,72 @@ async def test_the_http_server_answers_what_clients_get_wrong_and_keeps_serving(
         assert answers["unsendable"].startswith(b"HTTP/1.1 500") and b"could not be sent" in answers["unsendable"]
         assert (await exchange(port, post("/x", b"{}"))).startswith(b"HTTP/1.1 200")  # still serving
         nursery.cancel_scope.cancel()
+
+
+async def test_clients_that_hang_up_before_or_during_the_answer_are_no_failure_of_the_server(monkeypatch):
+    """Streaming clients that leave after the head or the first event (a close or a reset, at once or a little
+    later, while the server writes flat out or paced), and clients that leave before a plain answer (a small one,
+    or one too big to fit the socket's buffers): every answer counts as a 2xx, nothing is logged as a failure,
+    every event stream is closed -- an endless one too -- and the server goes on serving."""
+    import collections
+
+    import structlog
+
+    from vime.transports import http
+
+    def post(path: str, body: dict) -> bytes:
+        return http_request("POST", path, json.dumps(body).encode())
+
+    streams = {"opened": 0, "closed": 0}
+
+    async def endless(pace_s: float) -> AsyncIterator[dict]:
+        streams["opened"] += 1
+        try:
+            while True:
+                yield {"delta": "x" * 200}
+                await trio.sleep(pace_s)
+        finally:
+            streams["closed"] += 1
+
+    async def handler(request: http.Request) -> http.Response:
+        if request.path == "/boom":
+            raise RuntimeError("a bug")
+        if request.path == "/stream":
+            return http.Response(events=endless(request.body["pace_s"]))
+        await trio.sleep(request.body.get("delay_s", 0.0))
+        return http.Response({"blob": "x" * request.body.get("size", 0)})
+
+    counters: collections.Counter[str] = collections.Counter()
+    with structlog.testing.capture_logs() as logs:
+        monkeypatch.setattr(http, "_log", structlog.get_logger())  # (the module's own is cached on first use)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(lambda task_status: http.serve(handler, "127.0.0.1", 0, counters=counters,
+                                                                      task_status=task_status))
+            for after in (b"\r\n\r\n", b"data: "):
+                for wait_s in (0.0, 0.003, 0.02):
+                    for reset in (False, True):
+                        for pace_s in (0.0, 0.002):
+                            received = await hang_up("127.0.0.1", port, post("/stream", {"pace_s": pace_s}),
+                                                     after=after, wait_s=wait_s, reset=reset)
+                            assert received.startswith(b"HTTP/1.1 200"), received[:100]
+            for size in (10, 4 << 20):
+                for reset in (False, True):
+                    await hang_up("127.0.0.1", port, post("/answer", {"delay_s": 0.05, "size": size}), after=None,
+                                  reset=reset)
+            await trio.sleep(0.2)  # the last plain answers are written to clients that have gone
+            with trio.fail_after(10):
+                while streams["closed"] < streams["opened"]:
+                    await trio.sleep(0.01)
+            assert streams["opened"] == 24
+            assert (await hang_up("127.0.0.1", port, post("/boom", {}), after=b"}")).startswith(
+                b"HTTP/1.1 500")  # (the logs are caught: the bug's is)
+            assert (await hang_up("127.0.0.1", port, post("/answer", {}), after=b"}")).startswith(
+                b"HTTP/1.1 200")  # still serving
+            nursery.cancel_scope.cancel()
+    assert [entry["event"] for entry in logs if entry["log_level"] in ("error", "critical")] == [
+        "a request's handler failed"]  # the bug's, only
+    assert counters["http_5xx"] == 1 and counters["http_failed_connections"] == 0, counters
+    assert counters["http_2xx"] == counters["http_requests"] - 1, counters
 
 
 async def test_an_episode_whose_agent_went_silent_is_offered_again_from_scratch(tokenizer, model, tmp_path):

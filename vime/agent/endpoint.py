@@ -91,7 +91,9 @@ async def serve_agents(host: TurnHost, nursery: trio.Nursery, agent: AgentConfig
                        name: str) -> AgentEndpoint:
     """Serve the endpoint of ``host`` (a rollout worker named ``name``) at ``--openai-endpoint`` HOST:PORT (port 0:
     any free one) in ``nursery``; its URL goes to RUN_DIR/endpoints/NAME. Claimed episodes whose agent stays silent
-    for ``--episode-timeout-s`` are offered again."""
+    for ``--episode-timeout-s`` are offered again. ValueError, before anything is served, for a tokenizer whose
+    chat template cannot render conversations turn by turn (every completion would fail)."""
+    check_chat_template(host.tokenizer, thinking)
     served: list[AgentEndpoint] = []  # the endpoint needs the URL, known once the server has bound its port
 
     async def handle(request: Request) -> Response:
@@ -107,6 +109,18 @@ async def serve_agents(host: TurnHost, nursery: trio.Nursery, agent: AgentConfig
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(endpoint.url + "\n")
     return endpoint
+
+
+def check_chat_template(tokenizer: Any, thinking: bool) -> None:
+    """ValueError unless ``tokenizer`` renders a conversation with its chat template and closes an assistant's
+    turn with its EOS token (how a later turn's messages are inserted token by token)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--openai-endpoint: the tokenizer in --model-path has no chat template, with which agents' "
+                         "messages are rendered; use a model folder whose tokenizer has one")
+    try:
+        turn_ids(tokenizer, [{"role": "user", "content": "probe"}], ended_with_eos=True, thinking=thinking)
+    except ValueError as err:
+        raise ValueError(f"--openai-endpoint: {err}") from None
 
 
 class AgentEndpoint:
