@@ -114,7 +114,11 @@ def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
             watch = _Watch(process, run_dir, plan, stall_s, started, say, recovering=ended_by)
-            ended_by = watch.run()
+            try:
+                ended_by = watch.run()
+            except BaseException:  # Ctrl-C, a hang: the run is in its own session and would outlive the soak
+                _kill_tree(process, run_dir)
+                raise
         kills += watch.kills
         text = log.read_text(errors="replace")
         launches.append({**launch, "exit": process.returncode, "seconds": round(time.monotonic() - began, 1)})
@@ -156,7 +160,6 @@ class _Watch:
                     self.recovering.recovery_s = round(self._now() - self.recovering.at_s, 1)
                     self.recovering = None
             if time.monotonic() - progress_at > self.stall_s:
-                _kill_tree(self.process, self.run_dir)
                 raise SoakFailed(f"no new step for {self.stall_s:.0f} s after step {last_step}; "
                                  f"see {self.run_dir}/logs/")
             if ending is None and checkpoint.latest(self.run_dir) is not None and (kind := self.plan.due(step)):
