@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_frames import TOKEN, attack, example_group, frame, tls_files  # noqa: E402
 from fuzz_http import HttpFuzz, claim, fuzz_http  # noqa: E402
 
+from vime.devtools.shared_data import shared_data  # noqa: E402
 from vime.logs import configure  # noqa: E402
 from vime.messages.runtime import Register, Registered, StatusQuery  # noqa: E402
 from vime.runtime import Actor, ActorSettings  # noqa: E402
@@ -63,7 +64,7 @@ from vime.transports.sockets import TlsFiles  # noqa: E402
 ROLES = ("buffer", "router", "rollout", "reward", "trainer")
 TRANSPORTS = ("ipc", "tcp", "tls+tcp")
 MAX_MESSAGE_BYTES = 1 << 16  # the inbox then refuses frames over 4 x this + 16 MiB (vime.runtime)
-QWEN3_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
+QWEN3_TOKENIZER = shared_data() / "qwen3-tokenizer"
 STARTED_ROLES = {"rollout", "reward"}  # the others' on_start talks to peers that are not there
 
 

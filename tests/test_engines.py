@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
 from vime.config import ActorStart, OptimConfig, RunConfig, add_flags, engine_flags, from_flags
 from vime.data import PromptSource, check_prompting, load_rows, prompt_ids
+from vime.devtools.shared_data import shared_data
 from vime.scenarios.arithmetic import build_model
 from vime.seeds import actor_seed, sampling_seed
 
@@ -742,7 +742,7 @@ def test_prompts_with_a_template_and_the_chat_template(tmp_path):
         check_prompting(tokenizer, "no slot", chat=False)
     with pytest.raises(ValueError, match="has no chat template; leave the flag out"):
         check_prompting(tokenizer, "{prompt}", chat=True)
-    qwen3 = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
+    qwen3 = shared_data() / "qwen3-tokenizer"
     if not (qwen3 / "tokenizer.json").is_file():
         pytest.skip(f"the Qwen3 tokenizer is not at {qwen3}; the chat-template half of this test needs it")
     from transformers import AutoTokenizer

@@ -18,12 +18,13 @@ from vime.backends.torch_train import TorchTrainEngine
 from vime.config import RunConfig
 from vime.data import prompt_ids
 from vime.devtools.make_tiny_model import make_tiny_model
+from vime.devtools.shared_data import shared_data
 from vime.messages.pipeline import GenerateGroup, RolloutGroup
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.weights import WeightsShared
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
+TOKENIZER = shared_data() / "qwen3-tokenizer"
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import torch
 from vime.backends.base import SamplingParams, Sequence
 from vime.backends.torch_rollout import TorchRolloutEngine
 from vime.devtools.make_tiny_model import ARCHS, full_config, make_tiny_model
+from vime.devtools.shared_data import shared_data
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-tokenizer"
+TOKENIZER = shared_data() / "qwen3-tokenizer"
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import pytest
 
 from vime import rewards
+from vime.devtools.shared_data import shared_data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = shared_data()
 
 
 @pytest.mark.parametrize(("response", "label", "reward"), [

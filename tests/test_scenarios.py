@@ -7,18 +7,18 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from vime.config import EvalConfig, RunConfig
 from vime.devtools.make_tiny_model import make_tiny_model
+from vime.devtools.shared_data import shared_data
 from vime.evaluation import eval_metrics
 from vime.messages.pipeline import Sample
 from vime.settings import help_of
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = shared_data()
 MATH_EVAL = "math-eval/math500_aime24_aime25.jsonl"
 RECIPES = {"qwen3_4b_gsm8k": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
            "qwen3_4b_gsm8k_tools": ("qwen3", "gsm8k/train.jsonl", "gsm8k/test.jsonl", []),
