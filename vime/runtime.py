@@ -115,6 +115,15 @@ class ActorSettings:
                                           "through shared memory")
     tls_cert_key: str | None = setting(None, "PEM with our certificate and key (tls+tcp)")
     tls_ca: str | None = setting(None, "PEM of the CA that signs the job's certificates")
+    model_path: str | None = setting(None, "a joined actor: this host's copy of the job's model folder, checked "
+                                           "against the head's (sha256 of every file); not given: the head's "
+                                           "--model-path when this host has it, else fetched from the driver into "
+                                           "--model-cache", metavar="DIR")
+    model_cache: str | None = setting(None, "a joined actor: where models fetched from the driver are kept, one "
+                                            "folder per model contents; not given: $VIME_MODEL_CACHE, else "
+                                            "~/.cache/vime/models", metavar="DIR")
+    model_fetch_timeout_s: float = setting(60.0, "a joined actor fetching the model: seconds to wait for each chunk "
+                                                 "(16 MiB) before giving up on the driver")
     parent_pid: int | None = setting(None, "shut down when the driver that spawned us (process PID; 0 or no PID: "
                                            "our parent at start) is gone; a driver that dies before we start is "
                                            "noticed too when PID is given", flags=("--exit-with-parent",),

@@ -1,0 +1,323 @@
+"""A joined actor on a host without the job's model folder (``vime.model_files``): fetched from the driver over
+the job's socket, checked by sha256 and cached by contents; a second join reuses the cache, a damaged cache file is
+fetched again, a ``--model-path`` that is not the head's model is refused naming both, the driver serves nothing
+but the files of its model folder, and a head that dies mid-transfer leaves no cache entry.
+
+The first tests join an actor in this process (real sockets, a real driver); the last one trains with a rollout
+worker that runs in a mount namespace where the head's run folder does not exist, as on another host."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import trio
+from test_async import hold_run_until_serving
+
+from conftest import open_job
+from vime import model_files
+from vime.cluster import Cluster
+from vime.messages.model_files import ModelFileRead, ModelManifestQuery
+from vime.messages.runtime import StatusQuery
+from vime.model_files import ModelUnavailable, local_model_folder
+from vime.pipeline import train
+from vime.runtime import Actor, ActorSettings, RemoteError
+from vime.scenarios import arithmetic
+
+FILES = {"config.json": b'{"model_type": "tiny"}', "model.safetensors": os.urandom(600_000),
+         "sub/tokenizer.json": b'{"vocab": [1, 2, 3]}', "empty.txt": b""}
+
+
+def _model(folder: Path) -> Path:
+    for name, data in FILES.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "download.lock").write_text("not part of the model")
+    return folder
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Files of several chunks: the chunking is what is under test, not the size."""
+    monkeypatch.setattr(model_files, "CHUNK_BYTES", 64 << 10)
+
+
+@contextlib.asynccontextmanager
+async def _joined(job_address: str, token: str, cache: Path, **settings) -> AsyncIterator[Actor]:
+    """An actor joined to the driver at ``job_address``, in this process, serving until the block ends."""
+    actor = Actor(ActorSettings(name=f"joiner-{os.urandom(3).hex()}", listen="tcp://127.0.0.1:0",
+                                driver=job_address, token=token, model_cache=str(cache), **settings))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(actor.serve, handle_signals=False))
+        try:
+            yield actor
+        finally:
+            actor.stop()
+
+
+async def test_a_host_without_the_model_fetches_it_once_checks_it_and_then_uses_its_cache(tmp_path, small_chunks):
+    head = _model(tmp_path / "head-model")
+    cache = tmp_path / "cache"
+    elsewhere = str(tmp_path / "not-on-this-host")  # the head's path, as a host without it sees it
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, cache) as actor:
+            fetched = Path(await local_model_folder(actor, elsewhere))
+            assert fetched.parent == cache and fetched.name == (await actor.ask("driver", ModelManifestQuery())).digest
+            assert {p.relative_to(fetched).as_posix(): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} \
+                == FILES  # every file, byte for byte; the hub's dot-folder is not part of the model
+            assert actor.counters["model_bytes_fetched"] == sum(map(len, FILES.values()))
+            assert actor.counters["model_files_fetched"] == len(FILES)
+            assert sorted(p.name for p in cache.iterdir()) == sorted([fetched.name, f"{fetched.name}.lock"])
+
+        async with _joined(job.address, job.token, cache) as again:
+            assert await local_model_folder(again, elsewhere) == str(fetched)
+            assert again.counters["model_bytes_fetched"] == 0  # the cache, checked, and nothing sent
+
+        damaged = bytearray((fetched / "model.safetensors").read_bytes())
+        damaged[1000] ^= 0xFF  # same size: only the hash can tell
+        (fetched / "model.safetensors").write_bytes(bytes(damaged))
+        (fetched / "sub" / "tokenizer.json").unlink()
+        async with _joined(job.address, job.token, cache) as third:
+            assert await local_model_folder(third, elsewhere) == str(fetched)
+            assert third.counters["model_bytes_fetched"] == len(FILES["model.safetensors"]) + len(
+                FILES["sub/tokenizer.json"])  # only the two damaged files came again
+            assert (fetched / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+        async with _joined(job.address, job.token, cache) as shared:  # the head's path is here: used as it is
+            assert await local_model_folder(shared, str(head)) == str(head)
+            assert shared.counters["model_bytes_fetched"] == 0
+
+
+async def test_a_model_path_given_is_checked_against_the_heads_and_refused_naming_both(tmp_path):
+    head = _model(tmp_path / "head-model")
+    copy = tmp_path / "my-copy"
+    shutil.copytree(head, copy)
+    (copy / "README.md").write_text("an extra file is fine")
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache", model_path=str(copy)) as actor:
+            assert await local_model_folder(actor, str(head)) == str(copy)
+        (copy / "config.json").write_text('{"model_type": "another"}')
+        (copy / "sub" / "tokenizer.json").unlink()
+        async with _joined(job.address, job.token, tmp_path / "cache", model_path=str(copy)) as actor:
+            with pytest.raises(ModelUnavailable) as refused:
+                await local_model_folder(actor, str(head))
+    said = str(refused.value)
+    assert f"--model-path {copy} is not the job's model, the head's {head}" in said, said
+    assert "config.json is 25 bytes" in said and "sub/tokenizer.json is missing" in said, said
+    assert not (tmp_path / "cache").exists()  # nothing was fetched
+
+
+async def test_the_driver_serves_only_the_files_of_its_model_folder(tmp_path):
+    head = _model(tmp_path / "run" / "model")
+    (tmp_path / "run" / "join").write_text("export VIME_TOKEN=secret")
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            async def refused(path: str, offset: int = 0, size: int = 10) -> str:
+                with pytest.raises(RemoteError) as error:
+                    await actor.ask("driver", ModelFileRead(path=path, offset=offset, size=size))
+                return error.value.reply.error
+
+            assert "is not a file of the job's model folder" in await refused("config.json")  # no manifest made yet
+            with trio.fail_after(30):
+                while not (await actor.ask("driver", ModelManifestQuery())).ready:
+                    await trio.sleep(0.05)
+            for path in ("../join", "/etc/passwd", str(head / "config.json"), "sub/../../join", ".cache/download.lock",
+                         "sub", "", "config.json/../../join"):
+                assert "is not a file of the job's model folder" in await refused(path), path
+            assert "not within" in await refused("config.json", offset=20, size=10)
+            assert "not within" in await refused("config.json", offset=-1)
+            assert "not within" in await refused("model.safetensors", size=1 << 30)
+            chunk = await actor.ask("driver", ModelFileRead(path="sub/tokenizer.json", offset=2, size=5))
+            assert bytes(chunk.data) == FILES["sub/tokenizer.json"][2:7]
+    async with open_job(tmp_path / "bare", transport="tcp") as job:  # a job without a model folder shares none
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            with pytest.raises(ModelUnavailable, match="shares no model folder"):
+                await local_model_folder(actor, str(tmp_path / "elsewhere"))
+
+
+HEAD = """
+import sys, trio
+from vime.cluster import Cluster
+
+async def main():
+    async with Cluster.open(sys.argv[1], transport="tcp", model_folder=sys.argv[2]) as job:
+        print(job.address, job.token, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+@contextlib.asynccontextmanager
+async def _head(run_dir: Path, model: Path) -> AsyncIterator[tuple[trio.Process, str, str]]:
+    """A driver serving ``model`` in a process of its own, to be killed: (process, address, token)."""
+    process = await trio.lowlevel.open_process([sys.executable, "-c", HEAD, str(run_dir), str(model)],
+                                               stdout=subprocess.PIPE)
+    try:
+        with trio.fail_after(60):
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(1024)
+        address, token = line.decode().split()
+        yield process, address, token
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)  # ends the driver's block: it removes its socket folder
+            with trio.move_on_after(15):
+                await process.wait()
+            process.kill()
+        await process.wait()
+
+
+async def test_a_head_that_dies_mid_transfer_leaves_no_cache_entry_and_the_next_join_fetches_the_rest(
+        tmp_path, small_chunks):
+    head = _model(tmp_path / "head-model")
+    (head / "zz-big.bin").write_bytes(os.urandom(24 << 20))  # sent last (files go in name order), 384 chunks
+    cache = tmp_path / "cache"
+    total = sum(p.stat().st_size for _, p in model_files.model_files(head))
+    async with _head(tmp_path / "run1", head) as (process, address, token):
+        async with _joined(address, token, cache, model_fetch_timeout_s=3.0) as actor:
+            async def kill_mid_file() -> None:
+                with trio.fail_after(60):
+                    while not [p for p in cache.glob("*.partial/zz-big.bin.tmp") if p.stat().st_size > (1 << 20)]:
+                        await trio.sleep(0.002)
+                process.kill()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_mid_file)
+                with pytest.raises(ModelUnavailable) as failed:
+                    await local_model_folder(actor, str(tmp_path / "elsewhere"))
+            arrived = actor.counters["model_bytes_fetched"]
+    said = str(failed.value)
+    assert "did not send zz-big.bin" in said and "is the job still running?" in said, said
+    assert f"The model was not cached: {arrived} of {total} bytes had arrived; 4 whole files are kept in" in said
+    assert 0 < arrived < total
+    partial, = cache.glob("*.partial")
+    assert not [p for p in cache.iterdir() if p.is_dir() and not p.name.endswith(".partial")]  # no entry
+    assert not list(partial.rglob("*.tmp"))  # nor a half file
+    async with _head(tmp_path / "run2", head) as (_, address, token):
+        async with _joined(address, token, cache) as actor:
+            entry = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+            assert actor.counters["model_bytes_fetched"] == 24 << 20  # the whole files kept were not sent again
+    assert entry == partial.with_suffix("") and not partial.exists()
+    assert model_files.differences(entry, [f for f in (await _manifest_of(head)).files]) == []
+
+
+async def _manifest_of(folder: Path):
+    async with trio.open_nursery() as nursery:
+        server = model_files.ModelServer(folder)
+        while not (manifest := server.manifest(nursery.start_soon)).ready:
+            await trio.sleep(0.01)
+    return manifest
+
+
+def _can_hide(folder: Path) -> str | None:
+    """Why a mount namespace cannot hide ``folder`` here (None: it can)."""
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    tried = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs "$0"', str(folder)],
+                           capture_output=True, text=True)
+    if tried.returncode != 0:
+        return f"unshare --mount with a tmpfs mount fails here (needs root or CAP_SYS_ADMIN): {tried.stderr.strip()}"
+    return None
+
+
+async def _join_elsewhere(hidden: Path, run_dir: Path, address: str, token: str, name: str, log: Path,
+                          *flags: str) -> trio.Process:
+    """``vime-actor rollout --join`` as on another host: in a mount namespace of its own where ``hidden`` (which
+    holds the head's run folder, and the model in it) is an empty tmpfs."""
+    script = f'mount -t tmpfs tmpfs "$0" && test ! -e {run_dir} && exec "$@"'
+    command = ["unshare", "--mount", "sh", "-c", script, str(hidden), sys.executable, "-m", "vime.actor", "rollout",
+               "--join", address, "--name", name, *flags]
+    with open(log, "wb") as out:
+        return await trio.lowlevel.open_process(command, stdout=out, stderr=out,
+                                                env=dict(os.environ, VIME_TOKEN=token, PYTHONUNBUFFERED="1"))
+
+
+def _events(log: Path) -> dict[str, dict]:
+    """The JSON lines of an actor's log, by event (the last of each)."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and "event" in entry:
+                found[entry["event"]] = entry
+    return found
+
+
+async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model_and_trains(tmp_path):
+    """The README's join, tried from a host that does not share the head's files: the demo's model lives in the
+    head's run folder, which the joining worker cannot see. It fetches the model, builds its engine from the
+    cached copy, and generates groups that are trained; a second worker there starts from the cache; a
+    --model-path that is not the head's model is refused with exit status 2. Before: the worker died building
+    its engine from a path that does not exist there."""
+    hidden = tmp_path / "head"
+    run_dir = hidden / "run"
+    run_dir.mkdir(parents=True)
+    why_not = _can_hide(hidden)
+    if why_not:
+        pytest.skip(why_not)
+    cache, wrong = tmp_path / "cache", tmp_path / "wrong-model"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=8, rollout_batch_size=8,
+                                                                      max_staleness=1))
+    shutil.copytree(config.model.model_path, wrong)
+    (wrong / "config.json").write_text((wrong / "config.json").read_text().replace('"hidden_size": 128',
+                                                                                   '"hidden_size": 256'))
+    seen: dict[str, trio.Process] = {}
+
+    async def join(job: Cluster, row: dict) -> None:
+        if row["step"] != 1:
+            return
+        seen["far-1"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-1",
+                                              tmp_path / "far-1.log", "--model-cache", str(cache))
+        await hold_run_until_serving(job, "far-1", "joined")
+        with trio.fail_after(60):
+            while not (await job.ask("router", StatusQuery())).counters.get("dispatched_to:far-1"):
+                await trio.sleep(0.05)
+        job.kill("buffer", signal.SIGSTOP)  # the run waits while the next two start
+        try:
+            seen["far-1"].send_signal(signal.SIGTERM)  # it leaves; its groups are handed back
+            seen["far-2"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-2",
+                                                  tmp_path / "far-2.log", "--model-cache", str(cache))
+            seen["wrong"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-wrong",
+                                                  tmp_path / "far-wrong.log", "--model-cache", str(cache),
+                                                  "--model-path", str(wrong))
+            with trio.fail_after(90):
+                await seen["wrong"].wait()
+                await seen["far-1"].wait()
+        finally:
+            job.kill("buffer", signal.SIGCONT)
+        await hold_run_until_serving(job, "far-2", "joined")
+
+    try:
+        summary = await train(config, run_dir, transport="tcp", on_step=join, timeout_s=400)
+    finally:
+        for process in seen.values():
+            if process.returncode is None:
+                with trio.move_on_after(30):  # the job's end shuts a joined worker down
+                    await process.wait()
+                process.kill()
+    first, second = _events(tmp_path / "far-1.log"), _events(tmp_path / "far-2.log")
+    model_bytes = sum(p.stat().st_size for _, p in model_files.model_files(Path(config.model.model_path)))
+    fetched = first["model fetched"]
+    assert fetched["bytes"] == model_bytes and fetched["files"] == len(list(Path(config.model.model_path).iterdir()))
+    assert Path(fetched["model_path"]).parent == cache and "joined" in first
+    assert seen["far-1"].returncode == 0 and summary["workers"]["far-1"]["groups"] > 0  # it generated; trained
+    assert "fetching the model from the head" not in second and second["model from the cache"]["fetched_bytes"] == 0
+    assert second["model from the cache"]["model_path"] == fetched["model_path"] and "joined" in second
+    said = (tmp_path / "far-wrong.log").read_text()
+    assert seen["wrong"].returncode == 2, said[-2000:]
+    assert f"--model-path {wrong} is not the job's model, the head's {config.model.model_path}" in said, said[-2000:]
+    assert "config.json differs" in said
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8
