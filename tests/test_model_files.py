@@ -52,10 +52,14 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(model_files, "CHUNK_BYTES", 64 << 10)
 
 
+class _Joiner(Actor):
+    role = "joiner"
+
+
 @contextlib.asynccontextmanager
 async def _joined(job_address: str, token: str, cache: Path, **settings) -> AsyncIterator[Actor]:
     """An actor joined to the driver at ``job_address``, in this process, serving until the block ends."""
-    actor = Actor(ActorSettings(name=f"joiner-{os.urandom(3).hex()}", listen="tcp://127.0.0.1:0",
+    actor = _Joiner(ActorSettings(name=f"joiner-{os.urandom(3).hex()}", listen="tcp://127.0.0.1:0",
                                 driver=job_address, token=token, model_cache=str(cache), **settings))
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(actor.serve, handle_signals=False))
