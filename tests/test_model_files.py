@@ -325,3 +325,18 @@ async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model
     assert "config.json differs" in said
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+async def test_a_relative_head_path_is_not_taken_for_this_hosts_copy(tmp_path, monkeypatch):
+    """The demo's --model-path, runs/NAME/model, names a folder of the head's working folder: a worker joined by
+    hand from another folder (or host) that happens to hold one of that name fetches the head's instead."""
+    head = _model(tmp_path / "head" / "runs" / "x" / "model")
+    here = tmp_path / "joiner"
+    (here / "runs" / "x" / "model").mkdir(parents=True)  # another model, or none, under the same name
+    monkeypatch.chdir(tmp_path / "head")
+    async with open_job(tmp_path / "head" / "run", transport="tcp", model_folder="runs/x/model") as job:
+        monkeypatch.chdir(here)
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            fetched = await local_model_folder(actor, "runs/x/model")
+    assert Path(fetched).parent == tmp_path / "cache" and actor.counters["model_files_fetched"] == len(FILES)
+    assert (Path(fetched) / "config.json").read_bytes() == (head / "config.json").read_bytes()

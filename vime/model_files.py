@@ -6,8 +6,9 @@ the head's absolute ``--model-path``. Where that folder is, the worker gets it i
 * ``vime-actor --model-path DIR``: this host's own copy, checked against the head's (the size and sha256 of
   every file the head's folder holds; extra files are allowed) and refused, naming both folders, when it
   differs;
-* the head's path exists on this host too (a shared file system): used as it is, unchecked, as spawned actors
-  use it;
+* the head's path is absolute and exists on this host too (a shared file system): used as it is, unchecked, as
+  spawned actors use it (a relative one, the demo's ``runs/NAME/model``, names the head's working folder, not
+  this host's);
 * otherwise it is fetched from the driver over the job's own socket (its token, its TLS) into a cache folder
   (``--model-cache``, default ``$VIME_MODEL_CACHE`` or ``~/.cache/vime/models``), keyed by the digest of the
   folder's contents, so a later join of the same model on this host transfers nothing.
@@ -144,7 +145,7 @@ class ModelServer:
     """
 
     def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
+        self.folder = Path(folder).absolute()  # as the joined side's messages name it
         self._hashing: _Hashing | None = None
         self._served: dict[str, ModelFile] = {}  # path -> file, of the latest finished manifest
 
@@ -211,8 +212,9 @@ async def local_model_folder(actor: Actor, head_path: str) -> str:
     changed on the head mid-way); nothing half-written is then left as a cache entry.
     """
     given = actor.settings.model_path
-    if given is None and Path(head_path).is_dir():
-        if actor.settings.parent_pid is None:  # joined by hand: say which copy it runs on
+    spawned = actor.settings.parent_pid is not None  # by the driver, on its host and in its folder
+    if given is None and Path(head_path).is_dir() and (spawned or Path(head_path).is_absolute()):
+        if not spawned:  # joined by hand: say which copy it runs on
             actor.log.info("the head's model folder is on this host too: using it as it is, unchecked (pass "
                            "--model-path to have a copy checked)", model_path=head_path)
         return head_path
