@@ -23,7 +23,7 @@ import pytest
 import trio
 from test_async import hold_run_until_serving
 
-from conftest import open_job
+from conftest import make_tls_files, open_job
 from vime import model_files
 from vime.cluster import Cluster
 from vime.messages.model_files import ModelFileRead, ModelManifestQuery
@@ -59,8 +59,9 @@ class _Joiner(Actor):
 @contextlib.asynccontextmanager
 async def _joined(job_address: str, token: str, cache: Path, **settings) -> AsyncIterator[Actor]:
     """An actor joined to the driver at ``job_address``, in this process, serving until the block ends."""
-    actor = _Joiner(ActorSettings(name=f"joiner-{os.urandom(3).hex()}", listen="tcp://127.0.0.1:0",
-                                driver=job_address, token=token, model_cache=str(cache), **settings))
+    scheme = job_address.partition("://")[0]
+    actor = _Joiner(ActorSettings(name=f"joiner-{os.urandom(3).hex()}", listen=f"{scheme}://127.0.0.1:0",
+                                  driver=job_address, token=token, model_cache=str(cache), **settings))
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(actor.serve, handle_signals=False))
         try:
@@ -100,6 +101,17 @@ async def test_a_host_without_the_model_fetches_it_once_checks_it_and_then_uses_
         async with _joined(job.address, job.token, cache) as shared:  # the head's path is here: used as it is
             assert await local_model_folder(shared, str(head)) == str(head)
             assert shared.counters["model_bytes_fetched"] == 0
+
+
+async def test_the_model_travels_over_tls_when_the_job_uses_it(tmp_path, small_chunks):
+    head = _model(tmp_path / "head-model")
+    tls = make_tls_files(tmp_path / "tls")
+    async with open_job(tmp_path / "run", transport="tls+tcp", tls=tls, model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache", tls_cert_key=tls["cert_key"],
+                           tls_ca=tls["ca"]) as actor:
+            fetched = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+            assert actor.counters["model_bytes_fetched"] == sum(map(len, FILES.values()))
+    assert (fetched / "model.safetensors").read_bytes() == FILES["model.safetensors"]
 
 
 async def test_a_model_path_given_is_checked_against_the_heads_and_refused_naming_both(tmp_path):
@@ -209,10 +221,13 @@ async def test_a_head_that_dies_mid_transfer_leaves_no_cache_entry_and_the_next_
     partial, = cache.glob("*.partial")
     assert not [p for p in cache.iterdir() if p.is_dir() and not p.name.endswith(".partial")]  # no entry
     assert not list(partial.rglob("*.tmp"))  # nor a half file
+    (partial / "zz-big.bin.tmp").write_bytes(b"what a joiner killed with kill -9 leaves")
+    (partial / "config.json").write_bytes(b'{"model_type": "TINY"}')  # a kept file damaged since
     async with _head(tmp_path / "run2", head) as (_, address, token):
         async with _joined(address, token, cache) as actor:
             entry = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
-            assert actor.counters["model_bytes_fetched"] == 24 << 20  # the whole files kept were not sent again
+            # the whole files kept were not sent again, the damaged one was
+            assert actor.counters["model_bytes_fetched"] == (24 << 20) + len(FILES["config.json"])
     assert entry == partial.with_suffix("") and not partial.exists()
     assert model_files.differences(entry, [f for f in (await _manifest_of(head)).files]) == []
 
