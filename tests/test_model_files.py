@@ -127,6 +127,9 @@ async def test_a_model_path_given_is_checked_against_the_heads_and_refused_namin
         async with _joined(job.address, job.token, tmp_path / "cache", model_path=str(copy)) as actor:
             with pytest.raises(ModelUnavailable) as refused:
                 await local_model_folder(actor, str(head))
+        async with _joined(job.address, job.token, tmp_path / "cache", model_path=str(tmp_path / "typo")) as actor:
+            with pytest.raises(ModelUnavailable, match="typo: no such folder on this host"):
+                await local_model_folder(actor, str(head))
     said = str(refused.value)
     assert f"--model-path {copy} is not the job's model, the head's {head}" in said, said
     assert "config.json is 25 bytes" in said and "sub/tokenizer.json is missing" in said, said

@@ -218,6 +218,9 @@ async def local_model_folder(actor: Actor, head_path: str) -> str:
             actor.log.info("the head's model folder is on this host too: using it as it is, unchecked (pass "
                            "--model-path to have a copy checked)", model_path=head_path)
         return head_path
+    if given is not None and not Path(given).is_dir():
+        raise ModelUnavailable(f"--model-path {given}: no such folder on this host; pass a copy of the head's model "
+                               f"folder ({head_path} there), or leave --model-path out and this host fetches it")
     manifest = await _ask_manifest(actor)
     if given is not None:
         problems = await trio.to_thread.run_sync(differences, Path(given), manifest.files)
