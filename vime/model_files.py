@@ -1,7 +1,7 @@
 """The job's model folder on a host that does not share the head's files.
 
 A worker joined by hand (``vime-actor rollout --join``) takes the job's settings from the driver, and with them
-the head's absolute ``--model-path``. Where that folder is, the worker gets it in one of three ways:
+the head's ``--model-path``, a folder on the head's host. The worker gets that folder in one of three ways:
 
 * ``vime-actor --model-path DIR``: this host's own copy, checked against the head's (the size and sha256 of
   every file the head's folder holds; extra files are allowed) and refused, naming both folders, when it
@@ -24,8 +24,9 @@ asks for the next, so neither side holds more than a chunk of a multi-GB file. T
 manifest lists and nothing else: a request names a file of the manifest, never a path to open.
 
 Both halves are here: the driver's (:class:`ModelServer`) and the joined actor's (:func:`local_model_folder`).
-Left out: resuming within a file, compression, parallel streams, and files whose name starts with "." (a hub's
-download metadata, ``.git``), which are not part of the model.
+Left out: resuming within a file, compression, more than one chunk in flight, and files whose name starts with
+"." (a hub's download metadata, ``.git``), which are not part of the model. Tested in ``tests/test_model_files.py``
+(the last test joins from a mount namespace where the head's run folder does not exist).
 """
 
 from __future__ import annotations
@@ -37,15 +38,13 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import trio
 
 from vime.messages.model_files import ModelFile, ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
-
-if TYPE_CHECKING:
-    from vime.runtime import Actor
+from vime.runtime import Actor, PeerGone, RemoteError
 
 CHUNK_BYTES = 16 << 20  # one ask's worth: big enough that a round trip per chunk costs little, small enough to hold
 MAX_CHUNK_BYTES = 64 << 20  # the most the driver reads for one ask
@@ -251,8 +250,6 @@ async def _ask_manifest(actor: Actor) -> ModelManifest:
 
 
 async def _ask(actor: Actor, request: Any, timeout: float, what: str) -> Any:
-    from vime.runtime import PeerGone, RemoteError
-
     try:
         return await actor.ask("driver", request, timeout=timeout)
     except (TimeoutError, PeerGone) as err:
