@@ -9,13 +9,16 @@ worker that runs in a mount namespace where the head's run folder does not exist
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -203,7 +206,7 @@ async def test_a_head_that_dies_mid_transfer_leaves_no_cache_entry_and_the_next_
     head = _model(tmp_path / "head-model")
     (head / "zz-big.bin").write_bytes(os.urandom(24 << 20))  # sent last (files go in name order), 384 chunks
     cache = tmp_path / "cache"
-    total = sum(p.stat().st_size for _, p in model_files.model_files(head))
+    total = sum(p.stat().st_size for _, p in model_files.listed_files(head))
     async with _head(tmp_path / "run1", head) as (process, address, token):
         async with _joined(address, token, cache, model_fetch_timeout_s=3.0) as actor:
             async def kill_mid_file() -> None:
@@ -238,28 +241,35 @@ async def test_a_head_that_dies_mid_transfer_leaves_no_cache_entry_and_the_next_
 async def _manifest_of(folder: Path):
     async with trio.open_nursery() as nursery:
         server = model_files.ModelServer(folder)
-        while not (manifest := server.manifest(nursery.start_soon)).ready:
+        while not (manifest := await server.manifest(nursery.start_soon)).ready:
             await trio.sleep(0.01)
     return manifest
 
 
-def _can_hide(folder: Path) -> str | None:
-    """Why a mount namespace cannot hide ``folder`` here (None: it can)."""
+_UNSHARES = (["unshare", "--user", "--map-root-user", "--mount"], ["unshare", "--mount"])
+
+
+def _unshare(folder: Path) -> tuple[list[str] | None, str]:
+    """The unshare command that can hide ``folder`` here under a tmpfs (a user namespace first: no root needed),
+    or None and why none can."""
     if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    tried = subprocess.run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs "$0"', str(folder)],
-                           capture_output=True, text=True)
-    if tried.returncode != 0:
-        return f"unshare --mount with a tmpfs mount fails here (needs root or CAP_SYS_ADMIN): {tried.stderr.strip()}"
-    return None
+        return None, "unshare (util-linux) is not installed"
+    said = []
+    for unshare in _UNSHARES:
+        tried = subprocess.run([*unshare, "sh", "-c", 'mount -t tmpfs tmpfs "$0"', str(folder)],
+                               capture_output=True, text=True)
+        if tried.returncode == 0:
+            return unshare, ""
+        said.append(f"{' '.join(unshare)}: {tried.stderr.strip()}")
+    return None, f"no mount namespace with a tmpfs mount here (user namespaces off, and not root): {'; '.join(said)}"
 
 
-async def _join_elsewhere(hidden: Path, run_dir: Path, address: str, token: str, name: str, log: Path,
-                          *flags: str) -> trio.Process:
+async def _join_elsewhere(unshare: list[str], hidden: Path, run_dir: Path, address: str, token: str, name: str,
+                          log: Path, *flags: str) -> trio.Process:
     """``vime-actor rollout --join`` as on another host: in a mount namespace of its own where ``hidden`` (which
     holds the head's run folder, and the model in it) is an empty tmpfs."""
     script = f'mount -t tmpfs tmpfs "$0" && test ! -e {run_dir} && exec "$@"'
-    command = ["unshare", "--mount", "sh", "-c", script, str(hidden), sys.executable, "-m", "vime.actor", "rollout",
+    command = [*unshare, "sh", "-c", script, str(hidden), sys.executable, "-m", "vime.actor", "rollout",
                "--join", address, "--name", name, *flags]
     with open(log, "wb") as out:
         return await trio.lowlevel.open_process(command, stdout=out, stderr=out,
@@ -286,8 +296,8 @@ async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model
     hidden = tmp_path / "head"
     run_dir = hidden / "run"
     run_dir.mkdir(parents=True)
-    why_not = _can_hide(hidden)
-    if why_not:
+    unshare, why_not = _unshare(hidden)
+    if unshare is None:
         pytest.skip(why_not)
     cache, wrong = tmp_path / "cache", tmp_path / "wrong-model"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(steps=8, rollout_batch_size=8,
@@ -300,7 +310,7 @@ async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model
     async def join(job: Cluster, row: dict) -> None:
         if row["step"] != 1:
             return
-        seen["far-1"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-1",
+        seen["far-1"] = await _join_elsewhere(unshare, hidden, run_dir, job.address, job.token, "far-1",
                                               tmp_path / "far-1.log", "--model-cache", str(cache))
         await hold_run_until_serving(job, "far-1", "joined")
         with trio.fail_after(60):
@@ -309,9 +319,9 @@ async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model
         job.kill("buffer", signal.SIGSTOP)  # the run waits while the next two start
         try:
             seen["far-1"].send_signal(signal.SIGTERM)  # it leaves; its groups are handed back
-            seen["far-2"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-2",
+            seen["far-2"] = await _join_elsewhere(unshare, hidden, run_dir, job.address, job.token, "far-2",
                                                   tmp_path / "far-2.log", "--model-cache", str(cache))
-            seen["wrong"] = await _join_elsewhere(hidden, run_dir, job.address, job.token, "far-wrong",
+            seen["wrong"] = await _join_elsewhere(unshare, hidden, run_dir, job.address, job.token, "far-wrong",
                                                   tmp_path / "far-wrong.log", "--model-cache", str(cache),
                                                   "--model-path", str(wrong))
             with trio.fail_after(90):
@@ -330,7 +340,7 @@ async def test_a_worker_on_a_host_without_the_heads_run_folder_fetches_the_model
                     await process.wait()
                 process.kill()
     first, second = _events(tmp_path / "far-1.log"), _events(tmp_path / "far-2.log")
-    model_bytes = sum(p.stat().st_size for _, p in model_files.model_files(Path(config.model.model_path)))
+    model_bytes = sum(p.stat().st_size for _, p in model_files.listed_files(Path(config.model.model_path)))
     fetched = first["model fetched"]
     assert fetched["bytes"] == model_bytes and fetched["files"] == len(list(Path(config.model.model_path).iterdir()))
     assert Path(fetched["model_path"]).parent == cache and "joined" in first
@@ -358,3 +368,288 @@ async def test_a_relative_head_path_is_not_taken_for_this_hosts_copy(tmp_path, m
             fetched = await local_model_folder(actor, "runs/x/model")
     assert Path(fetched).parent == tmp_path / "cache" and actor.counters["model_files_fetched"] == len(FILES)
     assert (Path(fetched) / "config.json").read_bytes() == (head / "config.json").read_bytes()
+
+
+def _idle_joiner(cache: Path) -> Actor:
+    """A joiner that never serves: enough for the cache functions, which refuse before they ask anything."""
+    return _Joiner(ActorSettings(name="idle-joiner", listen="tcp://127.0.0.1:0", model_cache=str(cache)))
+
+
+def _forged(files: list[tuple[str, bytes]], digest: str | None = None):
+    from vime.messages.model_files import ModelFile, ModelManifest
+    listed = [ModelFile(path=path, size=len(data), sha256=hashlib.sha256(data).hexdigest()) for path, data in files]
+    return ModelManifest(head_path="/head", ready=True, digest=digest or model_files.folder_digest(listed),
+                         files=listed, hashed_bytes=0, total_bytes=0)
+
+
+@pytest.mark.parametrize("files, digest, why", [
+    ([("../escape.txt", b"x")], None, "not a plain relative path"),
+    ([("/tmp/escape.txt", b"x")], None, "not a plain relative path"),
+    ([("sub/../../escape.txt", b"x")], None, "not a plain relative path"),
+    ([("a//b", b"x")], None, "not a plain relative path"),
+    ([("./a", b"x")], None, "not a plain relative path"),
+    ([(".git/config", b"x")], None, "not a plain relative path"),
+    ([("a", b"x"), ("a", b"x")], None, "listed twice"),
+    ([("a", b"x"), ("a/b", b"y")], None, "as a file and as the folder of"),
+    ([("a", b"x")], "../../proj", "not 64 hex digits"),
+    ([("a", b"x")], "0" * 64, "not the digest of the files it lists"),
+])
+async def test_a_forged_manifest_is_refused_before_anything_is_written_or_deleted(tmp_path, files, digest, why):
+    """Before: a path of the manifest was joined to the cache folder as it came (an absolute one or '..' wrote
+    anywhere) and its digest named the folders removed and renamed (a digest '../../proj' removed 'proj')."""
+    victim = tmp_path / "proj"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    cache = tmp_path / "a" / "b" / "cache"
+    with pytest.raises(ModelUnavailable, match=why):
+        await model_files._cached_copy(_idle_joiner(cache), _forged(files, digest), cache)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "escape.txt").exists()
+    assert (victim / "keep.txt").read_text() == "mine"
+
+
+async def test_a_file_is_never_written_through_a_symlink_out_of_the_partial_copy(tmp_path):
+    """The second guard: a path the manifest check lets through, that a symlink planted in the partial folder
+    would send elsewhere."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    partial = tmp_path / "cache" / "x.partial"
+    partial.mkdir(parents=True)
+    (partial / "sub").symlink_to(outside)
+    manifest = _forged([("sub/model.bin", b"data")])
+    with pytest.raises(ModelUnavailable, match="would be written outside"):
+        await model_files._fetch(_idle_joiner(tmp_path / "cache"), manifest, partial, manifest.files)
+    assert list(outside.iterdir()) == []
+
+
+async def test_a_chunk_with_other_bytes_than_the_manifest_says_is_not_kept(tmp_path, small_chunks):
+    """The per-file sha256: the head's file changes after its manifest was made, keeping its size and mtime (so the
+    driver keeps the old manifest and serves the new bytes): the joiner refuses the file, keeps no cache entry,
+    no partial file of it and no .tmp. Before: no test failed without the check."""
+    head = _model(tmp_path / "head-model")
+    cache = tmp_path / "cache"
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, cache) as actor:
+            with trio.fail_after(30):
+                while not (await actor.ask("driver", ModelManifestQuery())).ready:
+                    await trio.sleep(0.05)
+            weights = head / "model.safetensors"
+            stat = weights.stat()
+            weights.write_bytes(os.urandom(stat.st_size))
+            os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            with pytest.raises(ModelUnavailable, match="model.safetensors arrived with another sha256") as failed:
+                await local_model_folder(actor, str(tmp_path / "elsewhere"))
+    assert "join again" in str(failed.value)
+    partial, = cache.glob("*.partial")
+    assert not [p for p in cache.iterdir() if p.is_dir() and not p.name.endswith(".partial")]
+    assert not (partial / "model.safetensors").exists() and not list(partial.rglob("*.tmp"))
+
+
+async def test_heartbeats_are_stamped_as_they_arrive_not_behind_a_slow_handler(tmp_path, monkeypatch):
+    """A chunk read that takes longer than the driver's dead_after_s: the joiner's heartbeats, which arrive
+    meanwhile, keep it alive. Before: they waited behind the read and the joiner was declared dead."""
+    head = _model(tmp_path / "head-model")
+    original = model_files.ModelServer.read
+
+    async def slow_read(self, msg):
+        await trio.to_thread.run_sync(time.sleep, 2.5)
+        return await original(self, msg)
+
+    monkeypatch.setattr(model_files.ModelServer, "read", slow_read)
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head, dead_after_s=1.0) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache", heartbeat_s=0.2) as actor:
+            with trio.fail_after(30):
+                while not (await actor.ask("driver", ModelManifestQuery())).ready:
+                    await trio.sleep(0.05)
+            await actor.ask("driver", ModelFileRead(path="config.json", offset=0, size=5))
+            assert not [e for e in job.events if e.what == "died" and e.name == actor.name], job.events
+
+
+async def test_the_driver_refuses_a_read_while_the_askers_previous_chunk_has_not_left(tmp_path, monkeypatch):
+    """One chunk in flight per worker: a worker asking for more without taking what it was sent is refused (it
+    cannot pile chunks up in the driver's memory); an honest worker refused so asks again and gets its model."""
+    from vime.cluster import _Driver
+    head = _model(tmp_path / "head-model")
+    queued = iter([1, 1, 1])
+    monkeypatch.setattr(_Driver, "unsent_to", lambda self, name: next(queued, 0))
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            fetched = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+            assert (fetched / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+            monkeypatch.setattr(_Driver, "unsent_to", lambda self, name: 1)
+            with pytest.raises(RemoteError, match="has not left the driver yet"):
+                await actor.ask("driver", ModelFileRead(path="config.json", offset=0, size=5))
+
+
+async def test_reads_are_bounded(tmp_path, monkeypatch):
+    head = _model(tmp_path / "head-model")
+    monkeypatch.setattr(model_files, "MAX_CHUNK_BYTES", 1000)
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            with trio.fail_after(30):
+                while not (await actor.ask("driver", ModelManifestQuery())).ready:
+                    await trio.sleep(0.05)
+            for offset, size in ((0, 0), (0, -1), (-5, 10), (0, 1001)):
+                with pytest.raises(RemoteError, match="not within"):
+                    await actor.ask("driver", ModelFileRead(path="model.safetensors", offset=offset, size=size))
+            chunk = await actor.ask("driver", ModelFileRead(path="model.safetensors", offset=100, size=1000))
+            assert bytes(chunk.data) == FILES["model.safetensors"][100:1100]
+
+
+async def test_the_driver_lives_through_a_hashing_failure_and_tries_again(tmp_path, monkeypatch):
+    """Any error while hashing is the asker's to hear (before: only OSError was; anything else ended the driver),
+    and the next ask hashes again (before: the error stayed until a file changed)."""
+    head = _model(tmp_path / "head-model")
+    original, failures = model_files.file_sha256, iter([RuntimeError("a bad sector, say")])
+
+    def flaky(path, progress=None):
+        if (error := next(failures, None)) is not None:
+            raise error
+        return original(path, progress)
+
+    monkeypatch.setattr(model_files, "file_sha256", flaky)
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        await actor.ask("driver", ModelManifestQuery())
+                    except RemoteError as refused:
+                        assert "RuntimeError: a bad sector, say" in refused.reply.error
+                        break
+                    await trio.sleep(0.05)
+            fetched = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+            assert (fetched / "config.json").read_bytes() == FILES["config.json"]
+
+
+async def test_a_file_name_that_is_not_utf8_is_refused_and_the_driver_goes_on(tmp_path):
+    head = _model(tmp_path / "head-model")
+    os.close(os.open(os.fsencode(head) + b"/bad-\xff.bin", os.O_CREAT | os.O_WRONLY))
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            with pytest.raises(ModelUnavailable, match="not UTF-8"):
+                await local_model_folder(actor, str(tmp_path / "elsewhere"))
+            assert (await actor.ask("driver", StatusQuery())).name == "driver"  # still serving
+
+
+async def test_the_driver_lists_its_folder_at_most_once_a_second(tmp_path, monkeypatch):
+    head = _model(tmp_path / "head-model")
+    listings = []
+    original = model_files.listed_files
+    monkeypatch.setattr(model_files, "listed_files", lambda folder: listings.append(1) or original(folder))
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            for _ in range(20):
+                await actor.ask("driver", ModelManifestQuery())
+    assert len(listings) <= 2  # 20 asks within about a second
+
+
+async def test_the_driver_hashes_again_after_its_folder_changed(tmp_path, small_chunks):
+    head = _model(tmp_path / "head-model")
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            first = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+        (head / "config.json").write_text('{"model_type": "tiny", "retrained": true}')
+        await trio.sleep(1.1)  # the driver's listing is at most a second old
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            second = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+            assert actor.counters["model_bytes_fetched"] == sum(map(len, FILES.values())) + 19
+    assert first != second and json.loads((second / "config.json").read_text())["retrained"] is True
+
+
+async def test_two_joins_on_one_host_fetch_the_model_once(tmp_path, small_chunks):
+    """The cache's lock: two workers joining at once on one host make one entry, and the model crosses once."""
+    head = _model(tmp_path / "head-model")
+    cache = tmp_path / "cache"
+    entries = []
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, cache) as one, _joined(job.address, job.token, cache) as two:
+            async def join(actor):
+                entries.append(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join, one)
+                nursery.start_soon(join, two)
+            fetched = one.counters["model_bytes_fetched"] + two.counters["model_bytes_fetched"]
+    assert entries[0] == entries[1] and fetched == sum(map(len, FILES.values()))
+
+
+async def test_a_stop_is_heard_while_waiting_for_the_lock_and_between_chunks(tmp_path, small_chunks):
+    """SIGTERM (here stop()) while another join holds the cache's lock, or mid-fetch: the worker gives up at once,
+    leaving no entry and no half file. Before: it sat in flock() or fetched to the end."""
+    head = _model(tmp_path / "head-model")
+    (head / "zz-big.bin").write_bytes(os.urandom(4 << 20))  # 64 chunks
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, cache) as actor:
+            manifest = await model_files._ask_manifest(actor)
+            with open(cache / f"{manifest.digest}.lock", "a") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                with trio.fail_after(10):
+                    async with trio.open_nursery() as nursery:
+                        async def stop_soon():
+                            await trio.sleep(1.0)
+                            actor.stop()
+
+                        nursery.start_soon(stop_soon)
+                        with pytest.raises(ModelUnavailable, match="while another join on this host fetched"):
+                            await local_model_folder(actor, str(tmp_path / "elsewhere"))
+        async with _joined(job.address, job.token, cache) as actor:
+            async def stop_mid_file():
+                while actor.counters["model_bytes_fetched"] < (1 << 20):
+                    await trio.sleep(0.001)
+                actor.stop()
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stop_mid_file)
+                    with pytest.raises(ModelUnavailable, match="told to stop .* while fetching zz-big.bin"):
+                        await local_model_folder(actor, str(tmp_path / "elsewhere"))
+            assert actor.counters["model_bytes_fetched"] < (3 << 20)
+    assert not (cache / manifest.digest).exists() and not list(cache.rglob("*.tmp"))
+
+
+async def test_a_recorded_run_leaves_the_models_bytes_out_of_its_message_logs(tmp_path):
+    head = _model(tmp_path / "head-model")
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head, record=True) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache", record=True,
+                           run_dir=str(tmp_path / "run")) as actor:
+            await local_model_folder(actor, str(tmp_path / "elsewhere"))
+    logs = {p.name: p.stat().st_size for p in (tmp_path / "run" / "messages").glob("*.vlog")}
+    assert "driver.vlog" in logs and f"{actor.name}.vlog" in logs, logs
+    assert all(size < len(FILES["model.safetensors"]) for size in logs.values()), logs
+
+
+async def test_symlinks_to_files_are_served_wherever_they_point(tmp_path):
+    """A hub snapshot: the model folder's files are relative symlinks into ../../blobs, outside it; one more
+    inside the folder. Each is served as the file it points to; a symlinked folder is not entered."""
+    hub = tmp_path / "models--org--tiny"
+    snapshot = hub / "snapshots" / "abc123"
+    (hub / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (hub / "blobs" / "1f2e").write_bytes(FILES["model.safetensors"])
+    (snapshot / "model.safetensors").symlink_to("../../blobs/1f2e")
+    (snapshot / "config.json").write_bytes(FILES["config.json"])
+    (snapshot / "same-config.json").symlink_to("config.json")
+    (snapshot / "blobs").symlink_to(hub / "blobs", target_is_directory=True)
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=snapshot) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            fetched = Path(await local_model_folder(actor, str(tmp_path / "elsewhere")))
+    assert {p.relative_to(fetched).as_posix(): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
+        "model.safetensors": FILES["model.safetensors"], "config.json": FILES["config.json"],
+        "same-config.json": FILES["config.json"]}
+    assert not any(p.is_symlink() for p in fetched.rglob("*"))
+
+
+async def test_an_absolute_head_path_on_this_host_is_used_only_when_its_sizes_are_the_heads(tmp_path):
+    head = _model(tmp_path / "head-model")
+    other = tmp_path / "same-name-elsewhere"  # a folder at the head's absolute path, but not its model
+    shutil.copytree(head, other)
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            assert await local_model_folder(actor, str(other)) == str(other)
+            assert actor.counters["model_bytes_fetched"] == 0
+        (other / "config.json").write_text('{"model_type": "another model"}')
+        async with _joined(job.address, job.token, tmp_path / "cache") as actor:
+            fetched = Path(await local_model_folder(actor, str(other)))
+            assert fetched.parent == tmp_path / "cache" and actor.counters["model_files_fetched"] == len(FILES)

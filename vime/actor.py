@@ -158,6 +158,8 @@ def _remove_left_by_driver(parent_pid: int) -> None:
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first error of ``group``, out of any groups nested in it (trio nests a nursery's errors): the one the
+    user is told about."""
     error: BaseException = group
     while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]

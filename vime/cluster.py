@@ -47,7 +47,7 @@ import trio
 from vime.logs import configure
 from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
 from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
-from vime.model_files import ModelServer
+from vime.model_files import CHUNK_NOT_LEFT, ModelServer
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 from vime.transports.shm import pid_alive, remove_left_by, segment_dir, sweep_stale
@@ -109,11 +109,14 @@ class _Driver(Actor):
 
     @handles(ModelManifestQuery)
     async def _on_model_manifest(self, msg: ModelManifestQuery, envelope: Envelope) -> ModelManifest:
-        return self._model_server().manifest(self.start_soon)
+        return await self._model_server().manifest(self.start_soon, sizes_only=msg.sizes_only)
 
     @handles(ModelFileRead)
     async def _on_model_file_read(self, msg: ModelFileRead, envelope: Envelope) -> ModelFileChunk:
-        return await self._model_server().read(msg)
+        server = self._model_server()
+        if self.unsent_to(envelope.sender):  # a reader that does not take its chunks piles them up here
+            raise ValueError(CHUNK_NOT_LEFT)
+        return await server.read(msg)
 
     def _model_server(self) -> ModelServer:
         if self.cluster.model_server is None:
@@ -121,12 +124,16 @@ class _Driver(Actor):
                              "pass --model-path DIR, this host's copy of the model")
         return self.cluster.model_server
 
-    @handles(Heartbeat)
-    async def _on_heartbeat(self, msg: Heartbeat, envelope: Envelope) -> None:
-        info = self.cluster.actors.get(msg.name)
+    def on_arrival(self, envelope: Envelope) -> bool:
+        """Heartbeats are stamped as they arrive: queued behind a handler that takes a while (a model file's
+        chunk read from disk), a live joined actor would look dead."""
+        if type(envelope.payload) is not Heartbeat:
+            return False
+        info = self.cluster.actors.get(envelope.payload.name)
         if info is not None:
             info.last_heartbeat = time.monotonic()
-            info.status = msg.status
+            info.status = envelope.payload.status
+        return True
 
 
 def new_join_token() -> str:

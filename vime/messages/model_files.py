@@ -15,7 +15,11 @@ from vime.transports.records import message
 
 @message
 class ModelManifestQuery:
-    """joined actor -> driver (ask): which files make up the job's model folder; answered with ModelManifest."""
+    """joined actor -> driver (ask): which files make up the job's model folder; answered with ModelManifest.
+    ``sizes_only``: the files and their sizes at once, nothing hashed (a host that has the head's path checks
+    it so)."""
+
+    sizes_only: bool = False
 
 
 @message(kind_name=False)
@@ -31,7 +35,8 @@ class ModelFile:
 class ModelManifest:
     """driver -> asker, the answer to ModelManifestQuery: the model folder file by file and one digest of them all.
     The driver hashes the folder once, in the background, starting at the first ask: until it is done ``ready`` is
-    False, ``files`` empty, and ``hashed_bytes`` of ``total_bytes`` say how far it got."""
+    False, ``files`` empty, and ``hashed_bytes`` of ``total_bytes`` say how far it got. The answer to a
+    ``sizes_only`` query is never ready, and lists the files with an empty sha256."""
 
     head_path: str  # the folder on the driver's host (the job's --model-path)
     ready: bool
@@ -53,7 +58,8 @@ class ModelFileRead:
 
 @message
 class ModelFileChunk:
-    """driver -> asker, the answer to ModelFileRead: the bytes, framed beside the header (never copied into it)."""
+    """driver -> asker, the answer to ModelFileRead: the bytes, framed beside the header (never copied into it).
+    Left out of message logs (``vime.runtime.UNRECORDED_KINDS``): they would hold the whole model."""
 
     path: str
     offset: int
