@@ -205,7 +205,7 @@ def join_command(address: str, token: str, tls: dict[str, str] | None, model_pat
     files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
     return (f"# add a rollout worker from another host: run these two lines there (the token stays out of ps)\n"
             f"# a host without {Path(model_path).absolute()} fetches the model from this job\n"
-            f"# into ~/.cache/vime/models (--model-cache DIR to put it elsewhere),\n"
+            f"# into ~/.cache/vime/models, never evicted (--model-cache DIR to put it elsewhere),\n"
             f"# or add --model-path DIR to use its own copy (checked against this job's)\n"
             f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
 
