@@ -20,8 +20,9 @@ reward actor (and tells the router it is done). The concerns it delegates:
 Joining: once built, it tells the trainer it is ready (an ask); the trainer
 sends the current weights and answers with their version; once those are
 applied the worker tells the router to send it work. A worker started by
-hand on another host (``python -m vime.actor rollout --join``) takes the
-job's settings from the driver, so it is built in ``on_start``. Leaving: on
+hand on another host (``vime-actor rollout --join``) takes the
+job's settings from the driver, so it is built in ``on_start``, from the
+model folder that ``vime.model_files`` finds or fetches on its host. Leaving: on
 SIGTERM (or Shutdown) it hands its unfinished groups back to the router,
 which re-issues them, and sends nothing more.
 """
@@ -48,6 +49,7 @@ from vime.gpu_turns import EngineSleep, wait_for_build_turn
 from vime.groups import Group, forced_lengths
 from vime.messages.gpu_turns import EngineAsleep, SleepEngine
 from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
+from vime.model_files import local_model_folder
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
 from vime.seeds import sampling_seed
 from vime.transports.codec import Envelope
@@ -76,6 +78,8 @@ class RolloutWorker(Actor):
 
     async def on_start(self) -> None:
         self.run = RunConfig.from_dict(self.config)
+        model_path = await local_model_folder(self, self.run.model.model_path)  # a joined host may lack the head's
+        self.run = self.run.replace(model_path=model_path)
         if self.run.rollout.rollout_threads:  # several workers and a trainer share the CPU: do not oversubscribe
             torch.set_num_threads(self.run.rollout.rollout_threads)
         if self.run.placement.colocate:

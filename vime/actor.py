@@ -3,13 +3,15 @@
 The driver starts its actors this way; on another host a user starts an
 extra one by hand, e.g. a rollout worker for a running job::
 
-    python -m vime.actor rollout --join tcp://HEAD:PORT --token TOKEN
+    VIME_TOKEN=TOKEN vime-actor rollout --join tcp://HEAD:PORT
 
 The actor listens, registers with the driver at ADDRESS (which checks the
 token), then serves until the job ends, it is told to stop, or it gets
 SIGINT/SIGTERM. A refused join exits with status 2 and says why; so does
 one that could never succeed (TLS on one side only, a CA that does not
-match), found by one trial connection before the actor starts.
+match), found by one trial connection before the actor starts, and one
+that cannot get the job's model (``--model-path`` not the head's model, a
+fetch from the driver that failed: ``vime.model_files``).
 
 An actor spawned by a driver (``--exit-with-parent PID``) must not outlive
 it, even when the driver is killed with ``kill -9``. The runtime notices and
@@ -41,6 +43,7 @@ from urllib.parse import urlsplit
 import trio
 
 from vime.logs import configure
+from vime.model_files import ModelUnavailable
 from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
@@ -154,6 +157,15 @@ def _remove_left_by_driver(parent_pid: int) -> None:
         remove_left_by(parent_pid)
 
 
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first error of ``group``, out of any groups nested in it (trio nests a nursery's errors): the one the
+    user is told about."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, to the log
     parser = _parser()
@@ -177,13 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(actor.serve)
     except BaseExceptionGroup as group:
+        unavailable, _ = group.split(ModelUnavailable)
+        if unavailable is not None:
+            print(f"vime.actor: cannot get the job's model: {_first(unavailable)}", file=sys.stderr)
+            return 2
         refused, _ = group.split(lambda error: isinstance(error, RemoteError) and error.peer == "driver")
         silent, _ = group.split(TimeoutError)
         if refused is not None:
-            error = refused.exceptions[0]
-            while isinstance(error, BaseExceptionGroup):
-                error = error.exceptions[0]
-            print(f"vime.actor: join refused by the driver at {settings.driver}: {error.reply.error}", file=sys.stderr)
+            print(f"vime.actor: join refused by the driver at {settings.driver}: {_first(refused).reply.error}",
+                  file=sys.stderr)
             return 2
         if silent is not None:
             print(f"vime.actor: the driver at {settings.driver} did not answer; is the job running and the address "

@@ -45,7 +45,9 @@ import structlog
 import trio
 
 from vime.logs import configure
+from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
 from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
+from vime.model_files import CHUNK_NOT_LEFT, ModelServer
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.transports.codec import Envelope
 from vime.transports.shm import pid_alive, remove_left_by, segment_dir, sweep_stale
@@ -105,12 +107,33 @@ class _Driver(Actor):
     async def _on_register(self, msg: Register, envelope: Envelope) -> Registered:
         return self.cluster._register(msg)
 
-    @handles(Heartbeat)
-    async def _on_heartbeat(self, msg: Heartbeat, envelope: Envelope) -> None:
-        info = self.cluster.actors.get(msg.name)
+    @handles(ModelManifestQuery)
+    async def _on_model_manifest(self, msg: ModelManifestQuery, envelope: Envelope) -> ModelManifest:
+        return await self._model_server().manifest(self.start_soon, sizes_only=msg.sizes_only)
+
+    @handles(ModelFileRead)
+    async def _on_model_file_read(self, msg: ModelFileRead, envelope: Envelope) -> ModelFileChunk:
+        server = self._model_server()
+        if self.unsent_to(envelope.sender):  # a reader that does not take its chunks piles them up here
+            raise ValueError(CHUNK_NOT_LEFT)
+        return await server.read(msg)
+
+    def _model_server(self) -> ModelServer:
+        if self.cluster.model_server is None:
+            raise ValueError("this job shares no model folder (its driver was opened without model_folder); "
+                             "pass --model-path DIR, this host's copy of the model")
+        return self.cluster.model_server
+
+    def on_arrival(self, envelope: Envelope) -> bool:
+        """Heartbeats are stamped as they arrive: queued behind a handler that takes a while (a model file's
+        chunk read from disk), a live joined actor would look dead."""
+        if type(envelope.payload) is not Heartbeat:
+            return False
+        info = self.cluster.actors.get(envelope.payload.name)
         if info is not None:
             info.last_heartbeat = time.monotonic()
-            info.status = msg.status
+            info.status = envelope.payload.status
+        return True
 
 
 def new_join_token() -> str:
@@ -123,9 +146,11 @@ class Cluster:
     """A running job: the driver actor plus the actors it spawned or let join."""
 
     def __init__(self, run_dir: Path, *, transport: str, host: str, token: str | None, record: bool,
-                 dead_after_s: float, tls: dict[str, str] | None, job_config: dict[str, Any] | None) -> None:
+                 dead_after_s: float, tls: dict[str, str] | None, job_config: dict[str, Any] | None,
+                 model_folder: str | Path | None) -> None:
         self.run_dir = Path(run_dir)
         self.job_config = job_config
+        self.model_server = ModelServer(model_folder) if model_folder else None
         self.transport = transport
         self.host = host
         self.token = token
@@ -148,11 +173,14 @@ class Cluster:
     async def open(cls, run_dir: str | Path, *, transport: str = "ipc", host: str = "127.0.0.1",
                    port: int = 0, token: str | None = None, record: bool = False, dead_after_s: float = 4.0,
                    tls: dict[str, str] | None = None,
-                   job_config: dict[str, Any] | None = None) -> AsyncIterator[Cluster]:
+                   job_config: dict[str, Any] | None = None,
+                   model_folder: str | Path | None = None) -> AsyncIterator[Cluster]:
         """Start the driver; on exit, shut every actor down (SIGKILL after 5 s).
 
         ``job_config`` is handed to actors that join by hand without ``--config``
         (``python -m vime.actor rollout --join ...``), so they need only the address and token.
+        ``model_folder`` is the job's model, which the driver serves, file by file, to a joined actor whose host
+        does not have it (``vime.model_files``); nothing outside it is served.
         """
         if not structlog.is_configured():  # a program embedding the driver gets vime's log format, on stderr
             configure()
@@ -162,7 +190,7 @@ class Cluster:
             token = new_join_token()
         _sweep_stale()
         cluster = cls(Path(run_dir), transport=transport, host=host, token=token, record=record,
-                      dead_after_s=dead_after_s, tls=tls, job_config=job_config)
+                      dead_after_s=dead_after_s, tls=tls, job_config=job_config, model_folder=model_folder)
         cluster.run_dir.mkdir(parents=True, exist_ok=True)
         listen = (f"ipc://{cluster._socket_dir}/driver" if transport == "ipc" else f"{transport}://{host}:{port}")
         settings = ActorSettings(name="driver", listen=listen, token=token, run_dir=str(cluster.run_dir),

@@ -197,12 +197,16 @@ def _write_private(path: Path, text: str) -> None:
         file.write(text)
 
 
-def join_command(address: str, token: str, tls: dict[str, str] | None) -> str:
+def join_command(address: str, token: str, tls: dict[str, str] | None, model_path: str) -> str:
     """RUN_DIR/join: the command that adds a rollout worker from another host. The installed ``vime-actor``
     (a bare ``python`` may not be the one vime is installed in) and the token in the environment, since a
-    command line is shown to every user of that host by ``ps``."""
+    command line is shown to every user of that host by ``ps``; the comment says how a host without the head's
+    files gets the model (``vime.model_files``)."""
     files = "".join(f" --tls-{key.replace('_', '-')} {path}" for key, path in (tls or {}).items())
     return (f"# add a rollout worker from another host: run these two lines there (the token stays out of ps)\n"
+            f"# a host without {Path(model_path).absolute()} fetches the model from this job\n"
+            f"# into ~/.cache/vime/models, never evicted (--model-cache DIR to put it elsewhere),\n"
+            f"# or add --model-path DIR to use its own copy (checked against this job's)\n"
             f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
 
 
@@ -289,9 +293,9 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer, buffer and router
     recorded = frozenset(RECORDABLE if record is True else record or ())
     async with Cluster.open(run_dir, transport=transport, host=host, record="driver" in recorded,
-                            job_config=document, tls=tls) as job:
+                            job_config=document, tls=tls, model_folder=config.model.model_path) as job:
         if job.token:
-            _write_private(run_dir / "join", join_command(job.address, job.token, tls))
+            _write_private(run_dir / "join", join_command(job.address, job.token, tls, config.model.model_path))
         seed = config.job.seed
         # in dependency order; the buffer's start issues the first prompts, which wait for a rollout worker
         for role, role_config, gpus in (("router", resumed, placed.others), ("reward", document, placed.others),

@@ -49,6 +49,7 @@ import pynng
 import structlog
 import trio
 
+from vime.messages.model_files import ModelFileChunk, ModelFileRead
 from vime.messages.runtime import (
     Directory,
     ErrorReply,
@@ -70,7 +71,14 @@ from vime.transports.sockets import Inbox, Outbox, TlsFiles
 # the transport (Status counts frames and sends, including the heartbeats and
 # registration that replay skips), not on what the actor was sent; replay does
 # not expect a fresh instance to reproduce it.
-UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status})
+# A joined worker's model fetch (vime.model_files) too: whether it reads chunks depends on what its host's
+# cache holds, not on its messages (a replay finds the model in the cache and reads none).
+UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status, ModelFileRead,
+                                               ModelFileChunk})
+
+# Kinds whose frames are left out of message logs (``--record``): a model file's chunks would put the whole model,
+# 16 MiB a frame, in the driver's log and the joined worker's. The reads that ask for them are logged.
+UNRECORDED_KINDS: frozenset[type] = frozenset({ModelFileChunk})
 
 _MAX_STRANGERS = 16
 
@@ -115,6 +123,16 @@ class ActorSettings:
                                           "through shared memory")
     tls_cert_key: str | None = setting(None, "PEM with our certificate and key (tls+tcp)")
     tls_ca: str | None = setting(None, "PEM of the CA that signs the job's certificates")
+    model_path: str | None = setting(None, "a joined actor: this host's copy of the job's model folder, checked "
+                                           "against the head's (sha256 of every file); not given: the head's "
+                                           "--model-path when this host has it, else fetched from the driver into "
+                                           "--model-cache", metavar="DIR")
+    model_cache: str | None = setting(None, "a joined actor: where models fetched from the driver are kept, one "
+                                            "folder per model contents, never evicted; not given: "
+                                            "$VIME_MODEL_CACHE, else $XDG_CACHE_HOME/vime/models, else "
+                                            "~/.cache/vime/models", metavar="DIR")
+    model_fetch_timeout_s: float = setting(60.0, "a joined actor fetching the model: seconds to wait for each chunk "
+                                                 "(16 MiB) before giving up on the driver")
     parent_pid: int | None = setting(None, "shut down when the driver that spawned us (process PID; 0 or no PID: "
                                            "our parent at start) is gone; a driver that dies before we start is "
                                            "noticed too when PID is given", flags=("--exit-with-parent",),
@@ -309,6 +327,26 @@ class Actor:
     def stop(self) -> None:
         """Ask the actor to shut down gracefully (as SIGTERM does)."""
         self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        """The actor was told to stop (``stop()``, SIGINT/SIGTERM, Shutdown). Long work in ``on_start``, which
+        a stop does not interrupt, checks it between steps and gives up."""
+        return self._stopping.is_set()
+
+    def unsent_to(self, name: str) -> int:
+        """Messages queued for ``name`` that have not been handed to its socket yet (0 when we have none for it):
+        how far behind the peer is in taking what we send it."""
+        address = self.directory.get(name) or self._learned.get(name)
+        outbox = self._outboxes.get(address) if address is not None else None
+        return outbox.queued if outbox is not None else 0
+
+    def on_arrival(self, envelope: Envelope) -> bool:
+        """Take a message as it arrives, before it waits in the queue behind the handler in hand; True when
+        taken (it is then not handled). For bookkeeping that must not wait -- the driver stamps heartbeats so,
+        since a handler that takes seconds would make a live actor look dead -- never for work: it runs inside
+        the receive loop and must not block."""
+        return False
 
     async def on_start(self) -> None:
         """Runs after registration, before the first message is handled."""
@@ -515,7 +553,7 @@ class Actor:
         address = address or self._address_of(to)
         same_host = address.startswith("ipc://")
         encoded = encode(envelope, self._lender(to) if same_host else None, self.settings.shm_threshold)
-        if self._log_writer is not None:
+        if self._log_writer is not None and type(payload) not in UNRECORDED_KINDS:
             self._log_writer.write("out", to, encode_frame(self.address, None, [encoded]), dict(encoded.shm))
         self.counters["sent"] += 1
         outbox = self._outbox(address)
@@ -586,7 +624,8 @@ class Actor:
             if shm is None:
                 for name, segment in mapped:
                     weakref.finalize(segment, self._segment_released, sender, name)
-            if self._log_writer is not None:
+            if self._log_writer is not None and not any(
+                    isinstance(m, Envelope) and type(m.payload) in UNRECORDED_KINDS for m in frame.messages):
                 attachments = {name: memoryview(segment)[:len(segment)] for name, segment in mapped}
                 self._log_writer.write("in", sender or frame.reply_address, buffer, attachments, wall_time=arrived)
                 attachments.clear()
@@ -687,6 +726,8 @@ class Actor:
                 pending.finish(reply=envelope)
             else:
                 self.counters["late_replies"] += 1
+            return
+        if self.on_arrival(envelope):
             return
         if envelope.kind not in self._handlers:
             self._reject(BadMessage("unhandled", f"{self.role} has no handler for {envelope.kind}",

@@ -6,6 +6,8 @@
   staleness news, checkpoints of the buffer, evaluation, injected prompts).
 * :mod:`vime.messages.gpu_turns`: GPU turn-taking between the trainer and rollout engines on its GPUs (build
   turns, sleep).
+* :mod:`vime.messages.model_files`: a joined actor fetching the job's model folder from the driver (its
+  manifest, then chunks of its files), for a host without the head's files.
 * ``vime.weights``: weight sync. A worker's ask for its weights (WantWeights) in :mod:`vime.weights.base`, and
   each path's kinds in that path's module (``nng``, ``cuda_ipc``, ``nccl``), beside both halves of the path.
 
