@@ -193,8 +193,8 @@ async def test_a_run_ends_with_its_steps_even_if_an_engine_never_reports_built(t
 
     spawn_rollouts = pipeline._spawn_rollouts
 
-    async def never_done(*args) -> None:
-        await spawn_rollouts(*args)
+    async def never_done(*args, **kwargs) -> None:
+        await spawn_rollouts(*args, **kwargs)
         await trio.sleep_forever()
 
     monkeypatch.setattr(pipeline, "_spawn_rollouts", never_done)

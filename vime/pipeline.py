@@ -319,7 +319,7 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement,
-                          record: bool) -> None:
+                          record: bool = False) -> None:
     """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
