@@ -3,10 +3,16 @@ settings that mean the same, and Megatron's derived data-parallel size."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from vime.config import RunConfig, add_flags, from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +41,92 @@ def test_an_abbreviated_flag_is_refused_by_name():
         assert result.returncode == 2 and f"unrecognized arguments: {flag} 3" in result.stderr, result.stderr
     result = run("vime.actor", "trainer", "--log-lev", "debug")
     assert result.returncode == 2 and "unrecognized arguments: --log-lev debug" in result.stderr, result.stderr
+
+
+def parse(*flags: str, defaults: RunConfig | None = None) -> RunConfig:
+    """The config a scenario with ``defaults`` runs with these flags, as vime.scenario resolves it."""
+    defaults = RunConfig() if defaults is None else defaults
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_flags(parser, defaults)
+    return from_flags(parser.parse_args(list(flags)), defaults)
+
+
+# slime's spelling, vime's, and a value: each pair must set the same setting to the same value
+SAME_MEANING = [
+    ("--hf-checkpoint", "--model-path", "/models/Qwen3-4B"),
+    ("--prompt-data", "--data", "/data/dapo-math-17k.jsonl"),
+    ("--n-samples-per-prompt", "--group-size", "16"),
+    ("--num-rollout", "--steps", "3000"),
+    ("--rollout-max-response-len", "--max-new-tokens", "8192"),
+    ("--rollout-temperature", "--temperature", "0.8"),
+    ("--rollout-top-p", "--top-p", "0.95"),
+    ("--rollout-top-k", "--top-k", "20"),
+    ("--eps-clip-high", "--clip-high", "0.28"),
+    ("--eps-clip-c", "--dual-clip-c", "3"),
+    ("--save-interval", "--save-every", "20"),
+    ("--eval-interval", "--eval-every", "20"),
+    ("--n-samples-per-eval-prompt", "--eval-samples", "16"),
+    ("--eval-max-response-len", "--eval-max-new-tokens", "16384"),
+    ("--lr-decay-style", "--lr-schedule", "cosine"),
+    ("--clip-grad", "--grad-clip", "0.5"),
+    ("--num-steps-per-rollout", "--updates-per-step", "2"),
+    ("--tis-clip", "--tis-cap", "3"),
+    ("--tis-clip-low", "--tis-floor", "0.5"),
+    ("--lambd", "--lam", "1.0"),
+]
+
+
+@pytest.mark.parametrize("slime, vime, value", SAME_MEANING)
+def test_slime_names_set_the_same_settings(slime, vime, value):
+    assert parse(slime, value) == parse(vime, value) != parse()
+
+
+def test_switches_and_slime_names_vime_already_had():
+    assert parse("--apply-chat-template").data.chat_template and not parse().data.chat_template
+    assert parse("--apply-chat-template") == parse("--chat-template")
+    # the same names in both: nothing to alias, the meaning checked against slime's
+    config = parse("--entropy-coef", "0.01", "--kl-loss-coef", "0.02", "--eval-top-p", "0.7", "--lr", "1e-6",
+                   "--weight-decay", "0.1", "--adam-beta2", "0.98", "--rollout-batch-size", "32")
+    assert (config.loss.entropy_coef, config.loss.kl_loss_coef, config.eval.eval_top_p) == (0.01, 0.02, 0.7)
+    assert (config.optim.lr, config.optim.weight_decay, config.optim.adam_beta2) == (1e-6, 0.1, 0.98)
+
+
+def test_eps_clip_alone_is_symmetric_as_in_slime():
+    """slime's eps_clip_high defaults to eps_clip; vime's --clip-high has a default of its own (a scenario's: 0.28
+    in the DAPO ones), so --eps-clip alone sets both bounds, and vime's own --clip-low only the floor."""
+    dapo = RunConfig().replace(clip_high=0.28)
+    alone = parse("--eps-clip", "0.3", defaults=dapo).loss
+    assert (alone.clip_low, alone.clip_high) == (0.3, 0.3)
+    both = parse("--eps-clip", "0.2", "--eps-clip-high", "0.28").loss
+    assert (both.clip_low, both.clip_high) == (0.2, 0.28)
+    mixed = parse("--eps-clip", "1e-4", "--clip-high", "2e-4").loss
+    assert (mixed.clip_low, mixed.clip_high) == (1e-4, 2e-4)
+    vime_floor = parse("--clip-low", "0.3", defaults=dapo).loss
+    assert (vime_floor.clip_low, vime_floor.clip_high) == (0.3, 0.28)
+
+
+def test_rollout_top_k_minus_one_is_off():
+    """slime's --rollout-top-k -1 (its default) means no top-k filter, which vime writes as 0; vime's own --top-k
+    keeps refusing a negative value, with a message naming slime's spelling."""
+    assert parse("--rollout-top-k", "-1").sampling.top_k == 0
+    with pytest.raises(ValueError, match="top_k must be >= 0 .*slime's --rollout-top-k spells -1"):
+        parse("--top-k", "-1")
+
+
+def test_a_schedule_vime_lacks_is_refused_by_name(capsys):
+    for style in ("constant", "linear", "cosine"):
+        assert parse("--lr-decay-style", style).optim.lr_schedule == style
+    for style in ("WSD", "inverse-square-root"):
+        with pytest.raises(SystemExit):
+            parse("--lr-decay-style", style)
+        assert f"--lr-schedule/--lr-decay-style: invalid choice: '{style}'" in capsys.readouterr().err
+
+
+def test_help_shows_each_alias_beside_its_setting():
+    result = run("vime.scenario", "arithmetic", "--help")
+    assert result.returncode == 0
+    shown = " ".join(result.stdout.split())  # argparse wraps long lines
+    for slime, vime, _ in SAME_MEANING:
+        assert re.search(rf"{vime} \S+, {slime} ", shown), f"--help shows no {slime} beside {vime}"
+    assert "--chat-template, --no-chat-template, --apply-chat-template, --no-apply-chat-template" in shown
+
