@@ -130,3 +130,47 @@ def test_help_shows_each_alias_beside_its_setting():
         assert re.search(rf"{vime} \S+, {slime} ", shown), f"--help shows no {slime} beside {vime}"
     assert "--chat-template, --no-chat-template, --apply-chat-template, --no-apply-chat-template" in shown
 
+
+MEGATRON = ("--train-backend", "megatron")
+
+
+def test_data_parallel_size_is_derived_from_the_trainer_gpus():
+    """Megatron's rule: the trainer's GPUs over tensor x pipeline x context parallel (vime: tensor only)."""
+    job = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2").job
+    assert (job.tensor_model_parallel_size, job.data_parallel_size, job.trainer_ranks) == (2, 4, 8)
+    assert parse(*MEGATRON, "--actor-num-gpus-per-node", "8").job.data_parallel_size == 8
+    # slime's Qwen3-30B-A3B layout: 8 GPUs, TP 4, experts over all 8 ranks; no --data-parallel-size needed
+    moe = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
+                "--expert-model-parallel-size", "8").job
+    assert (moe.data_parallel_size, moe.expert_model_parallel_size) == (2, 8)
+    # given, it is checked against the GPUs; on CPU (no trainer GPUs) it is taken as given
+    assert parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+                 "--data-parallel-size", "4").job.data_parallel_size == 4
+    assert parse(*MEGATRON, "--tensor-model-parallel-size", "2", "--data-parallel-size", "2").job.trainer_ranks == 4
+    assert parse(*MEGATRON, "--tensor-model-parallel-size", "2").job.data_parallel_size == 1
+
+
+def test_a_data_parallel_size_the_gpus_do_not_give_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"--data-parallel-size 2 x --tensor-model-parallel-size 2 ranks, one per "
+                                         r"GPU, but the trainer has 8 .*leave --data-parallel-size out .*\(4\)"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+              "--data-parallel-size", "2")
+    with pytest.raises(ValueError, match=r"--actor-num-gpus-per-node 6: the trainer's 6 GPUs do not split into "
+                                         r"copies of --tensor-model-parallel-size 4"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "4")
+
+
+def test_the_expert_parallel_error_names_the_flag_to_change():
+    # the 30B layout without GPUs (gloo on CPU): the data-parallel size is the fix
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 8: .*for 8 ranks sharing the experts "
+                                         r"pass --data-parallel-size 2, or pass --expert-model-parallel-size 1, 4"):
+        parse(*MEGATRON, "--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "8")
+    # with GPUs the data-parallel size follows from them: the GPU count is the fix
+    with pytest.raises(ValueError, match=r"for 8 ranks sharing the experts give the trainer 8 GPUs "
+                                         r"\(--actor-num-gpus-per-node 8;"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4",
+              "--expert-model-parallel-size", "8")
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 3: .*pass --expert-model-parallel-size "
+                                         r"1, 4, 8$"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
+              "--expert-model-parallel-size", "3")

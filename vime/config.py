@@ -313,14 +313,28 @@ class JobConfig:
         return self.tensor_model_parallel_size * self.data_parallel_size
 
 
-def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int) -> None:
+def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int,
+                          trainer_gpus: int = 0) -> None:
     """ValueError unless the experts are divided among one rank each, the ranks of one copy of the trainer,
-    or the ranks of all copies: the layouts vime's weight split and gradient sums know."""
+    or the ranks of all copies: the layouts vime's weight split and gradient sums know. The message names the
+    flag that gives ``expert_parallel`` ranks where one does: with ``trainer_gpus`` (the data-parallel size
+    derived from them) the GPU count, else ``--data-parallel-size``."""
     ranks = tensor_parallel * data_parallel
-    if expert_parallel not in (1, tensor_parallel, ranks):
-        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of "
-                         f"one copy of the trainer ({tensor_parallel}) or of all copies ({ranks}); pass one of those "
-                         "or 1")
+    if expert_parallel in (1, tensor_parallel, ranks):
+        return
+    sizes = ", ".join(map(str, sorted({1, tensor_parallel, ranks})))
+    explained = (f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of one "
+                 f"copy of the trainer (--tensor-model-parallel-size {tensor_parallel}) or of all copies (x "
+                 f"--data-parallel-size {data_parallel} = {ranks})")
+    if expert_parallel % tensor_parallel:
+        raise ValueError(f"{explained}; pass --expert-model-parallel-size {sizes}")
+    if trainer_gpus:
+        fix = (f"give the trainer {expert_parallel} GPUs (--actor-num-gpus-per-node {expert_parallel}; the "
+               f"data-parallel size, {expert_parallel // tensor_parallel}, follows from them)")
+    else:
+        fix = f"pass --data-parallel-size {expert_parallel // tensor_parallel}"
+    raise ValueError(f"{explained}; for {expert_parallel} ranks sharing the experts {fix}, or pass "
+                     f"--expert-model-parallel-size {sizes}")
 
 
 def _at_least(settings: Any, **minimums: float) -> None:
@@ -521,8 +535,36 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
 
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     """The scenario's defaults with every flag the user gave applied, slime's spellings translated
-    (:mod:`vime.slime_flags`)."""
+    (:mod:`vime.slime_flags`) and the trainer's data-parallel size derived from its GPUs when not given."""
     given = {name: value for section in dataclasses.fields(RunConfig)
              for name, value in given_settings(args, type(section.default)).items()}
-    return defaults.replace(**slime_flags.translate(args, given))
+    given = slime_flags.translate(args, given)
+    return defaults.replace(**resolve_data_parallel(given, defaults))
 
+
+def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[str, Any]:
+    """``given`` (settings by flat name) with ``data_parallel_size`` derived as Megatron does: the trainer's GPUs
+    (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``) over the GPUs of one copy of the model
+    (``--tensor-model-parallel-size``; vime has no pipeline or context parallelism). A size given is checked
+    against the GPUs instead. A trainer on CPU (no GPUs) or of ``--train-backend torch`` takes the size as given:
+    there is nothing to derive it from. ValueError naming the flag to change."""
+    def value(name: str) -> Any:
+        return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
+
+    nodes, per_node = value("actor_num_nodes"), value("actor_num_gpus_per_node")
+    gpus, tensor = nodes * per_node, value("tensor_model_parallel_size")
+    if not gpus or value("train_backend") != "megatron" or tensor < 1:
+        return given
+    spelled = f"--actor-num-gpus-per-node {per_node}" + (f" x --actor-num-nodes {nodes}" if nodes > 1 else "")
+    if gpus % tensor:
+        raise ValueError(f"{spelled}: the trainer's {gpus} GPUs do not split into copies of "
+                         f"--tensor-model-parallel-size {tensor} GPUs each; make the GPUs a multiple of it")
+    derived = gpus // tensor
+    if "data_parallel_size" not in given:
+        check_expert_parallel(tensor, derived, value("expert_model_parallel_size"), trainer_gpus=gpus)
+        return {**given, "data_parallel_size": derived}
+    if given["data_parallel_size"] != derived:
+        raise ValueError(f"--data-parallel-size {given['data_parallel_size']} x --tensor-model-parallel-size "
+                         f"{tensor} ranks, one per GPU, but the trainer has {gpus} ({spelled}): leave "
+                         f"--data-parallel-size out and it is derived from the GPUs ({derived}), or pass {derived}")
+    return given
