@@ -174,3 +174,29 @@ def test_the_expert_parallel_error_names_the_flag_to_change():
                                          r"1, 4, 8$"):
         parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
               "--expert-model-parallel-size", "3")
+
+
+def test_layout_flags_asking_for_what_vime_does_are_accepted():
+    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel")
+    assert given == parse()
+
+
+def test_features_vime_lacks_are_refused_together(tmp_path):
+    """slime's Qwen3-30B-A3B recipe's performance and optimizer flags, with a pipeline, context parallelism and
+    several hosts added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
+    flags = ["--pipeline-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
+             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480", "--optimizer-cpu-offload",
+             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep"]
+    with pytest.raises(ValueError) as refused:
+        parse(*flags, "--actor-num-nodes", "8")
+    said = str(refused.value)
+    for expected in ("--actor-num-nodes 8 (a trainer on several hosts", "--pipeline-model-parallel-size 4 (pipeline "
+                     "parallelism)", "--context-parallel-size 2 (context parallelism)", "--use-dynamic-batch-size, "
+                     "--max-tokens-per-gpu 20480 (micro-batches packed to a token budget", "--optimizer-cpu-offload, "
+                     "--overlap-cpu-optimizer-d2h-h2d (offloading of the optimizer state to the CPU)",
+                     "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP"):
+        assert expected in said, said
+    assert "--sequence-parallel" not in said
+    result = run("vime.scenario", "arithmetic", *flags, "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "vime does not have what these flags ask for yet" in result.stderr
+    assert not (tmp_path / "run").exists()

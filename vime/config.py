@@ -503,6 +503,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     for section in dataclasses.fields(RunConfig):
         values = getattr(defaults, section.name)
         add_setting_flags(parser.add_argument_group(section.name), type(values), values)
+    slime_flags.add_layout_flags(parser)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -538,6 +539,7 @@ def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     (:mod:`vime.slime_flags`) and the trainer's data-parallel size derived from its GPUs when not given."""
     given = {name: value for section in dataclasses.fields(RunConfig)
              for name, value in given_settings(args, type(section.default)).items()}
+    slime_flags.refuse_missing_features(args, given)
     given = slime_flags.translate(args, given)
     return defaults.replace(**resolve_data_parallel(given, defaults))
 
