@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from vime.config import RunConfig, add_flags, from_flags
+from vime.settings import flags_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,3 +202,22 @@ def test_features_vime_lacks_are_refused_together(tmp_path):
     result = run("vime.scenario", "arithmetic", *flags, "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "vime does not have what these flags ask for yet" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_table_lists_the_aliases_there_are():
+    """README's "Coming from slime": each row's slime flag is a second name of the vime setting beside it, and every
+    alias tested here is in the table."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Coming from slime"):]
+    section = section[:section.index("\n## ")]
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `(--[\w-]+)` \|", section, flags=re.MULTILINE)
+    spellings = {}  # each flag of a setting: all of that setting's flags
+    for part in dataclasses.fields(RunConfig):
+        for field in dataclasses.fields(part.default.__class__):
+            spellings.update(dict.fromkeys(flags_of(field), flags_of(field)))
+    for slime, vime in rows:
+        assert slime in spellings.get(vime, ()), f"README: {slime} is no name of {vime}'s setting"
+    assert {slime for slime, _, _ in SAME_MEANING} | {"--eps-clip", "--apply-chat-template"} == {s for s, _ in rows}
+    same_names = section[section.index("These have the same name in both"):section.index("As in\nMegatron")]
+    for flag in re.findall(r"`(--[\w-]+)`", same_names):
+        assert flag in spellings, f"README: {flag} is no vime flag"
