@@ -321,8 +321,9 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
         megatron.transformer_config(tiny_config("qwen3", VOCAB - 1), tensor_parallel=2)
     with pytest.raises(ValueError, match="this qwen3 model has none: leave it at 1"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, expert_parallel=2)
-    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 2: .* one copy of the trainer \(4\) or of all "
-                                         r"copies \(8\); pass one of those or 1"):
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 2: .* one copy of the trainer "
+                                         r"\(--tensor-model-parallel-size 4\) or of all copies \(x "
+                                         r"--data-parallel-size 2 = 8\); pass --expert-model-parallel-size 1, 4, 8"):
         megatron.init_parallel(4, 2, 2)
 
 

@@ -77,9 +77,11 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     ({"actor_num_gpus_per_node": 1, "colocate": True, "rollout_workers": 3,
       "vllm_args": {"gpu_memory_utilization": 0.4}}, ["0"], "3 engines share .* at most 0.30"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 8, "expert_model_parallel_size": 4}, ["0"] * 8,
-     r"--expert-model-parallel-size 4: .* one copy of the trainer \(8\) or of all copies \(8\)"),
+     r"--expert-model-parallel-size 4: .* one copy of the trainer \(--tensor-model-parallel-size 8\) or of all "
+     r"copies \(x --data-parallel-size 1 = 8\)"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 4, "data_parallel_size": 2,
-      "expert_model_parallel_size": 2}, ["0"] * 8, r"\(4\) or of all copies \(8\)"),
+      "expert_model_parallel_size": 2}, ["0"] * 8, r"\(--tensor-model-parallel-size 4\) or of all copies \(x "
+                                                  r"--data-parallel-size 2 = 8\)"),
 ])
 def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
     with pytest.raises(ValueError, match=said):

@@ -65,7 +65,7 @@ class ActorLaunch:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vime.actor", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", help=f"built-in role ({', '.join(sorted(ROLES))}) or package.module:Class")
     add_setting_flags(parser, ActorSettings)
     add_setting_flags(parser, ActorLaunch)

@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from vime import slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
 from vime.settings import add_setting_flags, check_choices, flag_prefix, given_settings, hints_of, setting
 
@@ -35,7 +36,8 @@ WeightSync = Literal["auto", "nng", "ipc", "broadcast"]  # the paths of vime.wei
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)")
+    model_path: str = setting("", "a Hugging Face model folder (config.json, safetensors, tokenizer)",
+                              flags=("--model-path", "--hf-checkpoint"))
     dtype: Dtype = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
                                    "the optimizer steps fp32 masters)")
 
@@ -47,10 +49,13 @@ class ModelConfig:
 class SamplingParams:
     """How to sample one response. ``top_k = 0`` and ``top_p = 1`` switch those filters off."""
 
-    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same")
-    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off")
-    top_k: int = setting(0, "sample among the k most likely tokens; 0: off")
-    max_new_tokens: int = setting(16, "longest response in tokens")
+    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same",
+                                 flags=("--temperature", "--rollout-temperature"))
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1: off",
+                           flags=("--top-p", "--rollout-top-p"))
+    top_k: int = setting(0, "sample among the k most likely tokens; 0: off", flags=("--top-k", "--rollout-top-k"))
+    max_new_tokens: int = setting(16, "longest response in tokens",
+                                  flags=("--max-new-tokens", "--rollout-max-response-len"))
     stop_token_ids: tuple[int, ...] = setting((), "end a response at these ids; empty: the model's EOS ids "
                                                    "(tokenizer and generation_config.json)")
 
@@ -60,7 +65,8 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+            raise ValueError("top_k must be >= 0 (0: off, which slime's --rollout-top-k spells -1) and "
+                             "max_new_tokens >= 1")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -72,20 +78,22 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     rollout_batch_size: int = setting(128, "prompt groups per training step")
-    group_size: int = setting(8, "responses per prompt")
+    group_size: int = setting(8, "responses per prompt", flags=("--group-size", "--n-samples-per-prompt"))
     max_staleness: int = setting(0, "a sample from version v may train at trainer version <= v + k; 0 = on-policy")
     dynamic_sampling: bool = setting(False, "drop groups whose rewards are all equal and draw new prompts")
     dynamic_sampling_patience: int = setting(10, "with --dynamic-sampling: stop the run once this many batches' "
                                                  "worth of groups in a row were all dropped")
     epochs: int = setting(0, "passes over the prompt source; 0 = as many as the run needs")
-    data: str = setting("", "a JSONL or Parquet file of prompt rows: a prompt (text or messages), a label, metadata")
+    data: str = setting("", "a JSONL or Parquet file of prompt rows: a prompt (text or messages), a label, metadata",
+                        flags=("--data", "--prompt-data"))
     custom_data_source: str = setting("", "module:function returning an iterable of such rows")
     custom_rollout: str = setting("", "module:function turning a prompt row into the requests of its group")
     input_key: str = setting("prompt", "the field holding the prompt; a dotted key reaches into nested maps")
     label_key: str = setting("label", "the field holding the label (the reference answer), "
                                       "e.g. reward_model.ground_truth")
     prompt_template: str = setting("{prompt}", "the prompt text goes where {prompt} is (an instruction around it)")
-    chat_template: bool = setting(False, "wrap the prompt as a user turn with the tokenizer's chat template")
+    chat_template: bool = setting(False, "wrap the prompt as a user turn with the tokenizer's chat template",
+                                  flags=("--chat-template", "--apply-chat-template"))
     enable_thinking: bool = setting(True, "with --chat-template: False closes the thinking block at once (Qwen3)")
 
     def __post_init__(self) -> None:
@@ -141,10 +149,13 @@ class OptimConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     adam_beta1: float = setting(0.9, "AdamW beta1")
     adam_beta2: float = setting(0.999, "AdamW beta2")
-    grad_clip: float = setting(1.0, "clip the gradient norm to this before each optimizer step; 0: no clipping")
-    updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)")
+    grad_clip: float = setting(1.0, "clip the gradient norm to this before each optimizer step; 0: no clipping",
+                               flags=("--grad-clip", "--clip-grad"))
+    updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)",
+                                    flags=("--updates-per-step", "--num-steps-per-rollout"))
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
-    lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps")
+    lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps",
+                                      flags=("--lr-schedule", "--lr-decay-style"))
     lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
     lr_min_ratio: float = setting(0.0, "linear/cosine decay ends at lr * lr_min_ratio")
 
@@ -167,13 +178,16 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     eval_data: str = setting("", "a held-out JSONL or Parquet file, scored every --eval-every versions")
-    eval_every: int = setting(0, "evaluate weight versions N, 2N, ... and the last; 0: never")
+    eval_every: int = setting(0, "evaluate weight versions N, 2N, ... and the last; 0: never",
+                              flags=("--eval-every", "--eval-interval"))
     eval_before_train: bool = setting(True, "with --eval-every: evaluate the starting weights too (version 0)")
     eval_input_key: str = setting("", "the eval rows' prompt field; empty: --input-key")
     eval_label_key: str = setting("", "the eval rows' label field; empty: --label-key")
-    eval_samples: int = setting(1, "responses per eval prompt (k of mean@k and pass@k)")
+    eval_samples: int = setting(1, "responses per eval prompt (k of mean@k and pass@k)",
+                                flags=("--eval-samples", "--n-samples-per-eval-prompt"))
     eval_max_prompts: int = setting(0, "evaluate the first N rows of --eval-data only; 0: all")
-    eval_max_new_tokens: int = setting(0, "longest eval response; 0: --max-new-tokens")
+    eval_max_new_tokens: int = setting(0, "longest eval response; 0: --max-new-tokens",
+                                       flags=("--eval-max-new-tokens", "--eval-max-response-len"))
     eval_temperature: float = setting(0.0, "eval sampling temperature; 0: --temperature")
     eval_top_p: float = setting(0.0, "eval nucleus sampling; 0: --top-p")
     eval_top_k: int = setting(-1, "eval top-k (1: greedy); -1: --top-k")
@@ -246,7 +260,8 @@ class JobConfig:
                                        flags=("--advantage-estimator", "--algo"))
     train_backend: TrainBackend = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: "
                                                    "megatron-core (GRPO; needs the megatron-core package)")
-    steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)")
+    steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)",
+                         flags=("--steps", "--num-rollout"))
     seed: int = setting(0, "the run's one seed: the prompt order, the model init of built-in scenarios, sampling; "
                            "every actor's seed derives from it (vime.seeds)")
     weight_sync: WeightSync = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the "
@@ -258,7 +273,8 @@ class JobConfig:
                                              "larger tensor alone), one transfer each; with CUDA IPC the trainer "
                                              "keeps one buffer per GPU, of this size or the model's if smaller, "
                                              "for the whole run")
-    save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none")
+    save_every: int = setting(0, "a resumable checkpoint every N steps (RUN_DIR/checkpoints); 0: none",
+                              flags=("--save-every", "--save-interval"))
     save_hf_every: int = setting(0, "the policy as a Hugging Face folder every N steps (RUN_DIR/hf/step_N); 0: none")
     train_threads: int = setting(0, "CPU threads of the trainer's torch (CPU engine); 0: torch's default (all cores)")
     tensor_model_parallel_size: int = setting(1, "Megatron tensor parallelism: the trainer runs this many ranks "
@@ -297,14 +313,28 @@ class JobConfig:
         return self.tensor_model_parallel_size * self.data_parallel_size
 
 
-def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int) -> None:
+def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int,
+                          trainer_gpus: int = 0) -> None:
     """ValueError unless the experts are divided among one rank each, the ranks of one copy of the trainer,
-    or the ranks of all copies: the layouts vime's weight split and gradient sums know."""
+    or the ranks of all copies: the layouts vime's weight split and gradient sums know. The message names the
+    flag that gives ``expert_parallel`` ranks where one does: with ``trainer_gpus`` (the data-parallel size
+    derived from them) the GPU count, else ``--data-parallel-size``."""
     ranks = tensor_parallel * data_parallel
-    if expert_parallel not in (1, tensor_parallel, ranks):
-        raise ValueError(f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of "
-                         f"one copy of the trainer ({tensor_parallel}) or of all copies ({ranks}); pass one of those "
-                         "or 1")
+    if expert_parallel in (1, tensor_parallel, ranks):
+        return
+    sizes = ", ".join(map(str, sorted({1, tensor_parallel, ranks})))
+    explained = (f"--expert-model-parallel-size {expert_parallel}: the experts are divided among the ranks of one "
+                 f"copy of the trainer (--tensor-model-parallel-size {tensor_parallel}) or of all copies (x "
+                 f"--data-parallel-size {data_parallel} = {ranks})")
+    if expert_parallel % tensor_parallel:
+        raise ValueError(f"{explained}; pass --expert-model-parallel-size {sizes}")
+    if trainer_gpus:
+        fix = (f"give the trainer {expert_parallel} GPUs (--actor-num-gpus-per-node {expert_parallel}; the "
+               f"data-parallel size, {expert_parallel // tensor_parallel}, follows from them)")
+    else:
+        fix = f"pass --data-parallel-size {expert_parallel // tensor_parallel}"
+    raise ValueError(f"{explained}; for {expert_parallel} ranks sharing the experts {fix}, or pass "
+                     f"--expert-model-parallel-size {sizes}")
 
 
 def _at_least(settings: Any, **minimums: float) -> None:
@@ -473,6 +503,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
     for section in dataclasses.fields(RunConfig):
         values = getattr(defaults, section.name)
         add_setting_flags(parser.add_argument_group(section.name), type(values), values)
+    slime_flags.add_layout_flags(parser)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -504,6 +535,38 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
 
 
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
-    """The scenario's defaults with every flag the user gave applied."""
-    return defaults.replace(**{name: value for section in dataclasses.fields(RunConfig)
-                               for name, value in given_settings(args, type(section.default)).items()})
+    """The scenario's defaults with every flag the user gave applied, slime's spellings translated
+    (:mod:`vime.slime_flags`) and the trainer's data-parallel size derived from its GPUs when not given."""
+    given = {name: value for section in dataclasses.fields(RunConfig)
+             for name, value in given_settings(args, type(section.default)).items()}
+    slime_flags.refuse_missing_features(args, given)
+    given = slime_flags.translate(args, given)
+    return defaults.replace(**resolve_data_parallel(given, defaults))
+
+
+def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[str, Any]:
+    """``given`` (settings by flat name) with ``data_parallel_size`` derived as Megatron does: the trainer's GPUs
+    (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``) over the GPUs of one copy of the model
+    (``--tensor-model-parallel-size``; vime has no pipeline or context parallelism). A size given is checked
+    against the GPUs instead. A trainer on CPU (no GPUs) or of ``--train-backend torch`` takes the size as given:
+    there is nothing to derive it from. ValueError naming the flag to change."""
+    def value(name: str) -> Any:
+        return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
+
+    nodes, per_node = value("actor_num_nodes"), value("actor_num_gpus_per_node")
+    gpus, tensor = nodes * per_node, value("tensor_model_parallel_size")
+    if not gpus or value("train_backend") != "megatron" or tensor < 1:
+        return given
+    spelled = f"--actor-num-gpus-per-node {per_node}" + (f" x --actor-num-nodes {nodes}" if nodes > 1 else "")
+    if gpus % tensor:
+        raise ValueError(f"{spelled}: the trainer's {gpus} GPUs do not split into copies of "
+                         f"--tensor-model-parallel-size {tensor} GPUs each; make the GPUs a multiple of it")
+    derived = gpus // tensor
+    if "data_parallel_size" not in given:
+        check_expert_parallel(tensor, derived, value("expert_model_parallel_size"), trainer_gpus=gpus)
+        return {**given, "data_parallel_size": derived}
+    if given["data_parallel_size"] != derived:
+        raise ValueError(f"--data-parallel-size {given['data_parallel_size']} x --tensor-model-parallel-size "
+                         f"{tensor} ranks, one per GPU, but the trainer has {gpus} ({spelled}): leave "
+                         f"--data-parallel-size out and it is derived from the GPUs ({derived}), or pass {derived}")
+    return given

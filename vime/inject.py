@@ -52,7 +52,8 @@ async def inject(address: str, rows: list[dict[str, Any]], token: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vime.inject", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vime.inject", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("run_dir", type=Path, help="the job's run folder")
     parser.add_argument("prompts", help="a JSONL file of {\"prompt\", \"label\"} rows")
     parser.add_argument("--token", default=None, help="the job's token (default: $VIME_TOKEN); tcp jobs need it")

@@ -64,7 +64,8 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
         raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer runs one rank per GPU, "
                          f"--tensor-model-parallel-size x --data-parallel-size of them "
                          f"({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size}); make the "
-                         "product the GPU count (no pipeline parallelism so far)")
+                         "product the GPU count (no pipeline parallelism so far), or leave --data-parallel-size "
+                         "out on the command line, which derives it from the GPUs")
     if trainer_gpus and config.job.train_backend != "megatron":
         raise ValueError("--actor-num-gpus-per-node: the reference trainer runs on CPU; pass --train-backend megatron")
     rollout_gpus = layout.rollout_num_gpus

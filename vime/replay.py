@@ -432,7 +432,8 @@ def show(path: Path, out: Any = sys.stdout, role: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m vime.replay", description=__doc__.split("\n\n")[0],
-                                     epilog="python -m vime.replay show LOG prints a log readably.")
+                                     epilog="python -m vime.replay show LOG prints a log readably.",
+                                     allow_abbrev=False)
     if argv[:1] == ["show"]:
         parser.prog += " show"
         parser.add_argument("log", type=Path)

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = importlib.import_module(SCENARIOS[name])
     training = hasattr(scenario, "defaults")
     parser = argparse.ArgumentParser(prog="python -m vime.scenario", usage="%(prog)s [NAME] [--flag VALUE ...]",
-                                     description=scenario.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     description=scenario.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("name", nargs="?", default=DEFAULT, help=f"scenario name (default: {DEFAULT})")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     add_setting_flags(parser.add_argument_group("launch"), LaunchConfig)

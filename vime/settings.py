@@ -81,18 +81,18 @@ def add_setting_flags(group: Any, kind: type, defaults: Any = None) -> None:
             group.add_argument(f"--{flag_prefix(name)}-NAME", metavar="VALUE",
                                dest=f"_{name}_help", help=help_text)
         elif annotation is bool:
-            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
+            group.add_argument(*flags, dest=name, action=_Switch, default=None, help=help_text)
         elif typing.get_origin(annotation) is tuple:
             item = typing.get_args(annotation)[0]
-            group.add_argument(*flags, dest=name, type=item, nargs="*", default=None,
+            group.add_argument(*flags, dest=name, action=_Store, type=item, nargs="*", default=None,
                                metavar=meta.get("metavar") or ("ID" if item is int else "VALUE"), help=help_text)
         elif choices_of(annotation):
-            group.add_argument(*flags, dest=name, choices=choices_of(annotation), default=None, help=help_text)
+            group.add_argument(*flags, dest=name, action=_Store, choices=choices_of(annotation), default=None,
+                               help=help_text)
         else:
             optional = {} if meta.get("const", dataclasses.MISSING) is dataclasses.MISSING else {
                 "nargs": "?", "const": meta["const"]}
-            group.add_argument(*flags, dest=name, type=_scalar(annotation), default=None,
+            group.add_argument(*flags, dest=name, action=_Store, type=_scalar(annotation), default=None,
                                metavar=meta.get("metavar"), help=help_text, **optional)
 
 
@@ -105,6 +105,37 @@ def given_settings(args: argparse.Namespace, kind: type) -> dict[str, Any]:
     """The fields of ``kind`` whose flags were given (lists as tuples, as the fields hold them)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind) if getattr(args, f.name, None) is not None}
     return {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
+
+
+def spelling_of(args: argparse.Namespace, name: str) -> str | None:
+    """The flag the command line set field ``name`` with (``--eps-clip`` or ``--clip-low``: one setting, two
+    spellings), or None when it was not given. For a translation that depends on the name a user knows it by."""
+    return vars(args).get(_SPELLINGS, {}).get(name)
+
+
+_SPELLINGS = "_flags_as_spelled"  # the Namespace attribute where the actions below note the flag they were given as
+
+
+def _remember(namespace: argparse.Namespace, dest: str, option_string: str | None) -> None:
+    vars(namespace).setdefault(_SPELLINGS, {})[dest] = option_string
+
+
+class _Store(argparse.Action):
+    """argparse's store, noting which of the setting's flags was used."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        _remember(namespace, self.dest, option_string)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag``, noting which of the setting's flags was used."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _remember(namespace, self.dest, option_string)
 
 
 def _default_of(field: dataclasses.Field) -> Any:

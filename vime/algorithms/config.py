@@ -38,7 +38,7 @@ class GRPOConfig:
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     gamma: float = setting(1.0, "discount per token (PPO's GAE, REINFORCE++'s returns)")
-    lam: float = setting(0.95, "GAE lambda")
+    lam: float = setting(0.95, "GAE lambda", flags=("--lam", "--lambd"))
     value_clip: float = setting(0.2, "value loss clipped to this around the step's starting values")
     value_coef: float = setting(0.5, "weight of the value loss")
     whiten_advantages: bool = setting(True, "normalise advantages over the batch (mean 0, std 1)")
@@ -50,11 +50,14 @@ class PolicyLossConfig:
 
     policy_loss: PolicyLoss = setting("ppo", "ppo: the clipped surrogate; cispo: MiniMax-M1's clipped, detached "
                                              "importance weight times log pi (every token keeps a gradient)")
-    clip_low: float = setting(0.2, "ratio floor is 1 - clip_low (cispo: the importance weight's)")
+    clip_low: float = setting(0.2, "ratio floor is 1 - clip_low (cispo: the importance weight's); given as "
+                                   "--eps-clip without a ceiling, the ceiling too, as in slime",
+                              flags=("--clip-low", "--eps-clip"))
     clip_high: float = setting(0.2, "ratio ceiling is 1 + clip_high (DAPO uses 0.28; cispo: the importance "
-                                    "weight's)")
+                                    "weight's)", flags=("--clip-high", "--eps-clip-high"))
     dual_clip_c: float = setting(0.0, "dual-clip PPO: a token with a negative advantage loses at most -c * A "
-                                      "(slime's eps_clip_c, verl's clip_ratio_c, often 3); 0: off, else > 1")
+                                      "(slime's eps_clip_c, verl's clip_ratio_c, often 3); 0: off, else > 1",
+                                 flags=("--dual-clip-c", "--eps-clip-c"))
     ratio_level: RatioLevel = setting("token", "'token': PPO/GRPO ratios per token; 'sequence': GSPO, one ratio per "
                                         "response (with --loss-aggregation token a length-weighted GSPO, not the "
                                         "paper's per-sequence objective)")
@@ -78,9 +81,10 @@ class PolicyLossConfig:
                                                                  "truncates the weight to [--tis-floor, --tis-cap]; "
                                                                  "icepop drops tokens outside it; decoupled (AReaL) "
                                                                  "drops tokens above --tis-cap")
-    tis_cap: float = setting(2.0, "the importance weight's upper bound (tis truncates, icepop and decoupled drop)")
+    tis_cap: float = setting(2.0, "the importance weight's upper bound (tis truncates, icepop and decoupled drop)",
+                             flags=("--tis-cap", "--tis-clip"))
     tis_floor: float = setting(0.0, "the importance weight's lower bound (tis raises to it, icepop drops below it; "
-                                    "IcePop uses 0.5 with a cap of 5)")
+                                    "IcePop uses 0.5 with a cap of 5)", flags=("--tis-floor", "--tis-clip-low"))
     tis_level: TisLevel = setting("token", "whose importance weight: token; sequence-geometric (the geometric mean of "
                                       "the response's token weights); sequence-product (their product)")
     stale_ratio: StaleRatio = setting("behaviour", "the PPO ratio of a token sampled by older weights than the "

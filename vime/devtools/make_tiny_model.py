@@ -116,7 +116,7 @@ def make_tiny_model(arch: str, tokenizer: str | Path, out: str | Path, *, seed: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vime.devtools.make_tiny_model",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--arch", required=True, choices=ARCHS, help="the model family")
     parser.add_argument("--tokenizer", required=True, help="a folder with the family's real tokenizer files")
     parser.add_argument("--out", required=True, help="the folder to write")

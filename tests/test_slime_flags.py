@@ -1,0 +1,223 @@
+"""A slime user's flags on vime's command line (issue 33): no abbreviations, slime's names as aliases of the
+settings that mean the same, and Megatron's derived data-parallel size."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime.config import RunConfig, add_flags, from_flags
+from vime.settings import flags_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_parser_refuses_abbreviations():
+    """argparse's prefix matching would read slime's --save as vime's --save-every (or say it is ambiguous): every
+    parser of vime's entry points is built with allow_abbrev=False, so a flag is taken whole or not at all."""
+    parsers = []
+    for path in [*(ROOT / "vime").rglob("*.py"), *(ROOT / "scenarios").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                parsers.append(path.relative_to(ROOT))
+                keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+                assert "allow_abbrev" in keywords and keywords["allow_abbrev"].value is False, (
+                    f"{path.relative_to(ROOT)}:{node.lineno}: pass allow_abbrev=False to ArgumentParser")
+    assert len(parsers) >= 5  # scenario, actor, replay, inject, make_tiny_model
+
+
+def test_an_abbreviated_flag_is_refused_by_name():
+    for flag in ("--save", "--rollout-batch", "--save-hf"):
+        result = run("vime.scenario", "arithmetic", flag, "3")
+        assert result.returncode == 2 and f"unrecognized arguments: {flag} 3" in result.stderr, result.stderr
+    result = run("vime.actor", "trainer", "--log-lev", "debug")
+    assert result.returncode == 2 and "unrecognized arguments: --log-lev debug" in result.stderr, result.stderr
+
+
+def parse(*flags: str, defaults: RunConfig | None = None) -> RunConfig:
+    """The config a scenario with ``defaults`` runs with these flags, as vime.scenario resolves it."""
+    defaults = RunConfig() if defaults is None else defaults
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_flags(parser, defaults)
+    return from_flags(parser.parse_args(list(flags)), defaults)
+
+
+# slime's spelling, vime's, and a value: each pair must set the same setting to the same value
+SAME_MEANING = [
+    ("--hf-checkpoint", "--model-path", "/models/Qwen3-4B"),
+    ("--prompt-data", "--data", "/data/dapo-math-17k.jsonl"),
+    ("--n-samples-per-prompt", "--group-size", "16"),
+    ("--num-rollout", "--steps", "3000"),
+    ("--rollout-max-response-len", "--max-new-tokens", "8192"),
+    ("--rollout-temperature", "--temperature", "0.8"),
+    ("--rollout-top-p", "--top-p", "0.95"),
+    ("--rollout-top-k", "--top-k", "20"),
+    ("--eps-clip-high", "--clip-high", "0.28"),
+    ("--eps-clip-c", "--dual-clip-c", "3"),
+    ("--save-interval", "--save-every", "20"),
+    ("--eval-interval", "--eval-every", "20"),
+    ("--n-samples-per-eval-prompt", "--eval-samples", "16"),
+    ("--eval-max-response-len", "--eval-max-new-tokens", "16384"),
+    ("--lr-decay-style", "--lr-schedule", "cosine"),
+    ("--clip-grad", "--grad-clip", "0.5"),
+    ("--num-steps-per-rollout", "--updates-per-step", "2"),
+    ("--tis-clip", "--tis-cap", "3"),
+    ("--tis-clip-low", "--tis-floor", "0.5"),
+    ("--lambd", "--lam", "1.0"),
+]
+
+
+@pytest.mark.parametrize("slime, vime, value", SAME_MEANING)
+def test_slime_names_set_the_same_settings(slime, vime, value):
+    assert parse(slime, value) == parse(vime, value) != parse()
+
+
+def test_switches_and_slime_names_vime_already_had():
+    assert parse("--apply-chat-template").data.chat_template and not parse().data.chat_template
+    assert parse("--apply-chat-template") == parse("--chat-template")
+    # the same names in both: nothing to alias, the meaning checked against slime's
+    config = parse("--entropy-coef", "0.01", "--kl-loss-coef", "0.02", "--eval-top-p", "0.7", "--lr", "1e-6",
+                   "--weight-decay", "0.1", "--adam-beta2", "0.98", "--rollout-batch-size", "32")
+    assert (config.loss.entropy_coef, config.loss.kl_loss_coef, config.eval.eval_top_p) == (0.01, 0.02, 0.7)
+    assert (config.optim.lr, config.optim.weight_decay, config.optim.adam_beta2) == (1e-6, 0.1, 0.98)
+
+
+def test_eps_clip_alone_is_symmetric_as_in_slime():
+    """slime's eps_clip_high defaults to eps_clip; vime's --clip-high has a default of its own (a scenario's: 0.28
+    in the DAPO ones), so --eps-clip alone sets both bounds, and vime's own --clip-low only the floor."""
+    dapo = RunConfig().replace(clip_high=0.28)
+    alone = parse("--eps-clip", "0.3", defaults=dapo).loss
+    assert (alone.clip_low, alone.clip_high) == (0.3, 0.3)
+    both = parse("--eps-clip", "0.2", "--eps-clip-high", "0.28").loss
+    assert (both.clip_low, both.clip_high) == (0.2, 0.28)
+    mixed = parse("--eps-clip", "1e-4", "--clip-high", "2e-4").loss
+    assert (mixed.clip_low, mixed.clip_high) == (1e-4, 2e-4)
+    vime_floor = parse("--clip-low", "0.3", defaults=dapo).loss
+    assert (vime_floor.clip_low, vime_floor.clip_high) == (0.3, 0.28)
+
+
+def test_rollout_top_k_minus_one_is_off():
+    """slime's --rollout-top-k -1 (its default) means no top-k filter, which vime writes as 0; vime's own --top-k
+    keeps refusing a negative value, with a message naming slime's spelling."""
+    assert parse("--rollout-top-k", "-1").sampling.top_k == 0
+    with pytest.raises(ValueError, match="top_k must be >= 0 .*slime's --rollout-top-k spells -1"):
+        parse("--top-k", "-1")
+
+
+def test_a_schedule_vime_lacks_is_refused_by_name(capsys):
+    for style in ("constant", "linear", "cosine"):
+        assert parse("--lr-decay-style", style).optim.lr_schedule == style
+    for style in ("WSD", "inverse-square-root"):
+        with pytest.raises(SystemExit):
+            parse("--lr-decay-style", style)
+        assert f"--lr-schedule/--lr-decay-style: invalid choice: '{style}'" in capsys.readouterr().err
+
+
+def test_help_shows_each_alias_beside_its_setting():
+    result = run("vime.scenario", "arithmetic", "--help")
+    assert result.returncode == 0
+    shown = " ".join(result.stdout.split())  # argparse wraps long lines
+    for slime, vime, _ in SAME_MEANING:
+        assert re.search(rf"{vime} \S+, {slime} ", shown), f"--help shows no {slime} beside {vime}"
+    assert "--chat-template, --no-chat-template, --apply-chat-template, --no-apply-chat-template" in shown
+
+
+MEGATRON = ("--train-backend", "megatron")
+
+
+def test_data_parallel_size_is_derived_from_the_trainer_gpus():
+    """Megatron's rule: the trainer's GPUs over tensor x pipeline x context parallel (vime: tensor only)."""
+    job = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2").job
+    assert (job.tensor_model_parallel_size, job.data_parallel_size, job.trainer_ranks) == (2, 4, 8)
+    assert parse(*MEGATRON, "--actor-num-gpus-per-node", "8").job.data_parallel_size == 8
+    # slime's Qwen3-30B-A3B layout: 8 GPUs, TP 4, experts over all 8 ranks; no --data-parallel-size needed
+    moe = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
+                "--expert-model-parallel-size", "8").job
+    assert (moe.data_parallel_size, moe.expert_model_parallel_size) == (2, 8)
+    # given, it is checked against the GPUs; on CPU (no trainer GPUs) it is taken as given
+    assert parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+                 "--data-parallel-size", "4").job.data_parallel_size == 4
+    assert parse(*MEGATRON, "--tensor-model-parallel-size", "2", "--data-parallel-size", "2").job.trainer_ranks == 4
+    assert parse(*MEGATRON, "--tensor-model-parallel-size", "2").job.data_parallel_size == 1
+
+
+def test_a_data_parallel_size_the_gpus_do_not_give_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"--data-parallel-size 2 x --tensor-model-parallel-size 2 ranks, one per "
+                                         r"GPU, but the trainer has 8 .*leave --data-parallel-size out .*\(4\)"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+              "--data-parallel-size", "2")
+    with pytest.raises(ValueError, match=r"--actor-num-gpus-per-node 6: the trainer's 6 GPUs do not split into "
+                                         r"copies of --tensor-model-parallel-size 4"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "4")
+
+
+def test_the_expert_parallel_error_names_the_flag_to_change():
+    # the 30B layout without GPUs (gloo on CPU): the data-parallel size is the fix
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 8: .*for 8 ranks sharing the experts "
+                                         r"pass --data-parallel-size 2, or pass --expert-model-parallel-size 1, 4"):
+        parse(*MEGATRON, "--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "8")
+    # with GPUs the data-parallel size follows from them: the GPU count is the fix
+    with pytest.raises(ValueError, match=r"for 8 ranks sharing the experts give the trainer 8 GPUs "
+                                         r"\(--actor-num-gpus-per-node 8;"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4",
+              "--expert-model-parallel-size", "8")
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size 3: .*pass --expert-model-parallel-size "
+                                         r"1, 4, 8$"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
+              "--expert-model-parallel-size", "3")
+
+
+def test_layout_flags_asking_for_what_vime_does_are_accepted():
+    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel")
+    assert given == parse()
+
+
+def test_features_vime_lacks_are_refused_together(tmp_path):
+    """slime's Qwen3-30B-A3B recipe's performance and optimizer flags, with a pipeline, context parallelism and
+    several hosts added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
+    flags = ["--pipeline-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
+             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480", "--optimizer-cpu-offload",
+             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep"]
+    with pytest.raises(ValueError) as refused:
+        parse(*flags, "--actor-num-nodes", "8")
+    said = str(refused.value)
+    for expected in ("--actor-num-nodes 8 (a trainer on several hosts", "--pipeline-model-parallel-size 4 (pipeline "
+                     "parallelism)", "--context-parallel-size 2 (context parallelism)", "--use-dynamic-batch-size, "
+                     "--max-tokens-per-gpu 20480 (micro-batches packed to a token budget", "--optimizer-cpu-offload, "
+                     "--overlap-cpu-optimizer-d2h-h2d (offloading of the optimizer state to the CPU)",
+                     "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP"):
+        assert expected in said, said
+    assert "--sequence-parallel" not in said
+    result = run("vime.scenario", "arithmetic", *flags, "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "vime does not have what these flags ask for yet" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_table_lists_the_aliases_there_are():
+    """README's "Coming from slime": each row's slime flag is a second name of the vime setting beside it, and every
+    alias tested here is in the table."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Coming from slime"):]
+    section = section[:section.index("\n## ")]
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `(--[\w-]+)` \|", section, flags=re.MULTILINE)
+    spellings = {}  # each flag of a setting: all of that setting's flags
+    for part in dataclasses.fields(RunConfig):
+        for field in dataclasses.fields(part.default.__class__):
+            spellings.update(dict.fromkeys(flags_of(field), flags_of(field)))
+    for slime, vime in rows:
+        assert slime in spellings.get(vime, ()), f"README: {slime} is no name of {vime}'s setting"
+    assert {slime for slime, _, _ in SAME_MEANING} | {"--eps-clip", "--apply-chat-template"} == {s for s, _ in rows}
+    same_names = section[section.index("These have the same name in both"):section.index("As in\nMegatron")]
+    for flag in re.findall(r"`(--[\w-]+)`", same_names):
+        assert flag in spellings, f"README: {flag} is no vime flag"

@@ -1,0 +1,100 @@
+"""slime's command line on vime: what its flags mean here when that is more than a second name.
+
+Most of slime's flags that vime knows are plain aliases, declared on the setting they name
+(``--hf-checkpoint`` is ``--model-path``; ``--help`` lists both), since the meaning is the same.
+This module holds the rest, so that what is slime-only lives in one place:
+
+- values whose spelling under slime's name means something else here (``--eps-clip`` alone sets
+  both clip bounds in slime; ``--rollout-top-k -1`` is slime's "off", vime's 0);
+- Megatron's and slime's flags that are no setting of vime's (:data:`LAYOUT_FLAGS`): accepted where
+  they ask for what vime does anyway (``--pipeline-model-parallel-size 1``, ``--sequence-parallel``),
+  and otherwise refused together, in one message naming what vime lacks for each, so that a
+  launcher learns everything it must drop at once.
+
+It leaves out the flags vime does not know at all (argparse refuses them; see the README's "Coming
+from slime"). It imports no torch: the command line is read before any engine loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from vime.settings import spelling_of
+
+
+def translate(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings ``given`` on the command line, with what slime's spellings imply applied: ``--eps-clip`` without
+    ``--eps-clip-high`` (or ``--clip-high``) is a symmetric clip, as slime's eps_clip_high defaults to eps_clip; and
+    ``--rollout-top-k`` below 0 switches top-k off, which vime spells 0."""
+    given = dict(given)
+    if spelling_of(args, "clip_low") == "--eps-clip" and "clip_high" not in given:
+        given["clip_high"] = given["clip_low"]
+    if spelling_of(args, "top_k") == "--rollout-top-k" and given["top_k"] < 0:
+        given["top_k"] = 0
+    return given
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFlag:
+    """A flag of Megatron's or slime's that is no setting of vime's: accepted with the one value that asks for what
+    vime does anyway, refused with any other."""
+
+    flag: str
+    missing: str  # what vime lacks to honour another value
+    accepted: int | bool | None = None  # the value vime runs as it is; None: none is (a switch is refused when given)
+    number: bool = False  # the flag takes a number (else it is a switch)
+
+
+_TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
+_OFFLOAD = "offloading of the optimizer state to the CPU"
+LAYOUT_FLAGS = (
+    LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
+    LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
+    LayoutFlag("--sequence-parallel", "", accepted=True),  # vime's tensor parallelism always shards the sequence
+    LayoutFlag("--use-dynamic-batch-size", _TOKEN_BUDGET),
+    LayoutFlag("--max-tokens-per-gpu", _TOKEN_BUDGET, number=True),
+    LayoutFlag("--optimizer-cpu-offload", _OFFLOAD),
+    LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
+    LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
+    LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
+)
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of :data:`LAYOUT_FLAGS` on ``parser``, in a group of their own."""
+    group = parser.add_argument_group("slime's and Megatron's flags that are no vime setting (any value but the "
+                                      "one shown is refused, naming what vime lacks)")
+    for layout in LAYOUT_FLAGS:
+        if layout.accepted is True:
+            meaning = "accepted: vime's tensor parallelism always shards the sequence"
+        elif layout.accepted is None:
+            meaning = f"refused (vime lacks {layout.missing})"
+        else:
+            meaning = f"{layout.accepted} only (vime lacks {layout.missing})"
+        if layout.number:
+            group.add_argument(layout.flag, dest=_dest(layout), type=int, default=None, metavar="N", help=meaning)
+        else:
+            group.add_argument(layout.flag, dest=_dest(layout), action="store_true", default=None, help=meaning)
+
+
+def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """ValueError naming, in one message, every flag given that asks for something vime lacks: the
+    :data:`LAYOUT_FLAGS` with another value than vime's, and a trainer on several hosts (``--actor-num-nodes``)."""
+    refused: dict[str, list[str]] = {}  # what is missing: the flags that ask for it, as given
+    if given.get("actor_num_nodes", 1) > 1:
+        refused["a trainer on several hosts; rollout workers on other hosts join with RUN_DIR/join"] = [
+            f"--actor-num-nodes {given['actor_num_nodes']}"]
+    for layout in LAYOUT_FLAGS:
+        value = getattr(args, _dest(layout), None)
+        if value is not None and value != layout.accepted:
+            refused.setdefault(layout.missing, []).append(layout.flag if value is True else f"{layout.flag} {value}")
+    if refused:
+        listed = "; ".join(f"{', '.join(flags)} ({missing})" for missing, flags in refused.items())
+        raise ValueError(f"vime does not have what these flags ask for yet: {listed}. Leave them out (the run then "
+                         "differs from slime's in what they change)")
+
+
+def _dest(layout: LayoutFlag) -> str:
+    return "slime_" + layout.flag.removeprefix("--").replace("-", "_")
