@@ -585,7 +585,7 @@ async def test_a_stop_is_heard_while_waiting_for_the_lock_and_between_chunks(tmp
             manifest = await model_files._ask_manifest(actor)
             with open(cache / f"{manifest.digest}.lock", "a") as held:
                 fcntl.flock(held, fcntl.LOCK_EX)
-                with trio.fail_after(10):
+                with trio.fail_after(30):
                     async with trio.open_nursery() as nursery:
                         async def stop_soon():
                             await trio.sleep(1.0)

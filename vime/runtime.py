@@ -49,7 +49,7 @@ import pynng
 import structlog
 import trio
 
-from vime.messages.model_files import ModelFileChunk, ModelFileRead
+from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
 from vime.messages.runtime import (
     Directory,
     ErrorReply,
@@ -71,10 +71,10 @@ from vime.transports.sockets import Inbox, Outbox, TlsFiles
 # the transport (Status counts frames and sends, including the heartbeats and
 # registration that replay skips), not on what the actor was sent; replay does
 # not expect a fresh instance to reproduce it.
-# A joined worker's model fetch (vime.model_files) too: whether it reads chunks depends on what its host's
-# cache holds, not on its messages (a replay finds the model in the cache and reads none).
-UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status, ModelFileRead,
-                                               ModelFileChunk})
+# A joined worker's model fetch (vime.model_files) too: whether it asks for the list of files and reads chunks
+# depends on what its host holds, not on its messages (a replay has no driver to ask, and asks nothing).
+UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status, ModelManifestQuery,
+                                               ModelManifest, ModelFileRead, ModelFileChunk})
 
 # Kinds whose frames are left out of message logs (``--record``): a model file's chunks would put the whole model,
 # 16 MiB a frame, in the driver's log and the joined worker's. The reads that ask for them are logged.
