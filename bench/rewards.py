@@ -2,7 +2,8 @@ r"""Reward throughput: rewards/s of the reward workers, with and without patholo
 
 Scores ``--samples`` GSM8K-style answers (``\boxed{N}``, half of them right) with a built-in reward
 (``--reward``, default ``math``: math-verify) through ``vime.reward_workers`` as the reward actor does (every
-sample of a batch of ``--group`` at once), for each ``--workers`` count and each share of pathological
+sample of a group of ``--group`` at once, and ``GROUPS_IN_FLIGHT`` groups at once; beside it one group at a
+time, as the actor scored before), for each ``--workers`` count and each share of pathological
 answers in ``--bad-share``: a power tower of nines (``\boxed{9^{9^{9^{9}}}}``) that sympy tries to evaluate.
 Beside them, the old way (the function called in the actor's own thread, no limit) on good answers only,
 as the cost of the process hop. Per case, the median over ``--repeats`` runs of rewards/s, and the timeouts
@@ -19,6 +20,7 @@ It measures; it decides nothing (the exit status does not depend on the figures)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -33,6 +35,7 @@ from typing import Any
 import trio
 
 from vime import rewards
+from vime.actors.reward import GROUPS_IN_FLIGHT
 from vime.reward_workers import RewardWorkers
 
 BAD = r"The answer is \boxed{9^{9^{9^{9}}}}"
@@ -52,18 +55,29 @@ def answers(count: int, bad_share: float, seed: int) -> list[tuple[str, str]]:
 
 
 async def pooled(reward: str, pairs: list[tuple[str, str]], workers: int, timeout: float,
-                 group: int) -> dict[str, float]:
+                 group: int, in_flight: int) -> dict[str, float]:
+    """Score ``pairs`` in groups of ``group``, ``in_flight`` groups at once, as the reward actor does."""
     pool = RewardWorkers(reward, "", workers, timeout)
     pool.start()
+    slots = trio.Semaphore(in_flight)
+
+    async def score_group(first: int) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for response, label in pairs[first:first + group]:
+                    nursery.start_soon(pool.score, response, label, {})
+        finally:
+            slots.release()
+
     try:
         async with trio.open_nursery() as nursery:  # every process is up: time the scoring alone
             for _ in range(workers):
                 nursery.start_soon(pool.score, "\\boxed{1}", "1", {})
         started = time.perf_counter()
-        for first in range(0, len(pairs), group):
-            async with trio.open_nursery() as nursery:
-                for response, label in pairs[first:first + group]:
-                    nursery.start_soon(pool.score, response, label, {})
+        async with trio.open_nursery() as nursery:
+            for first in range(0, len(pairs), group):
+                await slots.acquire()
+                nursery.start_soon(score_group, first)
         seconds = time.perf_counter() - started
     finally:
         pool.close()
@@ -94,17 +108,17 @@ def main() -> None:
     good = answers(args.samples, 0.0, seed=0)
     runs = [inline(args.reward, good) for _ in range(args.repeats)]
     cases.append({"case": "inline, no limit (before)", "workers": 0, "bad_share": 0.0, "runs": runs})
-    for workers in args.workers:
-        for share in args.bad_share:
-            pairs = answers(args.samples, share, seed=0)
-            runs = [trio.run(pooled, args.reward, pairs, workers, args.timeout, args.group)
-                    for _ in range(args.repeats)]
-            cases.append({"case": f"{workers} workers", "workers": workers, "bad_share": share, "runs": runs})
-    print(f"{'case':28} {'bad share':>9} {'rewards/s':>10} {'timeouts':>9}")
+    for workers, share, in_flight in itertools.product(args.workers, args.bad_share, (1, GROUPS_IN_FLIGHT)):
+        pairs = answers(args.samples, share, seed=0)
+        runs = [trio.run(pooled, args.reward, pairs, workers, args.timeout, args.group, in_flight)
+                for _ in range(args.repeats)]
+        cases.append({"case": f"{workers} workers, {in_flight} group(s) at once", "workers": workers,
+                      "groups_in_flight": in_flight, "bad_share": share, "runs": runs})
+    print(f"{'case':34} {'bad share':>9} {'rewards/s':>10} {'timeouts':>9}")
     for case in cases:
         case["rewards_per_s"] = statistics.median(run["rewards_per_s"] for run in case["runs"])
         case["timeouts"] = statistics.median(run["timeouts"] for run in case["runs"])
-        print(f"{case['case']:28} {case['bad_share']:>9.2%} {case['rewards_per_s']:>10.1f} {case['timeouts']:>9.0f}")
+        print(f"{case['case']:34} {case['bad_share']:>9.2%} {case['rewards_per_s']:>10.1f} {case['timeouts']:>9.0f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     document = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
                 "machine": f"{platform.node()}: {os.cpu_count()} CPUs",

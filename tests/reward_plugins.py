@@ -69,3 +69,11 @@ def starts_a_sleeper(response: str, label: str, **metadata) -> float:
         out.write(str(child.pid))
     _spin_in_c()
     return 0.0
+
+
+def slow_on_slow(response: str, label: str, **metadata) -> float:
+    """Plain; takes 3 s when the response says "slow" (a pathological answer that still ends), else 0.5 s."""
+    import time
+
+    time.sleep(3.0 if "slow" in response else 0.5)
+    return 1.0

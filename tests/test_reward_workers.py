@@ -219,3 +219,44 @@ async def test_what_a_timed_out_reward_started_is_killed_with_it(tmp_path):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+async def test_the_reward_actor_scores_later_groups_while_a_slow_one_waits_and_sends_them_in_order():
+    """Two workers, a group with a 3 s answer first, then six of 0.5 s: they are scored on the other worker
+    meanwhile and all are sent by about 3 s, in the order they came. Mutation: scored one group at a time (the
+    handler awaiting its own group), the six wait behind the slow one, and it takes 6 s."""
+    from vime.actors.reward import Reward
+    from vime.config import RunConfig
+    from vime.messages.pipeline import RolloutGroup, Sample
+    from vime.runtime import ActorSettings
+    from vime.transports.codec import Envelope
+
+    config = RunConfig().replace(custom_reward="reward_plugins:slow_on_slow", reward_workers=2,
+                                 reward_timeout=30.0).to_dict()
+    actor = Reward(ActorSettings(name="reward", listen="ipc:///nonexistent"), config)
+    sent: list[tuple[int, float]] = []
+    actor._send_hook = lambda envelope: sent.append((envelope.payload.group_id, time.monotonic()))
+
+    def group(group_id: int, response: str) -> RolloutGroup:
+        sample = Sample(group_id=group_id, index=0, prompt_ids=[1], response_ids=[2], logprobs=[0.0], versions=[0],
+                        finish_reason="stop", label="1", metadata={}, response_text=response)
+        return RolloutGroup(group_id=group_id, samples=[sample], worker="rollout-0", generate_s=0.0)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            actor._nursery = nursery
+            await actor.on_start()
+            async with trio.open_nursery() as warm:  # both processes up: time the scoring alone
+                for _ in range(2):
+                    warm.start_soon(actor.workers.score, "x", "1", {})
+            started = time.monotonic()
+            for group_id, response in enumerate(["slow"] + ["fast"] * 6):
+                payload = group(group_id, response)
+                envelope = Envelope("RolloutGroup", "rollout-0", "reward", group_id, None, 0.0, None, False, payload)
+                await actor._on_group(payload, envelope)
+            while len(sent) < 7:
+                await trio.sleep(0.05)
+            await actor.on_stop()
+            nursery.cancel_scope.cancel()
+    assert [group_id for group_id, _ in sent] == list(range(7))
+    assert sent[-1][1] - started < 4.8
