@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -221,3 +222,57 @@ def test_the_readme_table_lists_the_aliases_there_are():
     same_names = section[section.index("These have the same name in both"):section.index("As in\nMegatron")]
     for flag in re.findall(r"`(--[\w-]+)`", same_names):
         assert flag in spellings, f"README: {flag} is no vime flag"
+
+
+@pytest.fixture(scope="module")
+def config_and_tokenizer_only(tmp_path_factory) -> Path:
+    """A model folder as --dry-run needs it: config.json and the tokenizer, the weights removed."""
+    from scenarios.arithmetic import build_model
+
+    folder = tmp_path_factory.mktemp("dry") / "model"
+    build_model(folder, seed=0)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    return folder
+
+
+SLIME_LAYOUT = ("--colocate", "--actor-num-gpus-per-node", "8", "--rollout-backend", "vllm", *MEGATRON,
+                "--tensor-model-parallel-size", "2")
+
+
+def test_dry_run_resolves_and_places_without_weights_or_run_folder(config_and_tokenizer_only, tmp_path):
+    """slime's colocated layout planned for 8 GPUs this machine lacks: the data-parallel size derived (4), every
+    engine on a trainer GPU and so served by CUDA IPC, exit 0; no run folder, no model loaded (there are no
+    weights to load)."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--dry-run-gpus", "8", *SLIME_LAYOUT,
+                 "--model-path", str(config_and_tokenizer_only), "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout[:result.stdout.index("\nplacement on")])
+    assert (resolved["job"]["data_parallel_size"], resolved["job"]["tensor_model_parallel_size"]) == (4, 2)
+    assert resolved["rollout"]["rollout_workers"] == 8
+    assert "placement on a host with 8 GPUs (--dry-run-gpus)" in result.stdout
+    assert "trainer: GPUs 0,1,2,3,4,5,6,7 (megatron, 8 rank(s): tensor parallel 2 x data parallel 4)" in result.stdout
+    assert "rollout worker 7: GPUs 7 (vllm, 1 GPU(s) per engine); weights by ipc" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_refuses_what_the_run_would_with_the_reason(config_and_tokenizer_only, tmp_path):
+    """Separate engines need GPUs beside the trainer's: 8 + 8 on a host of 8 is refused, exit 2, naming the
+    count; with --dry-run-gpus alone (no --dry-run) nothing is planned either."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--dry-run-gpus", "8", *SLIME_LAYOUT[1:],
+                 "--rollout-num-gpus", "8", "--model-path", str(config_and_tokenizer_only),
+                 "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "this placement needs 16 GPUs (trainer 8, rollout 8) but this host shows " \
+        "8" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+    result = run("vime.scenario", "arithmetic", "--dry-run-gpus", "8", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--dry-run-gpus plans a --dry-run; add --dry-run" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_of_a_scenario_that_builds_its_model_builds_nothing(tmp_path):
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "the run would build a random tiny Qwen3 and its character-level tokenizer in" in result.stdout
+    assert "nothing placed (no GPU flag given)" in result.stdout
+    assert not (tmp_path / "run").exists()

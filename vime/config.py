@@ -483,6 +483,11 @@ class TrainingLaunchConfig:
                               "weight version it gets)", const="all", metavar="ROLES")
     resume: Path | None = setting(None, "continue a run that died from its latest checkpoint, with its settings "
                                         "(flags given here override them, e.g. --steps)", metavar="RUN_DIR")
+    dry_run: bool = setting(False, "resolve every setting and derived size, place the processes, print both and "
+                                   "exit without loading a model (config.json and the tokenizer are read, never the "
+                                   "weights) or making the run folder; exit 2 with the reason on what a run refuses")
+    dry_run_gpus: int | None = setting(None, "with --dry-run: plan for a host with N GPUs instead of this one's",
+                                       metavar="N")
 
     def recorded_roles(self) -> frozenset[str]:
         """The roles whose message logs the run writes; ValueError naming an unknown one."""
