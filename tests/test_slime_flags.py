@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.config import RunConfig, add_flags, from_flags
+from vime.config import RunConfig, add_flags, engine_flags, from_flags
 from vime.settings import flags_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,4 +275,57 @@ def test_dry_run_of_a_scenario_that_builds_its_model_builds_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "the run would build a random tiny Qwen3 and its character-level tokenizer in" in result.stdout
     assert "nothing placed (no GPU flag given)" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_common_sglang_flags_become_vllm_ones_with_a_note():
+    from vime.slime_flags import sglang_flags
+
+    tokens, notes = sglang_flags(["--lr", "1e-6", "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs",
+                                  "1", "2", "4", "8", "--sglang-max-running-requests=256",
+                                  "--sglang-disable-cuda-graph", "--sglang-server-concurrency", "512",
+                                  "--sglang-dp-size", "1"])
+    assert tokens == ["--lr", "1e-6", "--vllm-gpu-memory-utilization", "0.7", "--vllm-cudagraph-capture-sizes", "1",
+                      "2", "4", "8", "--rollout-max-batch-size", "256", "--vllm-enforce-eager"]
+    said = "\n".join(notes)
+    assert ("--sglang-mem-fraction-static 0.7 runs as --vllm-gpu-memory-utilization 0.7; the two fractions "
+            "differ") in said
+    assert "--sglang-server-concurrency 512 is dropped: slime's client-side cap" in said
+    assert "--rollout-max-batch-size" in said.split("--sglang-server-concurrency")[1]
+    found, rest = engine_flags(tokens)
+    assert found == {"vllm_args": {"gpu_memory_utilization": 0.7, "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                   "enforce_eager": True}}
+    assert parse(*rest).rollout.rollout_max_batch_size == 256
+
+
+def test_other_sglang_flags_are_refused_together_with_what_to_pass():
+    from vime.slime_flags import sglang_flags
+
+    with pytest.raises(ValueError) as refused:
+        sglang_flags(["--sglang-enable-dp-attention", "--sglang-dp-size", "4", "--sglang-ep-size", "8",
+                      "--sglang-router-ip", "10.0.0.1", "--sglang-chunked-prefill-size", "-1",
+                      "--sglang-attention-backend", "fa3"])
+    said = str(refused.value)
+    for expected in ("--sglang-enable-dp-attention (attention data parallelism inside an engine",
+                     "--sglang-dp-size 4 (attention data parallelism", "--sglang-ep-size 8 (an expert-parallel size "
+                     "inside an engine: vLLM takes none; --vllm-enable-expert-parallel true",
+                     "--sglang-router-ip 10.0.0.1 (slime's SGLang router", "--sglang-chunked-prefill-size -1 (pass "
+                     "--vllm-max-num-batched-tokens N (for -1: --vllm-enable-chunked-prefill false))",
+                     "--sglang-attention-backend fa3 (pass the vLLM engine argument that does the same, as "
+                     "--vllm-NAME)"):
+        assert expected in said, said
+
+
+def test_sglang_flags_on_the_command_line(tmp_path):
+    """Translated as the run reads them (--dry-run shows the engine arguments), notes on stderr; a refused one
+    exits 2 before the run folder is made."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--rollout-backend", "vllm",
+                 "--sglang-mem-fraction-static", "0.6", "--sglang-cuda-graph-bs", "1", "2", "4",
+                 "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout[:result.stdout.index("\nplacement on")])
+    assert resolved["rollout"]["vllm_args"] == {"gpu_memory_utilization": 0.6, "cudagraph_capture_sizes": [1, 2, 4]}
+    assert "note: --sglang-cuda-graph-bs 1 2 4 runs as --vllm-cudagraph-capture-sizes 1 2 4" in result.stderr
+    result = run("vime.scenario", "arithmetic", "--sglang-dp-size", "4", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--sglang-dp-size 4 (attention data parallelism" in result.stderr
     assert not (tmp_path / "run").exists()

@@ -515,7 +515,7 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     """Pick the free-form flags (``--vllm-gpu-memory-utilization 0.5``) out of a command line:
     ``{"vllm_args": {"gpu_memory_utilization": 0.5}}``, and the tokens that are no such flag. A value
     is read as JSON where it parses (numbers, true/false, objects), else kept as text; a flag with
-    no value is true."""
+    no value is true, one with several values (``--vllm-cudagraph-capture-sizes 1 2 4 8``) a list."""
     prefixes = {flag_prefix(name): name for name, section in _SECTION_OF.items()
                 if typing.get_origin(hints_of(type(getattr(RunConfig(), section)))[name]) is dict}
     found: dict[str, dict[str, Any]] = {}
@@ -529,14 +529,21 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
             rest.append(token)
             continue
         flag, _, value = token.partition("=")
-        if not value and index < len(tokens) and not tokens[index].startswith("--"):
-            value, index = tokens[index], index + 1
-        try:
-            parsed = json.loads(value) if value else True
-        except json.JSONDecodeError:
-            parsed = value
-        found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = parsed
+        values = [value] if value else []
+        while not value and index < len(tokens) and not tokens[index].startswith("--"):
+            values.append(tokens[index])
+            index += 1
+        parsed = [_json_or_text(value) for value in values]
+        found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = (
+            True if not parsed else parsed[0] if len(parsed) == 1 else parsed)
     return found, rest
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:

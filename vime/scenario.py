@@ -21,6 +21,7 @@ from typing import Callable
 
 import trio
 
+from vime import slime_flags
 from vime.config import LaunchConfig, RunConfig, TrainingLaunchConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 from vime.settings import add_setting_flags, given_settings
@@ -47,9 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if training:
         add_setting_flags(parser.add_argument_group("launch a training run"), TrainingLaunchConfig)
         add_flags(parser, scenario.defaults())
-    engine, argv = engine_flags(argv) if training else ({}, argv)  # before argparse, which cannot know their names
+    notes: list[str] = []
+    if training:  # before argparse, which cannot know their names
+        try:
+            argv, notes = slime_flags.sglang_flags(argv)
+        except ValueError as err:
+            return _refuse(err)
+    engine, argv = engine_flags(argv) if training else ({}, argv)
     args = parser.parse_args(argv)
     vars(args).update(engine)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     if args.list:
         for scenario_name, module in SCENARIOS.items():
             print(f"{scenario_name:<20} {importlib.import_module(module).DESCRIPTION}")

@@ -9,7 +9,10 @@ This module holds the rest, so that what is slime-only lives in one place:
 - Megatron's and slime's flags that are no setting of vime's (:data:`LAYOUT_FLAGS`): accepted where
   they ask for what vime does anyway (``--pipeline-model-parallel-size 1``, ``--sequence-parallel``),
   and otherwise refused together, in one message naming what vime lacks for each, so that a
-  launcher learns everything it must drop at once.
+  launcher learns everything it must drop at once;
+- the SGLang server flags slime passes as ``--sglang-NAME`` (:data:`SGLANG_FLAGS`): vime's engines are
+  vLLM's, so the common ones become the vLLM engine argument or the vime setting that does the same,
+  with a note where the two differ, and the others are refused together, each with what to pass instead.
 
 It leaves out the flags vime does not know at all (argparse refuses them; see the README's "Coming
 from slime"). It imports no torch: the command line is read before any engine loads.
@@ -98,3 +101,84 @@ def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> 
 
 def _dest(layout: LayoutFlag) -> str:
     return "slime_" + layout.flag.removeprefix("--").replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True)
+class SglangFlag:
+    """An SGLang server flag as slime passes it, ``--sglang-NAME``, and vime's flag that does the same."""
+
+    instead: str | None  # vime's flag (``--vllm-*`` or a setting's) taking the same values; None: dropped
+    note: str = ""  # where the two differ, or what vime does instead when dropped
+    only: str | None = None  # the one value accepted (then dropped: it asks for what vime does); others refused
+
+
+_NO_DP_ATTENTION = ("attention data parallelism inside an engine: a vime engine is one vLLM engine, tensor parallel "
+                    "over --rollout-num-gpus-per-engine GPUs; drop it, or run more engines of fewer GPUs each")
+_ROUTER = "slime's SGLang router: vime's router is an actor of its own, with nothing to address; drop it"
+SGLANG_FLAGS = {
+    "mem-fraction-static": SglangFlag(
+        "--vllm-gpu-memory-utilization", "the two fractions differ slightly: SGLang's covers the weights and the KV "
+        "cache, vLLM's the whole engine (activations and CUDA graphs too), so the same value leaves vLLM a little "
+        "less KV cache"),
+    "cuda-graph-bs": SglangFlag("--vllm-cudagraph-capture-sizes",
+                                "vLLM captures no batch size above --rollout-max-batch-size (its max_num_seqs)"),
+    "cuda-graph-max-bs": SglangFlag("--vllm-max-cudagraph-capture-size"),
+    "max-running-requests": SglangFlag("--rollout-max-batch-size", "the sequences one engine decodes together "
+                                                                   "(vLLM's max_num_seqs)"),
+    "context-length": SglangFlag("--vllm-max-model-len"),
+    "disable-cuda-graph": SglangFlag("--vllm-enforce-eager"),
+    "server-concurrency": SglangFlag(
+        None, "slime's client-side cap on the requests in flight to each engine; vime's workers send no requests: "
+        "each decodes at most --rollout-max-batch-size sequences at once and takes --rollout-capacity groups at a "
+        "time, so set those instead"),
+    "enable-dp-attention": SglangFlag(None, _NO_DP_ATTENTION, only="no"),
+    "dp-size": SglangFlag(None, _NO_DP_ATTENTION, only="1"),
+    "ep-size": SglangFlag(None, "an expert-parallel size inside an engine: vLLM takes none; "
+                                "--vllm-enable-expert-parallel true shards the experts over all the engine's GPUs",
+                          only="1"),
+}
+_SGLANG_INSTEAD = {  # the flags refused with a pointer: vime's way to ask for the same
+    "chunked-prefill-size": "--vllm-max-num-batched-tokens N (for -1: --vllm-enable-chunked-prefill false)",
+    "tp-size": "--rollout-num-gpus-per-engine",
+    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+    "random-seed": "--seed",
+    "enable-memory-saver": "--colocate with --vllm-enable-sleep-mode true",
+}
+
+
+def sglang_flags(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """The command line with slime's ``--sglang-*`` flags replaced by vime's that do the same
+    (:data:`SGLANG_FLAGS`), and a note for each one replaced or dropped. A ValueError names, in one message,
+    every ``--sglang-*`` flag with no replacement and what to pass instead (a ``--vllm-*`` engine argument).
+    Values are the tokens up to the next flag, as slime's parser reads ``--sglang-cuda-graph-bs 1 2 4``."""
+    rest, notes, refused = [], [], []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        index += 1
+        if not token.startswith("--sglang-"):
+            rest.append(token)
+            continue
+        name, _, inline = token.removeprefix("--sglang-").partition("=")
+        values = [inline] if inline else []
+        while not inline and index < len(tokens) and not tokens[index].startswith("--"):
+            values.append(tokens[index])
+            index += 1
+        spelled = " ".join([f"--sglang-{name}", *values])
+        known = SGLANG_FLAGS.get(name)
+        if known is None:
+            instead = _SGLANG_INSTEAD.get(name, "the vLLM engine argument that does the same, as --vllm-NAME")
+            refused.append(f"{spelled} ({_ROUTER})" if name.startswith("router-") else f"{spelled} (pass {instead})")
+        elif known.only is not None:
+            if " ".join(values or ["yes"]) != known.only:
+                refused.append(f"{spelled} ({known.note})")
+        elif known.instead is None:
+            notes.append(f"{spelled} is dropped: {known.note}")
+        else:
+            rest += [known.instead, *values]
+            notes.append(f"{spelled} runs as {' '.join([known.instead, *values])}" +
+                         (f"; {known.note}" if known.note else ""))
+    if refused:
+        raise ValueError(f"these SGLang flags have no vLLM translation here: {'; '.join(refused)}. vime's rollout "
+                         "engines are vLLM's: vLLM's engine arguments are passed as --vllm-NAME VALUE")
+    return rest, notes
