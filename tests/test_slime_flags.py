@@ -76,6 +76,7 @@ SAME_MEANING = [
     ("--tis-clip", "--tis-cap", "3"),
     ("--tis-clip-low", "--tis-floor", "0.5"),
     ("--lambd", "--lam", "1.0"),
+    ("--kl-loss-type", "--kl-estimator", "k1"),
 ]
 
 
@@ -329,3 +330,38 @@ def test_sglang_flags_on_the_command_line(tmp_path):
     result = run("vime.scenario", "arithmetic", "--sglang-dp-size", "4", "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "--sglang-dp-size 4 (attention data parallelism" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_global_batch_size_is_samples_per_optimizer_step():
+    """slime's run-qwen3-4B: 32 prompts x 8 samples = 256 per rollout, --global-batch-size 256: one optimizer step;
+    given with --num-steps-per-rollout, the two must agree."""
+    step = ("--rollout-batch-size", "32", "--n-samples-per-prompt", "8")
+    assert parse(*step, "--global-batch-size", "256").optim.updates_per_step == 1
+    assert parse(*step, "--global-batch-size", "64").optim.updates_per_step == 4
+    assert parse(*step, "--global-batch-size", "128", "--num-steps-per-rollout", "2").optim.updates_per_step == 2
+    with pytest.raises(ValueError, match=r"--global-batch-size 256 x --num-steps-per-rollout 2 = 512 samples, but a "
+                                         r"step trains --rollout-batch-size 32 x --n-samples-per-prompt 8 = 256 "
+                                         r"samples: pass --global-batch-size 128"):
+        parse(*step, "--global-batch-size", "256", "--num-steps-per-rollout", "2")
+    with pytest.raises(ValueError, match=r"--global-batch-size 100: a step trains .* = 256 samples, which does not "
+                                         r"split .*pass a divisor of 256"):
+        parse(*step, "--global-batch-size", "100")
+
+
+def test_kl_loss_follows_slime_when_spelled_as_slime_does():
+    """slime adds --kl-loss-coef only with --use-kl-loss, and its --kl-loss-type defaults to k1; vime's own
+    --kl-loss-coef alone keeps adding the loss (its --kl-estimator defaults to k3)."""
+    loss = parse("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl").loss
+    assert (loss.kl_loss_coef, loss.kl_estimator) == (0.01, "low_var_kl")
+    assert parse("--use-kl-loss", "--kl-loss-coef", "0.01").loss.kl_estimator == "k1"
+    off = parse("--kl-loss-coef", "0.01", "--kl-loss-type", "k3").loss  # no --use-kl-loss: slime adds no KL loss
+    assert (off.kl_loss_coef, off.kl_estimator) == (0.0, "k3")
+    vime = parse("--kl-loss-coef", "0.01").loss
+    assert (vime.kl_loss_coef, vime.kl_estimator) == (0.01, "k3")
+    assert parse("--kl-loss-type", "k2", "--use-kl-loss") == parse("--kl-estimator", "k2", "--use-kl-loss")
+
+
+def test_optimizer_adam_is_vimes_adamw_and_others_are_refused():
+    assert parse("--optimizer", "adam", "--weight-decay", "0.1") == parse("--weight-decay", "0.1")
+    with pytest.raises(ValueError, match=r"--optimizer sgd: vime trains with AdamW only, which is Megatron's adam"):
+        parse("--optimizer", "sgd")

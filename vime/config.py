@@ -509,6 +509,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
         values = getattr(defaults, section.name)
         add_setting_flags(parser.add_argument_group(section.name), type(values), values)
     slime_flags.add_layout_flags(parser)
+    slime_flags.add_translated_flags(parser)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -552,8 +553,13 @@ def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     given = {name: value for section in dataclasses.fields(RunConfig)
              for name, value in given_settings(args, type(section.default)).items()}
     slime_flags.refuse_missing_features(args, given)
-    given = slime_flags.translate(args, given)
+    given = slime_flags.translate(args, given, lambda name: _value(given, defaults, name))
     return defaults.replace(**resolve_data_parallel(given, defaults))
+
+
+def _value(given: dict[str, Any], defaults: RunConfig, name: str) -> Any:
+    """Setting ``name`` as given on the command line, else as in ``defaults``."""
+    return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
 
 
 def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[str, Any]:
@@ -563,7 +569,7 @@ def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[st
     against the GPUs instead. A trainer on CPU (no GPUs) or of ``--train-backend torch`` takes the size as given:
     there is nothing to derive it from. ValueError naming the flag to change."""
     def value(name: str) -> Any:
-        return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
+        return _value(given, defaults, name)
 
     nodes, per_node = value("actor_num_nodes"), value("actor_num_gpus_per_node")
     gpus, tensor = nodes * per_node, value("tensor_model_parallel_size")

@@ -22,21 +22,61 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from vime.settings import spelling_of
 
 
-def translate(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
-    """The settings ``given`` on the command line, with what slime's spellings imply applied: ``--eps-clip`` without
-    ``--eps-clip-high`` (or ``--clip-high``) is a symmetric clip, as slime's eps_clip_high defaults to eps_clip; and
-    ``--rollout-top-k`` below 0 switches top-k off, which vime spells 0."""
+def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable[[str], Any]) -> dict[str, Any]:
+    """The settings ``given`` on the command line, with what slime's spellings imply applied (``current(name)``: a
+    setting's value, given or the scenario's):
+
+    - ``--eps-clip`` without ``--eps-clip-high`` (or ``--clip-high``) is a symmetric clip, as slime's
+      eps_clip_high defaults to eps_clip;
+    - ``--rollout-top-k`` below 0 switches top-k off, which vime spells 0;
+    - ``--global-batch-size N``, slime's samples per optimizer step, is checked against a step's samples
+      (``--rollout-batch-size`` x ``--group-size``) over ``--updates-per-step``, or gives ``--updates-per-step``
+      when that is not given, as slime derives its steps per rollout;
+    - with slime's KL spelling on the command line (``--use-kl-loss`` or ``--kl-loss-type``), the KL loss is on only
+      with ``--use-kl-loss`` (slime ignores ``--kl-loss-coef`` without it), and its estimator defaults to slime's k1;
+    - ``--optimizer adam`` is vime's AdamW (Megatron's adam decays weights decoupled, as AdamW does); others are
+      refused.
+
+    ValueError naming the numbers when they do not agree."""
     given = dict(given)
     if spelling_of(args, "clip_low") == "--eps-clip" and "clip_high" not in given:
         given["clip_high"] = given["clip_low"]
     if spelling_of(args, "top_k") == "--rollout-top-k" and given["top_k"] < 0:
         given["top_k"] = 0
+    optimizer = getattr(args, "slime_optimizer", None)
+    if optimizer not in (None, "adam"):
+        raise ValueError(f"--optimizer {optimizer}: vime trains with AdamW only, which is Megatron's adam (weight "
+                         "decay decoupled from the gradient); pass --optimizer adam or leave it out")
+    use_kl_loss = bool(getattr(args, "slime_use_kl_loss", None))
+    if use_kl_loss or spelling_of(args, "kl_estimator") == "--kl-loss-type":
+        if not use_kl_loss:
+            given["kl_loss_coef"] = 0.0
+        given.setdefault("kl_estimator", "k1")
+    batch = getattr(args, "slime_global_batch_size", None)
+    if batch is not None:
+        given.update(_updates_per_step(batch, given, current))
     return given
+
+
+def _updates_per_step(batch: int, given: dict[str, Any], current: Callable[[str], Any]) -> dict[str, int]:
+    """``--global-batch-size batch`` as vime's ``updates_per_step``; ValueError naming the numbers."""
+    prompts, group = current("rollout_batch_size"), current("group_size")
+    samples = prompts * group
+    spelled = f"--rollout-batch-size {prompts} x --n-samples-per-prompt {group} = {samples} samples"
+    if batch < 1 or samples % batch:
+        raise ValueError(f"--global-batch-size {batch}: a step trains {spelled}, which does not split into optimizer "
+                         f"steps of {batch}; pass a divisor of {samples} ({samples}: one optimizer step per rollout)")
+    if "updates_per_step" in given and given["updates_per_step"] * batch != samples:
+        updates = given["updates_per_step"]
+        raise ValueError(f"--global-batch-size {batch} x --num-steps-per-rollout {updates} = {batch * updates} "
+                         f"samples, but a step trains {spelled}: pass --global-batch-size {samples // updates} "
+                         "or leave one of the two out")
+    return {"updates_per_step": samples // batch}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +120,20 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(layout.flag, dest=_dest(layout), type=int, default=None, metavar="N", help=meaning)
         else:
             group.add_argument(layout.flag, dest=_dest(layout), action="store_true", default=None, help=meaning)
+
+
+def add_translated_flags(parser: argparse.ArgumentParser) -> None:
+    """slime's flags that are no setting of vime's but translate into some (:func:`translate`)."""
+    group = parser.add_argument_group("slime's flags translated into vime's settings")
+    group.add_argument("--global-batch-size", dest="slime_global_batch_size", type=int, default=None, metavar="N",
+                       help="slime's samples per optimizer step: a step's --rollout-batch-size x --group-size samples "
+                            "are trained in mini-batches of N (--updates-per-step derived, or checked when given)")
+    group.add_argument("--use-kl-loss", dest="slime_use_kl_loss", action="store_true", default=None,
+                       help="slime's switch of the KL loss: with it or --kl-loss-type given, --kl-loss-coef applies "
+                            "only when it is there too, as in slime, and --kl-loss-type defaults to k1")
+    group.add_argument("--optimizer", dest="slime_optimizer", default=None, metavar="adam",
+                       help="adam only: vime's AdamW is Megatron's adam, whose weight decay is decoupled too, so "
+                            "--weight-decay, --adam-beta1 and --adam-beta2 mean the same")
 
 
 def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> None:
