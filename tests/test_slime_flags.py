@@ -315,6 +315,9 @@ def test_other_sglang_flags_are_refused_together_with_what_to_pass():
                      "--sglang-attention-backend fa3 (pass the vLLM engine argument that does the same, as "
                      "--vllm-NAME)"):
         assert expected in said, said
+    with pytest.raises(ValueError, match=r"--sglang-mem-fraction-static 0.7 \(given as "
+                                         r"--vllm-gpu-memory-utilization too: pass one of them\)"):
+        sglang_flags(["--sglang-mem-fraction-static", "0.7", "--vllm-gpu-memory-utilization=0.5"])
 
 
 def test_sglang_flags_on_the_command_line(tmp_path):

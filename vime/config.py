@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from vime import slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
-from vime.settings import add_setting_flags, check_choices, flag_prefix, given_settings, hints_of, setting
+from vime.settings import add_setting_flags, check_choices, flag_prefix, flag_values, given_settings, hints_of, setting
 
 Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
@@ -524,16 +524,12 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     index = 0
     while index < len(tokens):
         token = tokens[index]
-        index += 1
         prefix = next((p for p in prefixes if token.startswith(f"--{p}-")), None)
         if prefix is None:
             rest.append(token)
-            continue
-        flag, _, value = token.partition("=")
-        values = [value] if value else []
-        while not value and index < len(tokens) and not tokens[index].startswith("--"):
-            values.append(tokens[index])
             index += 1
+            continue
+        flag, values, index = flag_values(tokens, index)
         parsed = [_json_or_text(value) for value in values]
         found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = (
             True if not parsed else parsed[0] if len(parsed) == 1 else parsed)

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from vime.settings import spelling_of
+from vime.settings import flag_values, spelling_of
 
 
 def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable[[str], Any]) -> dict[str, Any]:
@@ -203,22 +203,19 @@ _SGLANG_INSTEAD = {  # the flags refused with a pointer: vime's way to ask for t
 def sglang_flags(tokens: list[str]) -> tuple[list[str], list[str]]:
     """The command line with slime's ``--sglang-*`` flags replaced by vime's that do the same
     (:data:`SGLANG_FLAGS`), and a note for each one replaced or dropped. A ValueError names, in one message,
-    every ``--sglang-*`` flag with no replacement and what to pass instead (a ``--vllm-*`` engine argument).
+    every ``--sglang-*`` flag with no replacement and what to pass instead (a ``--vllm-*`` engine argument), and
+    one whose replacement is given as well (two values for one setting).
     Values are the tokens up to the next flag, as slime's parser reads ``--sglang-cuda-graph-bs 1 2 4``."""
-    rest, notes, refused = [], [], []
+    rest, notes, refused, replaced = [], [], [], {}
     index = 0
     while index < len(tokens):
-        token = tokens[index]
-        index += 1
-        if not token.startswith("--sglang-"):
-            rest.append(token)
-            continue
-        name, _, inline = token.removeprefix("--sglang-").partition("=")
-        values = [inline] if inline else []
-        while not inline and index < len(tokens) and not tokens[index].startswith("--"):
-            values.append(tokens[index])
+        if not tokens[index].startswith("--sglang-"):
+            rest.append(tokens[index])
             index += 1
-        spelled = " ".join([f"--sglang-{name}", *values])
+            continue
+        flag, values, index = flag_values(tokens, index)
+        name = flag.removeprefix("--sglang-")
+        spelled = " ".join([flag, *values])
         known = SGLANG_FLAGS.get(name)
         if known is None:
             instead = _SGLANG_INSTEAD.get(name, "the vLLM engine argument that does the same, as --vllm-NAME")
@@ -230,9 +227,12 @@ def sglang_flags(tokens: list[str]) -> tuple[list[str], list[str]]:
             notes.append(f"{spelled} is dropped: {known.note}")
         else:
             rest += [known.instead, *values]
+            replaced[known.instead] = spelled
             notes.append(f"{spelled} runs as {' '.join([known.instead, *values])}" +
                          (f"; {known.note}" if known.note else ""))
+    refused += [f"{spelled} (given as {instead} too: pass one of them)" for instead, spelled in replaced.items()
+                if sum(token.partition("=")[0] == instead for token in rest) > 1]
     if refused:
-        raise ValueError(f"these SGLang flags have no vLLM translation here: {'; '.join(refused)}. vime's rollout "
+        raise ValueError(f"these SGLang flags are refused: {'; '.join(refused)}. vime's rollout "
                          "engines are vLLM's: vLLM's engine arguments are passed as --vllm-NAME VALUE")
     return rest, notes
