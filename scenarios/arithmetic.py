@@ -42,6 +42,9 @@ def defaults() -> RunConfig:
                           micro_batch_size=256, steps=300, clip_high=0.28)
 
 
+BUILDS = "a random tiny Qwen3 and its character-level tokenizer"  # what prepare builds without --model-path
+
+
 def prepare(run_dir: Path, config: RunConfig) -> RunConfig:
     """Build the tokenizer and the random model in RUN_DIR/model (unless --model-path is given)."""
     if config.model.model_path:

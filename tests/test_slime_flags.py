@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.config import RunConfig, add_flags, from_flags
+from vime.config import RunConfig, add_flags, engine_flags, from_flags
 from vime.settings import flags_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,7 @@ SAME_MEANING = [
     ("--tis-clip", "--tis-cap", "3"),
     ("--tis-clip-low", "--tis-floor", "0.5"),
     ("--lambd", "--lam", "1.0"),
+    ("--kl-loss-type", "--kl-estimator", "k1"),
 ]
 
 
@@ -221,3 +223,148 @@ def test_the_readme_table_lists_the_aliases_there_are():
     same_names = section[section.index("These have the same name in both"):section.index("As in\nMegatron")]
     for flag in re.findall(r"`(--[\w-]+)`", same_names):
         assert flag in spellings, f"README: {flag} is no vime flag"
+
+
+@pytest.fixture(scope="module")
+def config_and_tokenizer_only(tmp_path_factory) -> Path:
+    """A model folder as --dry-run needs it: config.json and the tokenizer, the weights removed."""
+    from scenarios.arithmetic import build_model
+
+    folder = tmp_path_factory.mktemp("dry") / "model"
+    build_model(folder, seed=0)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    return folder
+
+
+SLIME_LAYOUT = ("--colocate", "--actor-num-gpus-per-node", "8", "--rollout-backend", "vllm", *MEGATRON,
+                "--tensor-model-parallel-size", "2")
+
+
+def test_dry_run_resolves_and_places_without_weights_or_run_folder(config_and_tokenizer_only, tmp_path):
+    """slime's colocated layout planned for 8 GPUs this machine lacks: the data-parallel size derived (4), every
+    engine on a trainer GPU and so served by CUDA IPC, exit 0; no run folder, no model loaded (there are no
+    weights to load)."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--dry-run-gpus", "8", *SLIME_LAYOUT,
+                 "--model-path", str(config_and_tokenizer_only), "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout[:result.stdout.index("\nplacement on")])
+    assert (resolved["job"]["data_parallel_size"], resolved["job"]["tensor_model_parallel_size"]) == (4, 2)
+    assert resolved["rollout"]["rollout_workers"] == 8
+    assert "placement on a host with 8 GPUs (--dry-run-gpus)" in result.stdout
+    assert "trainer: GPUs 0,1,2,3,4,5,6,7 (megatron, 8 rank(s): tensor parallel 2 x data parallel 4)" in result.stdout
+    assert "rollout worker 7: GPUs 7 (vllm, 1 GPU(s) per engine); weights by ipc" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_refuses_what_the_run_would_with_the_reason(config_and_tokenizer_only, tmp_path):
+    """Separate engines need GPUs beside the trainer's: 8 + 8 on a host of 8 is refused, exit 2, naming the
+    count; with --dry-run-gpus alone (no --dry-run) nothing is planned either."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--dry-run-gpus", "8", *SLIME_LAYOUT[1:],
+                 "--rollout-num-gpus", "8", "--model-path", str(config_and_tokenizer_only),
+                 "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "this placement needs 16 GPUs (trainer 8, rollout 8) but this host shows " \
+        "8" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+    result = run("vime.scenario", "arithmetic", "--dry-run-gpus", "8", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--dry-run-gpus plans a --dry-run; add --dry-run" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_of_a_scenario_that_builds_its_model_builds_nothing(tmp_path):
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "the run would build a random tiny Qwen3 and its character-level tokenizer in" in result.stdout
+    assert "nothing placed (no GPU flag given)" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_common_sglang_flags_become_vllm_ones_with_a_note():
+    from vime.slime_flags import sglang_flags
+
+    tokens, notes = sglang_flags(["--lr", "1e-6", "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs",
+                                  "1", "2", "4", "8", "--sglang-max-running-requests=256",
+                                  "--sglang-disable-cuda-graph", "--sglang-server-concurrency", "512",
+                                  "--sglang-dp-size", "1"])
+    assert tokens == ["--lr", "1e-6", "--vllm-gpu-memory-utilization", "0.7", "--vllm-cudagraph-capture-sizes", "1",
+                      "2", "4", "8", "--rollout-max-batch-size", "256", "--vllm-enforce-eager"]
+    said = "\n".join(notes)
+    assert ("--sglang-mem-fraction-static 0.7 runs as --vllm-gpu-memory-utilization 0.7; the two fractions "
+            "differ") in said
+    assert "--sglang-server-concurrency 512 is dropped: slime's client-side cap" in said
+    assert "--rollout-max-batch-size" in said.split("--sglang-server-concurrency")[1]
+    found, rest = engine_flags(tokens)
+    assert found == {"vllm_args": {"gpu_memory_utilization": 0.7, "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                   "enforce_eager": True}}
+    assert parse(*rest).rollout.rollout_max_batch_size == 256
+
+
+def test_other_sglang_flags_are_refused_together_with_what_to_pass():
+    from vime.slime_flags import sglang_flags
+
+    with pytest.raises(ValueError) as refused:
+        sglang_flags(["--sglang-enable-dp-attention", "--sglang-dp-size", "4", "--sglang-ep-size", "8",
+                      "--sglang-router-ip", "10.0.0.1", "--sglang-chunked-prefill-size", "-1",
+                      "--sglang-attention-backend", "fa3"])
+    said = str(refused.value)
+    for expected in ("--sglang-enable-dp-attention (attention data parallelism inside an engine",
+                     "--sglang-dp-size 4 (attention data parallelism", "--sglang-ep-size 8 (an expert-parallel size "
+                     "inside an engine: vLLM takes none; --vllm-enable-expert-parallel true",
+                     "--sglang-router-ip 10.0.0.1 (slime's SGLang router", "--sglang-chunked-prefill-size -1 (pass "
+                     "--vllm-max-num-batched-tokens N (for -1: --vllm-enable-chunked-prefill false))",
+                     "--sglang-attention-backend fa3 (pass the vLLM engine argument that does the same, as "
+                     "--vllm-NAME)"):
+        assert expected in said, said
+    with pytest.raises(ValueError, match=r"--sglang-mem-fraction-static 0.7 \(given as "
+                                         r"--vllm-gpu-memory-utilization too: pass one of them\)"):
+        sglang_flags(["--sglang-mem-fraction-static", "0.7", "--vllm-gpu-memory-utilization=0.5"])
+
+
+def test_sglang_flags_on_the_command_line(tmp_path):
+    """Translated as the run reads them (--dry-run shows the engine arguments), notes on stderr; a refused one
+    exits 2 before the run folder is made."""
+    result = run("vime.scenario", "arithmetic", "--dry-run", "--rollout-backend", "vllm",
+                 "--sglang-mem-fraction-static", "0.6", "--sglang-cuda-graph-bs", "1", "2", "4",
+                 "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout[:result.stdout.index("\nplacement on")])
+    assert resolved["rollout"]["vllm_args"] == {"gpu_memory_utilization": 0.6, "cudagraph_capture_sizes": [1, 2, 4]}
+    assert "note: --sglang-cuda-graph-bs 1 2 4 runs as --vllm-cudagraph-capture-sizes 1 2 4" in result.stderr
+    result = run("vime.scenario", "arithmetic", "--sglang-dp-size", "4", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--sglang-dp-size 4 (attention data parallelism" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_global_batch_size_is_samples_per_optimizer_step():
+    """slime's run-qwen3-4B: 32 prompts x 8 samples = 256 per rollout, --global-batch-size 256: one optimizer step;
+    given with --num-steps-per-rollout, the two must agree."""
+    step = ("--rollout-batch-size", "32", "--n-samples-per-prompt", "8")
+    assert parse(*step, "--global-batch-size", "256").optim.updates_per_step == 1
+    assert parse(*step, "--global-batch-size", "64").optim.updates_per_step == 4
+    assert parse(*step, "--global-batch-size", "128", "--num-steps-per-rollout", "2").optim.updates_per_step == 2
+    with pytest.raises(ValueError, match=r"--global-batch-size 256 x --num-steps-per-rollout 2 = 512 samples, but a "
+                                         r"step trains --rollout-batch-size 32 x --n-samples-per-prompt 8 = 256 "
+                                         r"samples: pass --global-batch-size 128"):
+        parse(*step, "--global-batch-size", "256", "--num-steps-per-rollout", "2")
+    with pytest.raises(ValueError, match=r"--global-batch-size 100: a step trains .* = 256 samples, which does not "
+                                         r"split .*pass a divisor of 256"):
+        parse(*step, "--global-batch-size", "100")
+
+
+def test_kl_loss_follows_slime_when_spelled_as_slime_does():
+    """slime adds --kl-loss-coef only with --use-kl-loss, and its --kl-loss-type defaults to k1; vime's own
+    --kl-loss-coef alone keeps adding the loss (its --kl-estimator defaults to k3)."""
+    loss = parse("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl").loss
+    assert (loss.kl_loss_coef, loss.kl_estimator) == (0.01, "low_var_kl")
+    assert parse("--use-kl-loss", "--kl-loss-coef", "0.01").loss.kl_estimator == "k1"
+    off = parse("--kl-loss-coef", "0.01", "--kl-loss-type", "k3").loss  # no --use-kl-loss: slime adds no KL loss
+    assert (off.kl_loss_coef, off.kl_estimator) == (0.0, "k3")
+    vime = parse("--kl-loss-coef", "0.01").loss
+    assert (vime.kl_loss_coef, vime.kl_estimator) == (0.01, "k3")
+    assert parse("--kl-loss-type", "k2", "--use-kl-loss") == parse("--kl-estimator", "k2", "--use-kl-loss")
+
+
+def test_optimizer_adam_is_vimes_adamw_and_others_are_refused():
+    assert parse("--optimizer", "adam", "--weight-decay", "0.1") == parse("--weight-decay", "0.1")
+    with pytest.raises(ValueError, match=r"--optimizer sgd: vime trains with AdamW only, which is Megatron's adam"):
+        parse("--optimizer", "sgd")

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from vime import slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
-from vime.settings import add_setting_flags, check_choices, flag_prefix, given_settings, hints_of, setting
+from vime.settings import add_setting_flags, check_choices, flag_prefix, flag_values, given_settings, hints_of, setting
 
 Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
@@ -483,6 +483,11 @@ class TrainingLaunchConfig:
                               "weight version it gets)", const="all", metavar="ROLES")
     resume: Path | None = setting(None, "continue a run that died from its latest checkpoint, with its settings "
                                         "(flags given here override them, e.g. --steps)", metavar="RUN_DIR")
+    dry_run: bool = setting(False, "resolve every setting and derived size, place the processes, print both and "
+                                   "exit without loading a model (config.json and the tokenizer are read, never the "
+                                   "weights) or making the run folder; exit 2 with the reason on what a run refuses")
+    dry_run_gpus: int | None = setting(None, "with --dry-run: plan for a host with N GPUs instead of this one's",
+                                       metavar="N")
 
     def recorded_roles(self) -> frozenset[str]:
         """The roles whose message logs the run writes; ValueError naming an unknown one."""
@@ -504,13 +509,14 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
         values = getattr(defaults, section.name)
         add_setting_flags(parser.add_argument_group(section.name), type(values), values)
     slime_flags.add_layout_flags(parser)
+    slime_flags.add_translated_flags(parser)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Pick the free-form flags (``--vllm-gpu-memory-utilization 0.5``) out of a command line:
     ``{"vllm_args": {"gpu_memory_utilization": 0.5}}``, and the tokens that are no such flag. A value
     is read as JSON where it parses (numbers, true/false, objects), else kept as text; a flag with
-    no value is true."""
+    no value is true, one with several values (``--vllm-cudagraph-capture-sizes 1 2 4 8``) a list."""
     prefixes = {flag_prefix(name): name for name, section in _SECTION_OF.items()
                 if typing.get_origin(hints_of(type(getattr(RunConfig(), section)))[name]) is dict}
     found: dict[str, dict[str, Any]] = {}
@@ -518,20 +524,23 @@ def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str
     index = 0
     while index < len(tokens):
         token = tokens[index]
-        index += 1
         prefix = next((p for p in prefixes if token.startswith(f"--{p}-")), None)
         if prefix is None:
             rest.append(token)
+            index += 1
             continue
-        flag, _, value = token.partition("=")
-        if not value and index < len(tokens) and not tokens[index].startswith("--"):
-            value, index = tokens[index], index + 1
-        try:
-            parsed = json.loads(value) if value else True
-        except json.JSONDecodeError:
-            parsed = value
-        found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = parsed
+        flag, values, index = flag_values(tokens, index)
+        parsed = [_json_or_text(value) for value in values]
+        found.setdefault(prefixes[prefix], {})[flag[len(prefix) + 3:].replace("-", "_")] = (
+            True if not parsed else parsed[0] if len(parsed) == 1 else parsed)
     return found, rest
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
@@ -540,8 +549,13 @@ def from_flags(args: argparse.Namespace, defaults: RunConfig) -> RunConfig:
     given = {name: value for section in dataclasses.fields(RunConfig)
              for name, value in given_settings(args, type(section.default)).items()}
     slime_flags.refuse_missing_features(args, given)
-    given = slime_flags.translate(args, given)
+    given = slime_flags.translate(args, given, lambda name: _value(given, defaults, name))
     return defaults.replace(**resolve_data_parallel(given, defaults))
+
+
+def _value(given: dict[str, Any], defaults: RunConfig, name: str) -> Any:
+    """Setting ``name`` as given on the command line, else as in ``defaults``."""
+    return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
 
 
 def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[str, Any]:
@@ -551,7 +565,7 @@ def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[st
     against the GPUs instead. A trainer on CPU (no GPUs) or of ``--train-backend torch`` takes the size as given:
     there is nothing to derive it from. ValueError naming the flag to change."""
     def value(name: str) -> Any:
-        return given[name] if name in given else getattr(getattr(defaults, _SECTION_OF[name]), name)
+        return _value(given, defaults, name)
 
     nodes, per_node = value("actor_num_nodes"), value("actor_num_gpus_per_node")
     gpus, tensor = nodes * per_node, value("tensor_model_parallel_size")

@@ -98,17 +98,24 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     return summary
 
 
-def preflight(config: RunConfig) -> tuple[Placement, dict[str, Any]]:
+def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool = True,
+              model: bool = True) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
-    Returns where each process goes and the first prompt row; raises ValueError saying what to pass."""
-    check_model_folder(config.model.model_path)
-    placed = place(config, visible_gpus())
-    if config.rollout.use_rollout_routing_replay:
+    Returns where each process goes and the first prompt row; raises ValueError saying what to pass.
+
+    ``gpus``: the host's GPUs to place on (default: this one's, :func:`visible_gpus`). A dry run
+    (``--dry-run``) passes ``weights=False``, as it reads the model's config.json and tokenizer only, and
+    ``model=False`` when there is no model folder yet (a scenario that would build one): what needs the folder
+    is then not checked."""
+    if model:
+        check_model_folder(config.model.model_path, weights=weights)
+    placed = place(config, visible_gpus() if gpus is None else gpus)
+    if model and config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
     if config.job.train_backend == "megatron":
         try:
@@ -116,12 +123,13 @@ def preflight(config: RunConfig) -> tuple[Placement, dict[str, Any]]:
         except ImportError as err:
             raise ValueError(f"--train-backend megatron needs megatron-core ({err}); install it with "
                              "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
-        from transformers import AutoConfig
+        if model:
+            from transformers import AutoConfig
 
-        megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path),  # refuses what it cannot build
-                                    tensor_parallel=config.job.tensor_model_parallel_size,
-                                    expert_parallel=config.job.expert_model_parallel_size,
-                                    recompute=config.job.recompute_activations)
+            megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path),  # what it cannot build
+                                        tensor_parallel=config.job.tensor_model_parallel_size,
+                                        expert_parallel=config.job.expert_model_parallel_size,
+                                        recompute=config.job.recompute_activations)
     if config.rollout.rollout_backend == "vllm":
         from vime.backends import vllm_rollout
 
@@ -151,8 +159,9 @@ def preflight(config: RunConfig) -> tuple[Placement, dict[str, Any]]:
                                        "the group's own mean, so every advantage is 0 and nothing is learned; use "
                                        "--group-size 2 or more, or reinforce_plus_plus or ppo")
     held_out = eval_rows(config)
-    check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
-                    rows + held_out)
+    if model:
+        check_prompting(load_tokenizer(config.model.model_path), data.prompt_template, data.chat_template,
+                        rows + held_out)
     return placed, rows[0]
 
 

@@ -102,3 +102,28 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     engine_gpus: list[str | None] = [",".join(pool[i % slots * per_engine:(i % slots + 1) * per_engine])
                                      for i in range(slots * sharing)] if rollout_gpus else [""] * slots
     return Placement(",".join(trainer), engine_gpus, "")
+
+
+def describe(config: RunConfig, placed: Placement) -> list[str]:
+    """What ``placed`` means, a line per process: its GPUs and, for each rollout worker, the weight path
+    ``--weight-sync`` takes to it (as the trainer will choose it from the GPUs the engine reports; ValueError
+    when the path named cannot serve that placement). For ``--dry-run``."""
+    from vime.weights import choose  # every path registered; torch comes with it: not for parsing the command line
+
+    job, rollout = config.job, config.rollout
+    ranks = (f"{job.trainer_ranks} rank(s): tensor parallel {job.tensor_model_parallel_size} x data parallel "
+             f"{job.data_parallel_size}" + (f", expert parallel {job.expert_model_parallel_size}"
+                                            if job.expert_model_parallel_size > 1 else ""))
+    if placed.trainer is None:
+        return [f"trainer ({job.train_backend}, {ranks}) and {len(placed.engines)} rollout worker(s) "
+                f"({rollout.rollout_backend}): nothing placed (no GPU flag given), each sees the GPUs this host "
+                "shows; the weight path is chosen at start from the GPUs each engine reports"]
+    lines = [f"trainer: GPUs {placed.trainer or 'none (CPU)'} ({job.train_backend}, {ranks})"]
+    trainer_gpus = placed.trainer.split(",") if placed.trainer else []
+    for index, gpus in enumerate(placed.engines):
+        engine_gpus = gpus.split(",") if gpus else []
+        path = choose(job.weight_sync, trainer_gpus, engine_gpus)
+        lines.append(f"rollout worker {index}: GPUs {gpus or 'none (CPU)'} ({rollout.rollout_backend}, "
+                     f"{rollout.rollout_num_gpus_per_engine} GPU(s) per engine); weights by {path.name}")
+    lines.append("router, reward, buffer: no GPU")
+    return lines

@@ -21,6 +21,7 @@ from typing import Callable
 
 import trio
 
+from vime import slime_flags
 from vime.config import LaunchConfig, RunConfig, TrainingLaunchConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 from vime.settings import add_setting_flags, given_settings
@@ -47,9 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if training:
         add_setting_flags(parser.add_argument_group("launch a training run"), TrainingLaunchConfig)
         add_flags(parser, scenario.defaults())
-    engine, argv = engine_flags(argv) if training else ({}, argv)  # before argparse, which cannot know their names
+    notes: list[str] = []
+    if training:  # before argparse, which cannot know their names
+        try:
+            argv, notes = slime_flags.sglang_flags(argv)
+        except ValueError as err:
+            return _refuse(err)
+    engine, argv = engine_flags(argv) if training else ({}, argv)
     args = parser.parse_args(argv)
     vars(args).update(engine)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     if args.list:
         for scenario_name, module in SCENARIOS.items():
             print(f"{scenario_name:<20} {importlib.import_module(module).DESCRIPTION}")
@@ -66,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_unused(run_dir)
     except ValueError as err:
         return _refuse(err)
+    if training and (training_launch.dry_run or training_launch.dry_run_gpus is not None):
+        return _dry_run(scenario, args, training_launch, run_dir)
     print(f"vime {name}: {scenario.DESCRIPTION}; run folder {run_dir}", flush=True)
     try:
         if training:
@@ -116,6 +127,47 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
                                               "seconds_to_reward_0.9", "max_train_rollout_logprob_abs_diff",
                                               "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
+    return 0
+
+
+def _dry_run(scenario: ModuleType, args: argparse.Namespace, training_launch: TrainingLaunchConfig,
+             run_dir: Path) -> int:
+    """``--dry-run``: resolve the settings as the run would, check what its preflight checks (reading the model's
+    config.json and tokenizer, not its weights), place the processes on this host's GPUs or on
+    ``--dry-run-gpus N``, print the resolved config (JSON) and the placement; 0, or 2 with what the run would
+    refuse. Nothing is written: no run folder, and a scenario that builds its model (arithmetic without
+    --model-path) only says what it would build."""
+    from vime.pipeline import check_reward, preflight
+    from vime.placement import describe
+
+    resume = training_launch.resume is not None
+    try:
+        if not training_launch.dry_run:
+            raise ValueError("--dry-run-gpus plans a --dry-run; add --dry-run")
+        if (training_launch.dry_run_gpus or 0) < 0:
+            raise ValueError(f"--dry-run-gpus {training_launch.dry_run_gpus}: pass a GPU count, 0 or more")
+        training_launch.recorded_roles()
+        config = from_flags(args, _saved_config(run_dir) if resume else scenario.defaults())
+        builds = None if resume or config.model.model_path else getattr(scenario, "BUILDS", None)
+        if builds is None and not resume:
+            config = scenario.prepare(run_dir, config)  # one that would build its model has said so instead
+        gpus = None if training_launch.dry_run_gpus is None else [str(i) for i in range(training_launch.dry_run_gpus)]
+        placed, row = preflight(config, gpus, weights=False, model=builds is None)
+        trio.run(check_reward, config, row)
+        config = config.replace(rollout_workers=len(placed.engines))  # as the run records it
+        lines = describe(config, placed)
+    except ValueError as err:
+        return _refuse(err)
+    print(json.dumps(config.to_dict(), indent=2, default=str))
+    host = (f"a host with {training_launch.dry_run_gpus} GPUs (--dry-run-gpus)" if gpus is not None
+            else "this host's GPUs")
+    print(f"placement on {host}:")
+    for line in lines:
+        print(f"  {line}")
+    if builds is not None:
+        print(f"model: none given; the run would build {builds} in {run_dir / 'model'} (not built by --dry-run, "
+              "so what needs the model folder was not checked)")
+    print(f"dry run: nothing started, no run folder made (the run would write {run_dir})", flush=True)
     return 0
 
 

@@ -101,6 +101,19 @@ def flag_prefix(name: str) -> str:
     return name.removesuffix("_args").replace("_", "-")
 
 
+def flag_values(tokens: list[str], index: int) -> tuple[str, list[str], int]:
+    """The flag at ``tokens[index]`` of a command line argparse does not read (``--vllm-*``, ``--sglang-*``), its
+    values and the index after them: ``--flag=value``, or the tokens up to the next ``--flag`` (none: a switch;
+    several: a list, as ``--sglang-cuda-graph-bs 1 2 4``)."""
+    flag, _, value = tokens[index].partition("=")
+    index += 1
+    values = [value] if value else []
+    while not value and index < len(tokens) and not tokens[index].startswith("--"):
+        values.append(tokens[index])
+        index += 1
+    return flag, values, index
+
+
 def given_settings(args: argparse.Namespace, kind: type) -> dict[str, Any]:
     """The fields of ``kind`` whose flags were given (lists as tuples, as the fields hold them)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind) if getattr(args, f.name, None) is not None}

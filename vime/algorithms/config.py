@@ -75,7 +75,9 @@ class PolicyLossConfig:
                                   "term: that is --kl-loss-coef, which was vime's --kl-coef before issue 31")
     kl_estimator: KlEstimator = setting("k3", "k1: log p - log p_ref; k2: half its square; k3: Schulman's unbiased, "
                                               "always >= 0; low_var_kl: k3 clamped to [-10, 10] (verl, slime). For "
-                                              "both KL terms")
+                                              "both KL terms. slime's --kl-loss-type, whose default with "
+                                              "--use-kl-loss is k1",
+                                        flags=("--kl-estimator", "--kl-loss-type"))
     entropy_coef: float = setting(0.0, "> 0 rewards entropy (a bonus, subtracted from the loss)")
     off_policy_correction: OffPolicyCorrection = setting("none", "weigh tokens by pi_old / pi_behaviour: tis "
                                                                  "truncates the weight to [--tis-floor, --tis-cap]; "

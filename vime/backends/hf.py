@@ -19,16 +19,17 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_model_folder(path: str | Path, *, tokenizer: bool = True) -> Path:
+def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True) -> Path:
     """The folder, or a ValueError naming what is missing and what to pass instead
-    (a trainer's own checkpoint folder holds the model without a tokenizer)."""
+    (a trainer's own checkpoint folder holds the model without a tokenizer; ``weights=False``: a dry run reads
+    config.json and the tokenizer only, so a folder without the weights will do)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"--model-path {folder}: no such folder; pass a local Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files); nothing is downloaded")
     missing = [what for what, present in (
         ("config.json", (folder / "config.json").is_file()),
-        ("weights (*.safetensors)", any(folder.glob("*.safetensors"))),
+        ("weights (*.safetensors)", not weights or any(folder.glob("*.safetensors"))),
         ("tokenizer (tokenizer.json or tokenizer_config.json)", not tokenizer
          or (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()),
     ) if not present]
@@ -61,10 +62,10 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32") -> torch.nn.Module:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer saved with the model (tokenizer.json / tokenizer_config.json)."""
+    """The tokenizer saved with the model (tokenizer.json / tokenizer_config.json); the weights need not be there."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(check_model_folder(path))
+    return AutoTokenizer.from_pretrained(check_model_folder(path, weights=False))
 
 
 def in_memory_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
