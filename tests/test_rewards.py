@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -55,6 +56,21 @@ def test_gsm8k(response: str, label: str, reward: float) -> None:
 ])
 def test_math(response: str, label: str, reward: float) -> None:
     assert rewards.math(response, label) == reward
+
+
+@pytest.mark.parametrize(("response", "label", "reward"), [
+    ("The answer is \\boxed{9^{9^{9^{9}}}}", "81", 0.0),  # a power tower: 5 s of sympy before, math-verify's limit
+    ("\\boxed{(10^{100})^{1000}}", "1", 0.0),
+    ("\\boxed{9^{9^{9^{9}}}}", "9^{9^{9^{9}}}", 1.0),  # the label's own expression, as written
+    ("\\boxed{2^{10}}", "1024", 1.0),  # powers of a sane size are still evaluated
+    ("\\boxed{2^{-3}}", "0.125", 1.0),
+])
+def test_an_answer_too_large_to_evaluate_is_compared_as_written_at_once(response: str, label: str,
+                                                                         reward: float) -> None:
+    rewards.math("\\boxed{1}", "1")  # math-verify's first call loads sympy's parser
+    started = time.perf_counter()
+    assert rewards.math(response, label) == reward
+    assert time.perf_counter() - started < 0.5
 
 
 def test_math_outside_the_main_thread_runs_without_the_signal_timeout() -> None:
