@@ -30,6 +30,12 @@ from vime.logs import configure
 
 configure("warning")
 
+# Tests send SIGINT as a terminal's Ctrl-C does. A test run started in the background (``nohup``, ``&`` in a
+# script) inherits SIGINT ignored, and would pass that on to every process it starts, which would then never
+# see the Ctrl-C: handled here, it reaches them as the default again (a handler is reset by exec, "ignored" is
+# not).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Property tests draw the same examples on every run (derandomized, no example database), so that CI passes
 # or fails on the code, not on the draw. HYPOTHESIS_PROFILE=explore draws new ones, the run that looks for
 # failures: a failing example it finds is added to its test with @example and then holds in CI too.
