@@ -50,7 +50,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, TypeVar
+from typing import IO, Any, Awaitable, BinaryIO, Callable, TypeVar
 
 import numpy as np
 import trio
@@ -377,6 +377,30 @@ async def _ask(actor: Actor, request: object, reply: type[_Reply], timeout: floa
     return answer
 
 
+async def _unless_stopped(actor: Actor, when: str, ask: Callable[[], Awaitable[_Reply]]) -> _Reply:
+    """``await ask()``, given up (ModelUnavailable, as _stop_if_told says) as soon as the actor is told to stop."""
+    answers: list[_Reply] = []
+    failed: list[Exception] = []  # raised here, not from the nursery, where it would come wrapped in a group
+    async with trio.open_nursery() as nursery:
+        async def asking() -> None:
+            try:
+                answers.append(await ask())
+            except Exception as err:
+                failed.append(err)
+            nursery.cancel_scope.cancel()
+
+        async def until_stop() -> None:
+            await actor.wait_stopping()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(asking)
+        nursery.start_soon(until_stop)
+    if failed:
+        raise failed[0]
+    _stop_if_told(actor, when)
+    return answers[0]
+
+
 def _stop_if_told(actor: Actor, when: str) -> None:
     if actor.stopping:
         raise ModelUnavailable(f"told to stop (SIGTERM, Ctrl-C or Shutdown) {when}; the model was not cached. "
@@ -519,8 +543,9 @@ async def _read_chunk(actor: Actor, path: str, offset: int, size: int, timeout: 
     deadline = trio.current_time() + timeout
     while True:
         try:
-            chunk = await _ask(actor, ModelFileRead(path=path, offset=offset, size=size), ModelFileChunk,
-                               max(deadline - trio.current_time(), 0.001), what)
+            chunk = await _unless_stopped(actor, f"while fetching {path}", functools.partial(
+                _ask, actor, ModelFileRead(path=path, offset=offset, size=size), ModelFileChunk,
+                max(deadline - trio.current_time(), 0.001), what))
             break
         except ModelUnavailable as err:
             refused = err.__cause__

@@ -334,6 +334,11 @@ class Actor:
         a stop does not interrupt, checks it between steps and gives up."""
         return self._stopping.is_set()
 
+    async def wait_stopping(self) -> None:
+        """Return once the actor is told to stop: long work in ``on_start`` races it, so that a stop is not
+        held up by an ask in flight (whose reply may never come once the actor's sockets close)."""
+        await self._stopping.wait()
+
     def unsent_to(self, name: str) -> int:
         """Messages queued for ``name`` that have not been handed to its socket yet (0 when we have none for it):
         how far behind the peer is in taking what we send it."""
