@@ -475,7 +475,7 @@ def test_policy_loss_correction_needs_the_rollout_logprobs() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"loss_aggregation": "mean"}, "--loss-aggregation must be one of token, sequence, seq-mean-token-sum, "
                                    "seq-mean-token-sum-norm, not 'mean'"),
-    ({"kl_estimator": "k4"}, "--kl-estimator must be one of k1, k2, k3, low_var_kl, not 'k4'"),
+    ({"kl_estimator": "k4"}, r"--kl-estimator \(or --kl-loss-type\) must be one of k1, k2, k3, low_var_kl, not 'k4'"),
     ({"policy_loss": "ppo2"}, "--policy-loss must be one of ppo, cispo"),
     ({"tis_level": "group"}, "--tis-level must be one of token, sequence-geometric, sequence-product"),
     ({"dual_clip_c": 1.0}, "--dual-clip-c must be > 1"),
