@@ -813,6 +813,6 @@ def test_lr_schedules_warm_up_and_decay_to_the_floor():
     assert [linear.lr_factor(s, 10) for s in (0, 5, 10, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
     cosine = OptimConfig(lr_schedule="cosine", lr_warmup_steps=3)
     assert [cosine.lr_factor(s, 13) for s in (0, 1, 2, 3, 8, 13)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.5, 0.0])
-    with pytest.raises(ValueError,
-                       match=r"--lr-schedule \(or --lr-decay-style\) must be one of constant, linear, cosine, not 'step'"):
+    refused = r"--lr-schedule \(or --lr-decay-style\) must be one of constant, linear, cosine, not 'step'"
+    with pytest.raises(ValueError, match=refused):
         OptimConfig(lr_schedule="step")
