@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pynng
@@ -23,6 +24,7 @@ from vime import PeerGone, RemoteError
 from vime.actor import _parser
 from vime.cluster import new_join_token
 from vime.messages.runtime import ErrorReply, StatusQuery
+from vime.runtime import Actor
 from vime.scenarios.selfcheck import ECHO, Blob, Count, CountQuery, Nap, Note, Ping, Pong
 from vime.transports.codec import Encoded, Envelope, decode_frame, encode_frame
 from vime.transports.sockets import Inbox
@@ -166,6 +168,31 @@ async def test_an_actor_failing_as_it_starts_is_not_restarted_forever(tmp_path):
         assert [e.what for e in job.events if e.name == "broken"].count("joined") == 3
         await trio.sleep(1)
         assert "broken" not in job.actors and job.gone_for_good("broken")
+
+
+class TimesOutOnItsOwn(Actor):
+    """Registers, then fails with a TimeoutError of its own, as an ask to a peer that never answers would."""
+
+    role = "times-out"
+
+    async def on_start(self) -> None:
+        raise TimeoutError("waited for a peer that never answered")
+
+
+async def test_a_timeout_after_registering_is_not_reported_as_a_silent_driver(tmp_path, monkeypatch):
+    """Only the Register's own timeout means "the driver did not answer": any TimeoutError used to end the actor
+    with exit 2 and that message, hiding the real error (a TLS run's buffer in CI said no more than that)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                      os.environ.get("PYTHONPATH")])))
+    log = tmp_path / "logs" / "waits.log"
+    async with open_job(tmp_path) as job:
+        with contextlib.suppress(RuntimeError):  # it may fail before or after the driver sees it registered
+            await job.spawn("test_runtime:TimesOutOnItsOwn", "waits", timeout=120)
+        with trio.fail_after(60):
+            while "waited for a peer" not in log.read_text():
+                await trio.sleep(0.1)
+    said = log.read_text()
+    assert "did not answer" not in said and "TimeoutError: waited for a peer that never answered" in said, said
 
 
 def _join(address: str, *extra: str) -> subprocess.Popen:

@@ -81,3 +81,12 @@ def test_an_actor_s_last_error_is_from_its_own_life_not_an_earlier_one(tmp_path)
     log.write_text(json.dumps(earlier) + "\n" + json.dumps(now) + "\n")
     assert last_error(log) == "the driver that started this actor is gone"
     assert last_error(log, since=1796321000.0) is None  # 18:03:20 UTC that day: after the earlier life
+
+
+def test_an_actor_s_own_exit_message_is_its_last_error(tmp_path):
+    """An actor ending itself with exit 2 prints why as a plain line (a TLS run's buffer died so in CI, and the
+    console said only "exited with code 2; see buffer.log")."""
+    log = tmp_path / "buffer.log"
+    info = {"event": "serving", "level": "info", "timestamp": "2026-12-03T18:05:00.000000Z"}
+    log.write_text(json.dumps(info) + "\nvime.actor: the driver at tcp://h:1 did not answer\n\n")
+    assert last_error(log, since=1796321000.0) == "the driver at tcp://h:1 did not answer"

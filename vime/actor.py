@@ -45,7 +45,7 @@ import trio
 from vime.logs import configure
 from vime.model_files import ModelUnavailable
 from vime.roles import ROLES, resolve_role
-from vime.runtime import ActorSettings, RemoteError
+from vime.runtime import ActorSettings, DriverSilent, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
 from vime.transports.shm import pid_alive, remove_left_by
 from vime.transports.sockets import Handshake, probe_handshake
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vime.actor: cannot get the job's model: {_first(unavailable)}", file=sys.stderr)
             return 2
         refused, _ = group.split(lambda error: isinstance(error, RemoteError) and error.peer == "driver")
-        silent, _ = group.split(TimeoutError)
+        silent, _ = group.split(DriverSilent)
         if refused is not None:
             print(f"vime.actor: join refused by the driver at {settings.driver}: {_first(refused).reply.error}",
                   file=sys.stderr)

@@ -252,11 +252,15 @@ class RunFailed(RuntimeError):
 def last_error(log: Path, since: float = 0.0) -> str | None:
     """The last error an actor logged at or after the wall time ``since``, as one line (its event and the
     exception's last line), for the console: "actor reward died" alone sends the user to a log for what the
-    actor already said. A resumed run's logs go on from the earlier run's, whose last words are not this one's."""
+    actor already said. A resumed run's logs go on from the earlier run's, whose last words are not this one's.
+    An actor that ends itself with exit 2 prints why as a plain ``vime.actor: ...`` line (for a user at a
+    terminal): when that is the log's last line, it is the answer, written as the actor ended."""
     try:
-        lines = log.read_text(errors="replace").splitlines()
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return None
+    if lines and lines[-1].startswith("vime.actor: "):
+        return lines[-1].removeprefix("vime.actor: ")
     for line in reversed(lines):
         try:
             entry = json.loads(line)

@@ -96,6 +96,11 @@ class PeerGone(RuntimeError):
     """The peer died or left while we were waiting for its reply."""
 
 
+class DriverSilent(TimeoutError):
+    """The driver did not answer this actor's Register: a wrong address, or no job there. Only this
+    timeout means that; a TimeoutError later in the actor's life is an error of its own."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorSettings:
     """How one actor process runs; role-specific settings travel in ``config``. Each field is a flag of
@@ -484,7 +489,10 @@ class Actor:
     async def _register(self) -> None:
         register = Register(name=self.name, role=self.role, address=self.address, pid=os.getpid(),
                             host=os.uname().nodename)
-        reply = await self.ask("driver", register, timeout=30.0)
+        try:
+            reply = await self.ask("driver", register, timeout=30.0)
+        except TimeoutError as err:
+            raise DriverSilent(str(err)) from err
         self._set_directory(reply.directory)
         self.run_id = reply.run_id
         if not self.config and reply.config:  # joined by hand: the job's settings come from the driver
