@@ -490,13 +490,22 @@ class Actor:
         register = Register(name=self.name, role=self.role, address=self.address, pid=os.getpid(),
                             host=os.uname().nodename)
         try:
-            reply = await self.ask("driver", register, timeout=30.0)
+            reply = await self.ask("driver", register, timeout=self._register_timeout_s())
         except TimeoutError as err:
             raise DriverSilent(str(err)) from err
         self._set_directory(reply.directory)
         self.run_id = reply.run_id
         if not self.config and reply.config:  # joined by hand: the job's settings come from the driver
             self.config = dict(reply.config)
+
+    def _register_timeout_s(self) -> float:
+        """How long to wait for the driver's answer to Register. A hand-joined actor may have the wrong address:
+        30 s, then it says so. One the driver spawned knows the driver is there (and stops at once if it dies),
+        so it waits out a slow answer: the driver counts it in as the Register arrives, but the reply travels a
+        connection dialled back to this actor (a TLS handshake, on a machine busy starting five Pythons), and an
+        actor that gave up then left a job that had counted it in (the likely reading of a CI failure: the
+        buffer of a TLS run registered, then exited 2)."""
+        return 30.0 if self.settings.parent_pid is None else 300.0
 
     async def _heartbeat_loop(self) -> None:
         while True:
