@@ -21,14 +21,17 @@ from vime.pipeline import RunFailed, train
 from vime.scenarios import arithmetic
 from vime.seeds import sampling_seed
 
+STEPS = 12  # the run still going when the second part's row is seen (a step takes a fraction of a second)
+
 
 @pytest.mark.slow  # about 90 s on 2 cores: two runs, the first ended by a kill -9
 async def test_a_resumed_run_keeps_the_routers_counters_and_counts_the_groups_it_held(tmp_path):
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=8, save_every=2, rollout_workers=2, rollout_batch_size=8, rollout_capacity=2, max_staleness=1,
+        steps=STEPS, save_every=2, rollout_workers=2, rollout_batch_size=8, rollout_capacity=2, max_staleness=1,
         max_new_tokens=8))
     before: dict[str, int] = {}
+    done: set[str] = set()
 
     async def router_holds(job: Cluster, workers: tuple[str, ...]) -> dict[str, int]:
         """Once the router has given one of the frozen ``workers`` a group, its counters."""
@@ -40,14 +43,25 @@ async def test_a_resumed_run_keeps_the_routers_counters_and_counts_the_groups_it
                 await trio.sleep(0.05)
 
     async def kill_a_worker_then_the_trainer(job: Cluster, row: dict) -> None:
-        if row["step"] == 2:  # frozen with groups, then killed: the router re-issues them (it is restarted)
+        """Each part at the first row at or past its step: the run goes on while a part waits, so the next row
+        seen may be several steps on."""
+        if row["step"] >= 2 and "worker" not in done:  # frozen with groups, then killed: the router re-issues them
+            done.add("worker")
+            # rollout-1 frozen meanwhile, so the run waits for rollout-0: on a loaded machine it may not be ready
+            # yet, and frozen before it is, it is never given a group
+            job.kill("rollout-1", signal.SIGSTOP)
+            with trio.fail_after(120):
+                while "assigned:rollout-0" not in (await job.ask("router", StatusQuery())).counters:
+                    await trio.sleep(0.05)
             job.kill("rollout-0", signal.SIGSTOP)
             await router_holds(job, ("rollout-0",))
             job.kill("rollout-0")
+            job.kill("rollout-1", signal.SIGCONT)
             with trio.fail_after(60):
                 while not (await job.ask("router", StatusQuery())).counters.get("reissued"):
                     await trio.sleep(0.05)
-        if row["step"] == 5:  # step 4 wrote the last checkpoint; the workers frozen, so the router holds their groups
+        elif row["step"] >= 5 and "trainer" not in done:  # after a checkpoint; the workers frozen hold groups
+            done.add("trainer")
             for worker in ("rollout-0", "rollout-1"):
                 job.kill(worker, signal.SIGSTOP)
             before.update(await router_holds(job, ("rollout-0", "rollout-1")))
@@ -62,7 +76,7 @@ async def test_a_resumed_run_keeps_the_routers_counters_and_counts_the_groups_it
     assert groups["reissued"] >= before["reissued"]  # was 0: a resumed router started its counters afresh
     assert groups["held_by_router_at_crash"] == len(held)
     assert groups["lost"] == 0 and groups["trained_twice"] == 0
-    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, 9))
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
