@@ -21,7 +21,7 @@ from typing import Callable
 
 import trio
 
-from vime import slime_flags
+from vime import megatron_flags, slime_flags
 from vime.config import LaunchConfig, RunConfig, TrainingLaunchConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 from vime.settings import add_setting_flags, given_settings
@@ -115,7 +115,8 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
-                                         show=display, resume=resume, host=launch.host, tls=launch.tls()))
+                                         show=display, resume=resume, host=launch.host, tls=launch.tls(),
+                                         model_flags=megatron_flags.given(args)))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)
     except RunFailed as err:
@@ -152,7 +153,8 @@ def _dry_run(scenario: ModuleType, args: argparse.Namespace, training_launch: Tr
         if builds is None and not resume:
             config = scenario.prepare(run_dir, config)  # one that would build its model has said so instead
         gpus = None if training_launch.dry_run_gpus is None else [str(i) for i in range(training_launch.dry_run_gpus)]
-        placed, row = preflight(config, gpus, weights=False, model=builds is None)
+        placed, row = preflight(config, gpus, weights=False, model=builds is None,
+                                model_flags=megatron_flags.given(args))
         trio.run(check_reward, config, row)
         config = config.replace(rollout_workers=len(placed.engines))  # as the run records it
         lines = describe(config, placed)
