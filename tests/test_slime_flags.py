@@ -25,7 +25,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_every_parser_refuses_abbreviations():
-    """argparse's prefix matching would read slime's --save as vime's --save-every (or say it is ambiguous): every
+    """argparse's prefix matching would read --save-ev as vime's --save-every (slime's --save was ambiguous): every
     parser of vime's entry points is built with allow_abbrev=False, so a flag is taken whole or not at all."""
     parsers = []
     for path in [*(ROOT / "vime").rglob("*.py"), *(ROOT / "scenarios").rglob("*.py")]:
@@ -39,7 +39,7 @@ def test_every_parser_refuses_abbreviations():
 
 
 def test_an_abbreviated_flag_is_refused_by_name():
-    for flag in ("--save", "--rollout-batch", "--save-hf"):
+    for flag in ("--save-ev", "--rollout-batch", "--save-hf"):  # slime's --save is a flag of its own now
         result = run("vime.scenario", "arithmetic", flag, "3")
         assert result.returncode == 2 and f"unrecognized arguments: {flag} 3" in result.stderr, result.stderr
     result = run("vime.actor", "trainer", "--log-lev", "debug")
@@ -181,7 +181,8 @@ def test_the_expert_parallel_error_names_the_flag_to_change():
 
 
 def test_layout_flags_asking_for_what_vime_does_are_accepted():
-    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel")
+    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+                  "--rollout-shuffle", "--balance-data")
     assert given == parse()
 
 
@@ -368,3 +369,67 @@ def test_optimizer_adam_is_vimes_adamw_and_others_are_refused():
     assert parse("--optimizer", "adam", "--weight-decay", "0.1") == parse("--weight-decay", "0.1")
     with pytest.raises(ValueError, match=r"--optimizer sgd: vime trains with AdamW only, which is Megatron's adam"):
         parse("--optimizer", "sgd")
+
+
+def test_megatron_recompute_flags_are_vimes_recompute_activations():
+    """slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 is what vime's
+    --recompute-activations does; another value, or the method without the granularity, is refused naming it."""
+    full = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert parse(*MEGATRON, *full) == parse(*MEGATRON, "--recompute-activations") != parse(*MEGATRON)
+    assert parse(*MEGATRON, "--recompute-granularity", "full").job.recompute_activations
+    with pytest.raises(ValueError, match=r"^--recompute-granularity selective, --recompute-num-layers 2: vime "
+                                         r"recomputes whole layers, one per checkpoint"):
+        parse(*MEGATRON, "--recompute-granularity", "selective", "--recompute-num-layers", "2")
+    with pytest.raises(ValueError, match=r"^--recompute-method/--recompute-num-layers without "
+                                         r"--recompute-granularity: vime recomputes"):
+        parse(*MEGATRON, "--recompute-method", "uniform")
+
+
+def test_rm_type_is_vimes_reward_where_one_does_the_same():
+    for rm_type, reward in (("math", "math"), ("gsm8k", "gsm8k"), ("deepscaler", "deepscaler")):
+        assert parse("--rm-type", rm_type).reward.reward == reward
+    with pytest.raises(ValueError, match=r"--rm-type dapo: vime has no such reward; pass --reward math \(math-verify "
+                                         r"reads DAPO's \"Answer:\" line too; slime's dapo scores a wrong answer -1"):
+        parse("--rm-type", "dapo")
+    with pytest.raises(ValueError, match=r"--rm-type remote_rm: .*pass --custom-reward module:function"):
+        parse("--rm-type", "remote_rm")
+    with pytest.raises(ValueError, match=r"--rm-type math is vime's --reward math, but --reward exact is given too"):
+        parse("--rm-type", "math", "--reward", "exact")
+
+
+def test_deepscaler_scores_only_an_answer_after_the_thinking():
+    from vime.rewards import deepscaler
+
+    assert deepscaler("<think>it is \\boxed{3}</think> so \\boxed{4}", "4") == 1.0
+    assert deepscaler("<think>it is \\boxed{4}</think> so \\boxed{3}", "4") == 0.0
+    assert deepscaler("<think>it is \\boxed{4}", "4") == 0.0  # the thinking never closed
+
+
+def test_eval_prompt_data_takes_one_named_set():
+    assert parse("--eval-prompt-data", "aime", "/data/aime.jsonl") == parse("--eval-data", "/data/aime.jsonl")
+    with pytest.raises(ValueError, match=r"--eval-prompt-data aime a.jsonl math b.jsonl: vime takes one NAME PATH "
+                                         r"pair: .*each row's data_source its set's name"):
+        parse("--eval-prompt-data", "aime", "a.jsonl", "math", "b.jsonl")
+
+
+def test_save_and_load_name_vimes_run_folder(tmp_path):
+    """slime's --save DIR is the run folder; --load DIR beside it resumes a run already there, else starts one."""
+    from vime.slime_flags import run_folder
+
+    def folders(*flags: str, out=None, resume=None):
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_flags(parser, RunConfig())
+        return run_folder(parser.parse_args(list(flags)), out, resume)
+
+    folder = tmp_path / "Qwen3-4B_slime"
+    assert folders("--save", str(folder), "--load", str(folder))[:2] == (folder, None)
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    out, resume, notes = folders("--save", str(folder), "--load", str(folder), "--ref-load", "/ckpt/torch_dist")
+    assert (out, resume) == (None, folder)
+    assert any("--ref-load /ckpt/torch_dist is not read: vime's starting and reference weights are "
+               "--hf-checkpoint's" in note for note in notes)
+    with pytest.raises(ValueError, match=r"--load /a without --save /a: vime continues a run in its own folder"):
+        folders("--load", "/a")
+    with pytest.raises(ValueError, match=r"--save/--load name vime's run folder, as --out or --resume do"):
+        folders("--save", "/a", out=Path("/b"))

@@ -121,6 +121,14 @@ def math(response: str, label: str, **metadata: Any) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
+def deepscaler(response: str, label: str, **metadata: Any) -> float:
+    """slime's ``deepscaler`` reward: 0.0 for a response whose thinking never closed (no ``</think>``), else
+    :func:`math` on what follows the first ``</think>``, so an answer written while thinking does not count."""
+    if "</think>" not in response:
+        return 0.0
+    return math(response.split("</think>", 1)[1], label)
+
+
 # An answer holding a power of more digits than this is compared as written, not evaluated: sympy spends
 # math-verify's whole time limit (5 s) expanding ``9^{9^{9^{9}}}``, and one such answer in a hundred cut the
 # reward's throughput tenfold and more (bench/rewards.py). No answer to a math problem is a number this long.
@@ -163,7 +171,7 @@ def _same_number(text: str, label: str) -> bool:
 
 
 BUILT_IN: dict[str, RewardFn] = {"exact": exact, "first_number": first_number, "last_number": last_number,
-                                  "gsm8k": gsm8k, "math": math}
+                                  "gsm8k": gsm8k, "math": math, "deepscaler": deepscaler}
 
 
 def resolve(name: str, custom: str = "") -> RewardFn:

@@ -9,6 +9,7 @@ also a flag (``--lr``, ``--rollout-batch-size``, ``--advantage-estimator rloo`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import shlex
@@ -65,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     launch = LaunchConfig(**given_settings(args, LaunchConfig))
     training_launch = TrainingLaunchConfig(**given_settings(args, TrainingLaunchConfig))
+    if training:
+        try:
+            out, resume_from, folder_notes = slime_flags.run_folder(args, launch.out, training_launch.resume)
+        except ValueError as err:
+            return _refuse(err)
+        launch = dataclasses.replace(launch, out=out)
+        training_launch = dataclasses.replace(training_launch, resume=resume_from)
+        for note in folder_notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     configure(launch.log_level)
     resume = training_launch.resume is not None
     run_dir = training_launch.resume or launch.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
