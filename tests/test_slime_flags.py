@@ -433,3 +433,25 @@ def test_save_and_load_name_vimes_run_folder(tmp_path):
         folders("--load", "/a")
     with pytest.raises(ValueError, match=r"--save/--load name vime's run folder, as --out or --resume do"):
         folders("--save", "/a", out=Path("/b"))
+
+
+def test_use_tis_and_slimes_tis_levels():
+    """slime's --use-tis is vime's truncated importance sampling (bounds 0 and 2 in both); its --tis-level names of
+    the two sequence levels read as vime's."""
+    loss = parse("--use-tis", "--tis-level", "geometric").loss
+    assert (loss.off_policy_correction, loss.tis_level, loss.tis_cap, loss.tis_floor) == (
+        "tis", "sequence-geometric", 2.0, 0.0)
+    assert parse("--tis-level", "sequence").loss.tis_level == "sequence-product"
+    assert parse("--use-tis") == parse("--off-policy-correction", "tis")
+    with pytest.raises(ValueError, match=r"--use-tis is vime's --off-policy-correction tis, but "
+                                         r"--off-policy-correction icepop is given too"):
+        parse("--use-tis", "--off-policy-correction", "icepop")
+
+
+def test_wandb_flags_are_refused_with_the_missing_features_and_no_key_shown():
+    with pytest.raises(ValueError) as refused:
+        parse("--use-wandb", "--wandb-project", "slime-dev", "--wandb-key", "SECRET", "--optimizer-cpu-offload")
+    said = str(refused.value)
+    assert "--use-wandb, --wandb-project, --wandb-key (logging to Weights & Biases; vime's metrics go to " \
+           "RUN_DIR/metrics.jsonl" in said and "--optimizer-cpu-offload (" in said, said
+    assert "SECRET" not in said

@@ -61,10 +61,22 @@ def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable
     batch = getattr(args, "slime_global_batch_size", None)
     if batch is not None:
         given.update(_updates_per_step(batch, given, current))
+    if getattr(args, "slime_use_tis", None):
+        given.update(_tis(given))
     given.update(_recompute(args))
     given.update(_reward(getattr(args, "slime_rm_type", None), given))
     given.update(_eval_sets(getattr(args, "slime_eval_prompt_data", None), given))
     return given
+
+
+def _tis(given: dict[str, Any]) -> dict[str, str]:
+    """slime's ``--use-tis``: truncated importance sampling against the rollout's log-probs, weights in
+    [--tis-clip-low, --tis-clip] (slime's defaults 0 and 2, vime's too), which is vime's --off-policy-correction tis;
+    ValueError when another correction is asked for beside it."""
+    if given.get("off_policy_correction", "tis") != "tis":
+        raise ValueError(f"--use-tis is vime's --off-policy-correction tis, but --off-policy-correction "
+                         f"{given['off_policy_correction']} is given too: pass one of them")
+    return {"off_policy_correction": "tis"}
 
 
 _RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -153,10 +165,12 @@ class LayoutFlag:
     accepted: int | bool | None = None  # the value vime runs as it is; None: none is (a switch is refused when given)
     number: bool = False  # the flag takes a number (else it is a switch)
     note: str = ""  # for a switch accepted: why what vime does is what it asks for
+    text: bool = False  # the flag takes a text value (refused whatever it is)
 
 
 _TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
 _OFFLOAD = "offloading of the optimizer state to the CPU"
+_WANDB = "logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard"
 LAYOUT_FLAGS = (
     LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
     LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
@@ -172,6 +186,9 @@ LAYOUT_FLAGS = (
     LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
     LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
+    *(LayoutFlag(flag, _WANDB, text=text) for flag, text in (
+        ("--use-wandb", False), ("--wandb-project", True), ("--wandb-group", True), ("--wandb-run-id", True),
+        ("--wandb-key", True), ("--wandb-host", True), ("--wandb-team", True), ("--wandb-mode", True))),
 )
 
 
@@ -186,8 +203,9 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
             meaning = f"refused (vime lacks {layout.missing})"
         else:
             meaning = f"{layout.accepted} only (vime lacks {layout.missing})"
-        if layout.number:
-            group.add_argument(layout.flag, dest=_dest(layout), type=int, default=None, metavar="N", help=meaning)
+        if layout.number or layout.text:
+            group.add_argument(layout.flag, dest=_dest(layout), type=int if layout.number else str, default=None,
+                               metavar="N" if layout.number else "VALUE", help=meaning)
         else:
             group.add_argument(layout.flag, dest=_dest(layout), action="store_true", default=None, help=meaning)
 
@@ -204,6 +222,9 @@ def add_translated_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--optimizer", dest="slime_optimizer", default=None, metavar="adam",
                        help="adam only: vime's AdamW is Megatron's adam, whose weight decay is decoupled too, so "
                             "--weight-decay, --adam-beta1 and --adam-beta2 mean the same")
+    group.add_argument("--use-tis", dest="slime_use_tis", action="store_true", default=None,
+                       help="slime's truncated importance sampling: --off-policy-correction tis (--tis-clip and "
+                            "--tis-clip-low bound the weights, 2 and 0 by default in both)")
     for name, value in _RECOMPUTE.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=f"slime_{name}", type=type(value), default=None,
                            metavar=str(value), help=f"{value} only: with the other two, vime's "
@@ -260,7 +281,8 @@ def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> 
     for layout in LAYOUT_FLAGS:
         value = getattr(args, _dest(layout), None)
         if value is not None and value != layout.accepted:
-            refused.setdefault(layout.missing, []).append(layout.flag if value is True else f"{layout.flag} {value}")
+            shown = value is not True and not layout.text  # a text value may be a secret (--wandb-key)
+            refused.setdefault(layout.missing, []).append(f"{layout.flag} {value}" if shown else layout.flag)
     if refused:
         listed = "; ".join(f"{', '.join(flags)} ({missing})" for missing, flags in refused.items())
         raise ValueError(f"vime does not have what these flags ask for yet: {listed}. Leave them out (the run then "
