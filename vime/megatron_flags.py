@@ -11,8 +11,8 @@ The flags of Megatron's that change how fast the same model trains, not what it 
 than a value asks (an auxiliary load-balancing loss, DeepEP's dispatcher) it is refused by name. A switch left out
 is not checked: vime runs the checkpoint as it is, so a launcher passing only some of these flags loses nothing.
 
-The check runs in the run's preflight (``vime.pipeline.preflight``), which reads config.json for it once; the
-rows that need no config.json (vime's own fixed values) are checked there too, so one message says everything.
+The check runs in the run's preflight (``vime.pipeline.preflight``), which reads config.json once, for it and the
+Megatron backend; the rows of vime's own values are checked there too, so that one message says everything.
 This module imports no torch: the flags are declared before any engine loads.
 """
 
@@ -32,21 +32,14 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return pattern(hf_config)
 
 
-class _Absent:
-    """What a MoE field of a dense model's config.json holds: nothing, shown as such in a message."""
-
-    def __repr__(self) -> str:
-        return "absent (a dense model)"
-
-
-ABSENT = _Absent()
+ABSENT = object()  # what a MoE flag is checked against on a dense model: no value given equals it
 
 
 @dataclasses.dataclass(frozen=True)
 class MegatronFlag:
     """A Megatron model flag and what vime runs for it: ``expected(hf_config, run_config)`` is the value that agrees
-    with the checkpoint (``field`` names the config.json field it comes from; "" for vime's own fixed value, which
-    needs no config.json), a frozenset of values that all do, or None when any value does (``why`` says why)."""
+    with the checkpoint (``field`` names the config.json field it comes from; "" for vime's own value, and ``why``
+    says why it is vime's), a frozenset of values that all do, or None when any value does."""
 
     flag: str
     kind: type  # int, float, str, or bool for a switch
