@@ -429,6 +429,8 @@ def test_save_and_load_name_vimes_run_folder(tmp_path):
     assert (out, resume) == (None, folder)
     assert any("--ref-load /ckpt/torch_dist is not read: vime's starting and reference weights are "
                "--hf-checkpoint's" in note for note in notes)
+    with pytest.raises(ValueError, match=r"--save .*Qwen3-4B_slime holds a vime run: add --load .* to continue it"):
+        folders("--save", str(folder))
     with pytest.raises(ValueError, match=r"--load /a without --save /a: vime continues a run in its own folder"):
         folders("--load", "/a")
     with pytest.raises(ValueError, match=r"--save/--load name vime's run folder, as --out or --resume do"):

@@ -266,7 +266,10 @@ def run_folder(args: argparse.Namespace, out: Path | None, resume: Path | None) 
         raise ValueError(f"--load {load} without --save {load}: vime continues a run in its own folder; pass --save "
                          f"and --load the same folder, or --resume RUN_DIR")
     folder = Path(save)
-    if load is not None and (folder / "config.json").is_file():
+    if (folder / "config.json").is_file():
+        if load is None:
+            raise ValueError(f"--save {save} holds a vime run: add --load {save} to continue it, as slime's --load "
+                             "does, or pass a new folder")
         return None, folder, [*notes, f"--load {load}: the run in it is resumed (--resume {load})"]
     return folder, None, notes
 
