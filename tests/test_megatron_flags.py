@@ -166,8 +166,26 @@ def test_moe_layer_freq_is_read_as_megatron_reads_it():
     with pytest.raises(ValueError, match=r"--moe-layer-freq \[1\]\*46: config.json's number of MoE layers is 45 "
                                          r"of 46, from layer 1"):
         checked(["--moe-layer-freq", "[1]*46"], GLM45_AIR_CONFIG)
-    with pytest.raises(ValueError, match=r"not a pattern of \[0\]/\[1\] lists"):
+    with pytest.raises(ValueError, match=r"nor a pattern of \[0\]/\[1\] lists"):
         checked(["--moe-layer-freq", "[__import__('os').getpid()]"], QWEN3_30B_A3B_CONFIG)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "[2]*48", "[[1]]*48", "[1]*48+1", "[1]*[1]", "[" * 100_000,
+                                   "(" * 100_000 + "[1]" + ")" * 100_000, "[1]+" * 100_000 + "[1]"])
+def test_a_malformed_moe_layer_freq_is_refused_naming_it(value):
+    """0 (a division by zero), what is not a 0/1 pattern, and nesting past Python's recursion limit (in the parser
+    or the evaluation): each the same ValueError naming the flag (the preflight's exit 2), never another exception."""
+    with pytest.raises(ValueError, match=r"--moe-layer-freq .*: not an int >= 1 \(every N-th layer an MoE\) nor a "
+                                         r"pattern of \[0\]/\[1\] lists"):
+        checked(["--moe-layer-freq", value], QWEN3_30B_A3B_CONFIG)
+
+
+@pytest.mark.parametrize("value", ["[1]*100000000000", "100000000000*[1]", "[1]*49", "([1]*48)*48"])
+def test_a_moe_layer_freq_longer_than_the_model_disagrees_unbuilt(value):
+    """A * operand beyond the 48 layers is a pattern longer than the model: refused as a disagreement, at once
+    (a list of 10^11 entries would take the preflight's memory and time)."""
+    with pytest.raises(ValueError, match=r"--moe-layer-freq .*: config.json's number of MoE layers is 48 of 48"):
+        checked(["--moe-layer-freq", value], QWEN3_30B_A3B_CONFIG)
 
 
 def test_expert_tensor_parallel_size_follows_vimes_layout():

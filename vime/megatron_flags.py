@@ -80,30 +80,64 @@ def _experts(hf: Any) -> int:
     return hf.num_experts if hf.model_type == "qwen3_moe" else hf.n_routed_experts
 
 
-def _layer_freq(text: str) -> list[int] | int:
-    """``--moe-layer-freq`` as Megatron reads it: an int N (every N-th layer an MoE) or a list expression such as
-    ``[0]*3+[1]*89``; slime's qwen3-30B-A3B.sh passes ``'([1]*48)'``, quotes included, which Megatron evaluates
-    through them. Only list literals of ints, + and * are evaluated here (never arbitrary code)."""
+class _LongerThanModel(Exception):
+    """A ``--moe-layer-freq`` pattern of more entries than the checkpoint's layers, found before it is built."""
+
+
+def _layer_pattern(text: str, layers: int) -> list[int] | None:
+    """``--moe-layer-freq`` as Megatron reads it, as one 0/1 per layer: an int N >= 1 (layers 0, N, 2N, ... are
+    MoE) or a list expression such as ``[0]*3+[1]*89``; slime's qwen3-30B-A3B.sh passes ``'([1]*48)'``, quotes
+    included, which Megatron evaluates through them. Only list literals of 0 and 1, + and * are evaluated here
+    (never arbitrary code). None for a pattern longer than the model: an operand of * beyond ``layers`` (the
+    checkpoint's num_hidden_layers) makes one, and is not built (``[1]*10**11`` would take the preflight's memory).
+    Anything else is the ValueError that the preflight turns into exit 2."""
+    spelled = text
     text = text.strip().strip("'\"")
+    refused = ValueError(f"--moe-layer-freq {spelled}: not an int >= 1 (every N-th layer an MoE) nor a pattern of "
+                         f"[0]/[1] lists, + and * such as '([1]*{layers})'")
     if "[" not in text:
-        return int(text)
+        try:
+            every = int(text)
+        except ValueError:
+            raise refused from None
+        if every < 1:
+            raise refused
+        return [int(layer % every == 0) for layer in range(layers)]
+
+    def length(operand: Any) -> int:
+        return len(operand) if isinstance(operand, list) else abs(operand)
 
     def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
-        if isinstance(node, ast.List):
-            return [value(item) for item in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        if isinstance(node, ast.List) and all(isinstance(item, ast.Constant) and item.value in (0, 1)
+                                              and type(item.value) is int for item in node.elts):
+            return [item.value for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             left, right = value(node.left), value(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(f"--moe-layer-freq {text}: not a pattern of [0]/[1] lists, + and *")
+            if type(left) is not type(right):
+                raise refused
+            return left + right
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left, right = value(node.left), value(node.right)
+            if isinstance(left, list) == isinstance(right, list) and isinstance(left, list):
+                raise refused
+            if [] in (left, right):
+                return []
+            if length(left) > layers or length(right) > layers:
+                raise _LongerThanModel
+            return left * right
+        raise refused
 
-    return value(ast.parse(text, mode="eval").body)
-
-
-def _pattern(given: list[int] | int, layers: int) -> list[int]:
-    """A ``--moe-layer-freq`` value as one 0/1 per layer (an int N: layers 0, N, 2N, ... are MoE, as in Megatron)."""
-    return [int(layer % given == 0) for layer in range(layers)] if isinstance(given, int) else list(given)
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except _LongerThanModel:
+        return None
+    except (SyntaxError, RecursionError, MemoryError, ValueError):  # deep nesting fails in the parser or here
+        raise refused from None
+    if not isinstance(pattern, list):
+        raise refused
+    return pattern
 
 
 def _expert_tensor_parallel(hf: Any, run: Any) -> Any:
@@ -240,7 +274,7 @@ def check(flags: Mapping[str, Any], hf_config: Any, run: Any, source: str) -> No
         expected = row.expected(hf_config, run)
         spelled = flag if row.kind is bool else f"{flag} {value}"
         if row.flag == "--moe-layer-freq":
-            value = _pattern(_layer_freq(value), hf_config.num_hidden_layers)
+            value = _layer_pattern(value, hf_config.num_hidden_layers)
         if row.agrees(value, expected):
             continue
         if row.field:
