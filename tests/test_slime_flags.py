@@ -405,6 +405,23 @@ def test_deepscaler_scores_only_an_answer_after_the_thinking():
     assert deepscaler("<think>it is \\boxed{4}", "4") == 0.0  # the thinking never closed
 
 
+def test_deepscaler_reads_what_slimes_reads():
+    """slime's rm_hub/deepscaler.py: what follows the LAST </think>, the answer from a \\boxed{} only, the
+    ###Response fallback, and a boxed label by its contents."""
+    from vime.rewards import deepscaler
+
+    # two </think>: only what follows the last one counts
+    assert deepscaler("<think>a</think> \\boxed{4} <think>b</think> so \\boxed{3}", "4") == 0.0
+    assert deepscaler("<think>a</think> \\boxed{3} <think>b</think> so \\boxed{4}", "4") == 1.0
+    assert deepscaler("<think>a</think> <think>b \\boxed{4}</think> so 4", "4") == 0.0  # boxed in the 2nd thinking
+    assert deepscaler("<think>a</think> the answer is 4", "4") == 0.0  # unboxed
+    assert deepscaler("<think>a</think> Answer: 4", "4") == 0.0
+    assert deepscaler("\\boxed{4}", "4") == 0.0  # no </think>, no ###Response
+    assert deepscaler("###Instruction 1+3 ###Response \\boxed{4}", "4") == 1.0
+    assert deepscaler("</think> \\boxed{\\frac{1}{2}}", "\\boxed{0.5}") == 1.0
+    assert deepscaler("</think> \\boxed{4}", "") == 0.0
+
+
 def test_eval_prompt_data_takes_one_named_set():
     assert parse("--eval-prompt-data", "aime", "/data/aime.jsonl") == parse("--eval-data", "/data/aime.jsonl")
     with pytest.raises(ValueError, match=r"--eval-prompt-data aime a.jsonl math b.jsonl: vime takes one NAME PATH "

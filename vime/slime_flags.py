@@ -231,8 +231,9 @@ def add_translated_flags(parser: argparse.ArgumentParser) -> None:
                                                     "--recompute-activations (whole layers, one per checkpoint)")
     group.add_argument("--rm-type", dest="slime_rm_type", default=None, metavar="TYPE",
                        help=f"slime's reward: {', '.join(f'{k} is --reward {v}' for k, v in RM_TYPES.items())} "
-                            "(deepscaler: math on what follows a closed </think>, 0 without one); others refused "
-                            "with what to pass")
+                            "(deepscaler: the last \\boxed{} after the last </think>, or after ###Response, as "
+                            "slime's, 0 without one; its answers compared by math-verify, not slime's sympy "
+                            "grader); others refused with what to pass")
     group.add_argument("--eval-prompt-data", dest="slime_eval_prompt_data", nargs="+", default=None,
                        metavar="NAME PATH", help="one NAME PATH pair: --eval-data PATH (several sets: one file, "
                                                  "each row's data_source naming its set, gives metrics per set)")
