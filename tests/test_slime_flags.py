@@ -397,6 +397,15 @@ def test_rm_type_is_vimes_reward_where_one_does_the_same():
         parse("--rm-type", "math", "--reward", "exact")
 
 
+def test_calculate_per_token_loss_is_token_aggregation():
+    sequence = RunConfig().replace(loss_aggregation="sequence")
+    assert parse("--calculate-per-token-loss", defaults=sequence).loss.loss_aggregation == "token"
+    assert parse(defaults=sequence).loss.loss_aggregation == "sequence"
+    with pytest.raises(ValueError, match=r"--calculate-per-token-loss is vime's --loss-aggregation token, but "
+                                         r"--loss-aggregation sequence is given too"):
+        parse("--calculate-per-token-loss", "--loss-aggregation", "sequence")
+
+
 def test_deepscaler_scores_only_an_answer_after_the_thinking():
     from vime.rewards import deepscaler
 

@@ -40,6 +40,7 @@ def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable
       when that is not given, as slime derives its steps per rollout;
     - with slime's KL spelling on the command line (``--use-kl-loss`` or ``--kl-loss-type``), the KL loss is on only
       with ``--use-kl-loss`` (slime ignores ``--kl-loss-coef`` without it), and its estimator defaults to slime's k1;
+    - ``--calculate-per-token-loss`` is ``--loss-aggregation token``;
     - ``--optimizer adam`` is vime's AdamW (Megatron's adam decays weights decoupled, as AdamW does); others are
       refused.
 
@@ -63,6 +64,11 @@ def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable
         given.update(_updates_per_step(batch, given, current))
     if getattr(args, "slime_use_tis", None):
         given.update(_tis(given))
+    if getattr(args, "slime_calculate_per_token_loss", None):
+        if given.get("loss_aggregation", "token") != "token":
+            raise ValueError(f"--calculate-per-token-loss is vime's --loss-aggregation token, but --loss-aggregation "
+                             f"{given['loss_aggregation']} is given too: pass one of them")
+        given["loss_aggregation"] = "token"
     given.update(_recompute(args))
     given.update(_reward(getattr(args, "slime_rm_type", None), given))
     given.update(_eval_sets(getattr(args, "slime_eval_prompt_data", None), given))
@@ -222,6 +228,10 @@ def add_translated_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--optimizer", dest="slime_optimizer", default=None, metavar="adam",
                        help="adam only: vime's AdamW is Megatron's adam, whose weight decay is decoupled too, so "
                             "--weight-decay, --adam-beta1 and --adam-beta2 mean the same")
+    group.add_argument("--calculate-per-token-loss", dest="slime_calculate_per_token_loss", action="store_true",
+                       default=None, help="slime's loss averaged over a batch's tokens: --loss-aggregation token "
+                                          "(without it slime averages per response, then over responses: the "
+                                          "slime scenario's --loss-aggregation sequence)")
     group.add_argument("--use-tis", dest="slime_use_tis", action="store_true", default=None,
                        help="slime's truncated importance sampling: --off-policy-correction tis (--tis-clip and "
                             "--tis-clip-low bound the weights, 2 and 0 by default in both)")
