@@ -28,7 +28,8 @@ from vime.logs import configure
 from vime.settings import add_setting_flags, given_settings
 
 SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
-    "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
+    "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck",
+    "slime")}
 DEFAULT = "arithmetic"
 
 
