@@ -461,6 +461,12 @@ def test_save_and_load_name_vimes_run_folder(tmp_path):
         folders("--load", "/a")
     with pytest.raises(ValueError, match=r"--save/--load name vime's run folder, as --out or --resume do"):
         folders("--save", "/a", out=Path("/b"))
+    with pytest.raises(ValueError, match=r"^--save /a and --load /b are different folders: .*pass the same folder to "
+                                         r"both \(--load /a\)"):
+        folders("--save", "/a", "--load", "/b")
+    # one folder spelled two ways (a trailing slash, as run-qwen3-4B.sh has, or a relative path) is the same folder
+    assert folders("--save", f"{tmp_path}/new/", "--load", str(tmp_path / "x" / ".." / "new"))[0] == \
+        Path(f"{tmp_path}/new/")
 
 
 def test_use_tis_and_slimes_tis_levels():

@@ -273,9 +273,13 @@ def run_folder(args: argparse.Namespace, out: Path | None, resume: Path | None) 
         return out, resume, notes
     if out is not None or resume is not None:
         raise ValueError("--save/--load name vime's run folder, as --out or --resume do: pass one of them")
-    if save is None or Path(load or save) != Path(save):
+    if save is None:
         raise ValueError(f"--load {load} without --save {load}: vime continues a run in its own folder; pass --save "
                          f"and --load the same folder, or --resume RUN_DIR")
+    if load is not None and Path(load).resolve() != Path(save).resolve():
+        raise ValueError(f"--save {save} and --load {load} are different folders: vime continues a run in its own "
+                         f"folder; pass the same folder to both (--load {save}), or leave --load out to start in "
+                         f"{save}")
     folder = Path(save)
     if (folder / "config.json").is_file():
         if load is None:
