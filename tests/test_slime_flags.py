@@ -482,10 +482,33 @@ def test_use_tis_and_slimes_tis_levels():
         parse("--use-tis", "--off-policy-correction", "icepop")
 
 
-def test_wandb_flags_are_refused_with_the_missing_features_and_no_key_shown():
+def test_use_wandb_is_refused_with_the_missing_features_and_no_key_shown():
     with pytest.raises(ValueError) as refused:
         parse("--use-wandb", "--wandb-project", "slime-dev", "--wandb-key", "SECRET", "--optimizer-cpu-offload")
     said = str(refused.value)
-    assert "--use-wandb, --wandb-project, --wandb-key (logging to Weights & Biases; vime's metrics go to " \
-           "RUN_DIR/metrics.jsonl" in said and "--optimizer-cpu-offload (" in said, said
-    assert "SECRET" not in said
+    assert "--use-wandb (logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl" in said, said
+    assert "--optimizer-cpu-offload (" in said and "--wandb-project" not in said and "SECRET" not in said, said
+
+
+def test_wandb_settings_without_use_wandb_ask_for_nothing():
+    """slime reads --wandb-project, --wandb-key, ... only with --use-wandb, and --wandb-mode disabled logs nothing:
+    accepted, with a note naming them (no value: a key is a secret)."""
+    from vime.slime_flags import wandb_notes
+
+    def notes(*flags: str) -> list[str]:
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_flags(parser, RunConfig())
+        args = parser.parse_args(list(flags))
+        from_flags(args, RunConfig())  # not refused
+        return wandb_notes(args)
+
+    assert notes("--wandb-project", "p", "--wandb-key", "SECRET") == [
+        "--wandb-project, --wandb-key ignored: slime reads them only with --use-wandb (and vime lacks logging to "
+        "Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard)"]
+    assert notes("--use-wandb", "--wandb-mode", "disabled") == [
+        "--use-wandb --wandb-mode disabled logs nothing, in slime and in vime"]
+    assert notes() == []
+    with pytest.raises(ValueError, match=r"--use-wandb \(logging to Weights & Biases"):
+        parse("--use-wandb", "--wandb-mode", "offline")
+
+

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(err)
         launch = dataclasses.replace(launch, out=out)
         training_launch = dataclasses.replace(training_launch, resume=resume_from)
-        for note in folder_notes:
+        for note in [*folder_notes, *slime_flags.wandb_notes(args)]:
             print(f"note: {note}", file=sys.stderr, flush=True)
     configure(launch.log_level)
     resume = training_launch.resume is not None

@@ -192,10 +192,10 @@ LAYOUT_FLAGS = (
     LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
     LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
-    *(LayoutFlag(flag, _WANDB, text=text) for flag, text in (
-        ("--use-wandb", False), ("--wandb-project", True), ("--wandb-group", True), ("--wandb-run-id", True),
-        ("--wandb-key", True), ("--wandb-host", True), ("--wandb-team", True), ("--wandb-mode", True))),
 )
+# slime reads these only with --use-wandb (refused below unless --wandb-mode disabled): alone they ask for nothing
+WANDB_SETTINGS = ("--wandb-project", "--wandb-group", "--wandb-run-id", "--wandb-key", "--wandb-host", "--wandb-team",
+                  "--wandb-mode")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -214,6 +214,26 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                                metavar="N" if layout.number else "VALUE", help=meaning)
         else:
             group.add_argument(layout.flag, dest=_dest(layout), action="store_true", default=None, help=meaning)
+    group.add_argument("--use-wandb", dest="slime_use_wandb", action="store_true", default=None,
+                       help=f"refused (vime lacks {_WANDB}), unless --wandb-mode disabled, which logs nothing")
+    for flag in WANDB_SETTINGS:
+        group.add_argument(flag, dest=_wandb_dest(flag), default=None, metavar="VALUE",
+                           help="accepted with a note: slime reads it only with --use-wandb")
+
+
+def _wandb_dest(flag: str) -> str:
+    return "slime_" + flag.removeprefix("--").replace("-", "_")
+
+
+def wandb_notes(args: argparse.Namespace) -> list[str]:
+    """What the W&B flags given do on vime, to show: nothing (their values not shown: --wandb-key is a secret)."""
+    given = [flag for flag in WANDB_SETTINGS if getattr(args, _wandb_dest(flag), None) is not None]
+    if getattr(args, "slime_use_wandb", None):
+        return ["--use-wandb --wandb-mode disabled logs nothing, in slime and in vime"]
+    if not given:
+        return []
+    return [f"{', '.join(given)} ignored: slime reads {'it' if len(given) == 1 else 'them'} only with --use-wandb "
+            f"(and vime lacks {_WANDB})"]
 
 
 def add_translated_flags(parser: argparse.ArgumentParser) -> None:
@@ -301,6 +321,8 @@ def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> 
         if value is not None and value != layout.accepted:
             shown = value is not True and not layout.text  # a text value may be a secret (--wandb-key)
             refused.setdefault(layout.missing, []).append(f"{layout.flag} {value}" if shown else layout.flag)
+    if getattr(args, "slime_use_wandb", None) and getattr(args, "slime_wandb_mode", None) != "disabled":
+        refused.setdefault(_WANDB, []).append("--use-wandb")
     if refused:
         listed = "; ".join(f"{', '.join(flags)} ({missing})" for missing, flags in refused.items())
         raise ValueError(f"vime does not have what these flags ask for yet: {listed}. Leave them out (the run then "
