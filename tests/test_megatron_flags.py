@@ -145,6 +145,18 @@ def test_switches_and_floats_are_checked_against_the_fields():
         checked(["--moe-router-pre-softmax"], QWEN3_30B_A3B_CONFIG)
 
 
+def test_qk_layernorm_is_read_per_family():
+    """Qwen3 has it without a config field; a Qwen2 or Llama checkpoint has no such field and no QK norm, so the
+    flag on one is refused; GLM-4.5 says it in use_qk_norm."""
+    checked(["--qk-layernorm"], QWEN3_4B_CONFIG)
+    for config in ({"model_type": "qwen2"}, {"model_type": "llama"}):
+        with pytest.raises(ValueError, match=r"--qk-layernorm: config.json's use_qk_norm is absent"):
+            checked(["--qk-layernorm"], config)
+    with pytest.raises(ValueError, match=r"--qk-layernorm: config.json's use_qk_norm is False"):
+        checked(["--qk-layernorm"], {**GLM45_AIR_CONFIG, "use_qk_norm": False})
+    checked(["--qk-layernorm"], {**GLM45_AIR_CONFIG, "use_qk_norm": True})
+
+
 def test_what_vime_does_otherwise_is_refused_by_name():
     """Performance flags are accepted (the 30B's --moe-grouped-gemm above); a value that changes the loss or the
     routing, or asks for DeepEP, is refused with vime's value, in a message of its own kind."""

@@ -76,6 +76,12 @@ def _moe(read: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     return lambda hf, run: read(hf) if any(moe_layer_pattern(hf)) else ABSENT
 
 
+def _qk_norm(hf: Any) -> bool:
+    """Whether the checkpoint normalizes queries and keys per head: Qwen3's always do (its config has no field
+    for it), GLM-4.5's when use_qk_norm says so; a model without the field (Qwen2, Llama) has none."""
+    return hf.model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf, "use_qk_norm", False))
+
+
 def _experts(hf: Any) -> int:
     return hf.num_experts if hf.model_type == "qwen3_moe" else hf.n_routed_experts
 
@@ -171,8 +177,8 @@ MEGATRON_FLAGS = (
     MegatronFlag("--disable-bias-linear", bool, lambda hf, run: not getattr(hf, "mlp_bias", False),
                  "mlp_bias", note="vime's families have no MLP or output-projection bias"),
     MegatronFlag("--add-qkv-bias", bool, lambda hf, run: bool(hf.attention_bias), "attention_bias"),
-    MegatronFlag("--qk-layernorm", bool, lambda hf, run: getattr(hf, "use_qk_norm", hf.model_type != "glm4_moe"),
-                 "use_qk_norm", note="Qwen3 always has it"),
+    MegatronFlag("--qk-layernorm", bool, lambda hf, run: _qk_norm(hf), "use_qk_norm",
+                 note="Qwen3 always has it, without the field; Qwen2 and Llama never"),
     MegatronFlag("--use-rotary-position-embeddings", bool, lambda hf, run: "rope_theta" in _rope(hf), "rope_theta"),
     MegatronFlag("--position-embedding-type", str,
                  lambda hf, run: "rope" if "rope_theta" in _rope(hf) else "learned_absolute", "rope_theta"),
