@@ -157,6 +157,21 @@ def test_qk_layernorm_is_read_per_family():
     checked(["--qk-layernorm"], {**GLM45_AIR_CONFIG, "use_qk_norm": True})
 
 
+def test_switches_left_out_of_model_args_are_checked_as_off():
+    """MODEL_ARGS without --untie-embeddings-and-output-weights describe a tied model: refused on the 30B's untied
+    checkpoint (and without --swiglu, a GELU one); without --num-layers, --hidden-size or --num-attention-heads (no
+    whole model described) the flags given are checked alone."""
+    untied = [flag for flag in QWEN3_30B_A3B_MODEL_ARGS if flag != "--untie-embeddings-and-output-weights"]
+    with pytest.raises(ValueError, match=r"no --untie-embeddings-and-output-weights: config.json's "
+                                         r"tie_word_embeddings is False"):
+        checked(untied, QWEN3_30B_A3B_CONFIG)
+    with pytest.raises(ValueError, match=r"no --swiglu: config.json's hidden_act is silu"):
+        checked([flag for flag in QWEN3_4B_MODEL_ARGS if flag != "--swiglu"], QWEN3_4B_CONFIG)
+    checked(["--vocab-size", "151936", "--moe-grouped-gemm"], QWEN3_30B_A3B_CONFIG)  # no flag Megatron requires
+    with pytest.raises(ValueError, match=r"no --group-query-attention: .*no --swiglu: .*no --qk-layernorm: "):
+        checked(["--num-layers", "36"], QWEN3_4B_CONFIG)
+
+
 def test_what_vime_does_otherwise_is_refused_by_name():
     """Performance flags are accepted (the 30B's --moe-grouped-gemm above); a value that changes the loss or the
     routing, or asks for DeepEP, is refused with vime's value, in a message of its own kind."""

@@ -8,8 +8,10 @@ and the field's value -- the launcher's ``MODEL_ARGS`` are of another model than
 
 The flags of Megatron's that change how fast the same model trains, not what it computes (``--moe-grouped-gemm``,
 ``--attention-backend``, the token dispatcher), are rows too, accepted with the reason; where vime does otherwise
-than a value asks (an auxiliary load-balancing loss, DeepEP's dispatcher) it is refused by name. A switch left out
-is not checked: vime runs the checkpoint as it is, so a launcher passing only some of these flags loses nothing.
+than a value asks (an auxiliary load-balancing loss, DeepEP's dispatcher) it is refused by name. Without any
+one of the flags Megatron requires (``--num-layers``, ``--hidden-size``, ``--num-attention-heads``) the flags given
+are checked alone; with one, an architecture switch left out is checked as off, as Megatron builds the model
+without it.
 
 The check runs in the run's preflight (``vime.pipeline.preflight``), which reads config.json once, for it and the
 Megatron backend; the rows of vime's own values are checked there too, so that one message says everything.
@@ -57,6 +59,8 @@ class MegatronFlag:
         """Whether ``value``, as given, is what vime runs (``expected``, from :attr:`expected`)."""
         if expected is None:
             return True
+        if expected is ABSENT:  # a MoE switch on a dense model: left out (False) agrees
+            return value is False
         if isinstance(expected, frozenset):
             return value in expected
         if self.at_least:
@@ -261,9 +265,24 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(row.flag, dest=row.dest, type=row.kind, default=None, metavar="VALUE", help=meaning)
 
 
+# Megatron's --position-embedding-type rope gives RoPE without this (older) switch, so its absence says nothing
+_NOT_IMPLIED_OFF = {"--use-rotary-position-embeddings"}
+# what Megatron cannot build a model without: a command line holding one describes the whole model
+_REQUIRED = {"--num-layers", "--hidden-size", "--num-attention-heads"}
+
+
 def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags of :data:`MEGATRON_FLAGS` on the command line, by flag, as given."""
-    return {row.flag: getattr(args, row.dest) for row in MEGATRON_FLAGS if getattr(args, row.dest, None) is not None}
+    """The flags of :data:`MEGATRON_FLAGS` on the command line, by flag, as given. Once a flag that Megatron
+    cannot build a model without is given (``--num-layers``, ``--hidden-size``, ``--num-attention-heads``: the
+    command line describes the whole model), the architecture switches left out are given as False, as Megatron
+    builds the model without them: a launcher's MODEL_ARGS lacking
+    ``--untie-embeddings-and-output-weights`` describe a tied model, which an untied checkpoint is not."""
+    flags = {row.flag: getattr(args, row.dest) for row in MEGATRON_FLAGS if getattr(args, row.dest, None) is not None}
+    if _REQUIRED & set(flags):
+        for row in MEGATRON_FLAGS:
+            if row.kind is bool and row.field and row.flag not in _NOT_IMPLIED_OFF:
+                flags.setdefault(row.flag, False)
+    return flags
 
 
 def check(flags: Mapping[str, Any], hf_config: Any, run: Any, source: str) -> None:
@@ -278,7 +297,7 @@ def check(flags: Mapping[str, Any], hf_config: Any, run: Any, source: str) -> No
     for flag, value in flags.items():
         row = rows[flag]
         expected = row.expected(hf_config, run)
-        spelled = flag if row.kind is bool else f"{flag} {value}"
+        spelled = (flag if value else f"no {flag}") if row.kind is bool else f"{flag} {value}"
         if row.flag == "--moe-layer-freq":
             value = _layer_pattern(value, hf_config.num_hidden_layers)
         if row.agrees(value, expected):
