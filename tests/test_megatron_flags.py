@@ -244,3 +244,23 @@ def test_the_command_line_refuses_a_wrong_checkpoint_before_the_run_folder(tmp_p
         assert "--swiglu" not in result.stderr
         assert not (tmp_path / "run").exists()
     assert Path(model / "config.json").is_file()
+
+
+def test_the_check_imports_no_torch():
+    """The flags are checked before any engine loads: the layer pattern, head width and experts' layout come from
+    vime.architecture (torch-free), which vime.flops and the Megatron backend read too."""
+    program = ("import sys, argparse, types\n"
+               "from vime.megatron_flags import add_megatron_flags, check, given\n"
+               "from vime.config import RunConfig\n"
+               "from test_megatron_flags import QWEN3_30B_A3B_CONFIG, QWEN3_30B_A3B_MODEL_ARGS\n"
+               "parser = argparse.ArgumentParser()\n"
+               "add_megatron_flags(parser)\n"
+               # transformers' config classes import torch themselves: the fields as a plain object
+               "hf = types.SimpleNamespace(**QWEN3_30B_A3B_CONFIG, rope_parameters={'rope_theta': "
+               "QWEN3_30B_A3B_CONFIG['rope_theta']})\n"
+               "check(given(parser.parse_args([*QWEN3_30B_A3B_MODEL_ARGS, '--expert-tensor-parallel-size', '1'])), "
+               "hf, RunConfig(), 'M')\n"
+               "assert 'torch' not in sys.modules, 'torch imported'\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -26,13 +26,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-
-def moe_layer_pattern(hf_config: Any) -> list[int]:
-    """:func:`vime.flops.moe_layer_pattern`, imported when a check runs (vime.flops imports torch)."""
-    from vime.flops import moe_layer_pattern as pattern
-
-    return pattern(hf_config)
-
+from vime.architecture import expert_tensor_parallel, head_dim, moe_layer_pattern
 
 ABSENT = object()  # what a MoE flag is checked against on a dense model: no value given equals it
 
@@ -151,12 +145,11 @@ def _layer_pattern(text: str, layers: int) -> list[int] | None:
 
 
 def _expert_tensor_parallel(hf: Any, run: Any) -> Any:
-    """How many ranks share each expert in vime's layout: a copy's tensor-parallel ranks when the experts are not
-    divided whole (``--expert-model-parallel-size 1``), else one; any value for a dense model."""
+    """How many ranks share each expert in vime's layout (:func:`vime.architecture.expert_tensor_parallel`); any
+    value for a dense model."""
     if not any(moe_layer_pattern(hf)):
         return None
-    job = run.job
-    return job.tensor_model_parallel_size if job.expert_model_parallel_size == 1 else 1
+    return expert_tensor_parallel(run.job.tensor_model_parallel_size, run.job.expert_model_parallel_size)
 
 
 _SAME_MATH = "accepted: it changes how fast, not what, Megatron computes; "
@@ -170,9 +163,7 @@ MEGATRON_FLAGS = (
                  lambda hf, run: hf.num_key_value_heads < hf.num_attention_heads,
                  "num_key_value_heads", note="grouped when below num_attention_heads"),
     MegatronFlag("--num-query-groups", int, lambda hf, run: hf.num_key_value_heads, "num_key_value_heads"),
-    MegatronFlag("--kv-channels", int,
-                 lambda hf, run: getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-                 "head_dim"),
+    MegatronFlag("--kv-channels", int, lambda hf, run: head_dim(hf), "head_dim"),
     MegatronFlag("--normalization", str,
                  lambda hf, run: "RMSNorm" if getattr(hf, "rms_norm_eps", None) else "LayerNorm", "rms_norm_eps",
                  note="an RMSNorm model has it"),
