@@ -248,7 +248,11 @@ def test_run_qwen3_30b_a3b_sh(root):
     refused = refused_flags(result.stderr)
     assert refused == {"--use-dynamic-batch-size", "--max-tokens-per-gpu 20480", "--optimizer-cpu-offload",
                        "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--use-wandb"}
-    config = resolved(dry_run("slime", without(RUN_QWEN3_30B_A3B, refused), root))
+    result = dry_run("slime", without(RUN_QWEN3_30B_A3B, refused), root)
+    config = resolved(result)
+    # the W&B settings, which slime reads only with --use-wandb, are accepted with a note, the key not shown
+    assert "note: --wandb-project, --wandb-group, --wandb-run-id, --wandb-key ignored" in result.stderr
+    assert "WANDB_KEY" not in result.stderr + result.stdout
     assert_slimes_recipe(config, prompts=8, samples=4, tensor=4, data=2, experts=8, eval_every=0, save_every=0)
     loss = config["loss"]
     assert (loss["off_policy_correction"], loss["tis_level"], loss["tis_cap"], loss["tis_floor"]) == (
