@@ -24,7 +24,8 @@ def test_help_of_every_entry_point():
 def test_scenario_list():
     result = run("vime.scenario", "--list")
     assert result.returncode == 0 and [line.split()[0] for line in result.stdout.splitlines()] == [
-        "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck"]
+        "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck",
+        "slime"]
 
 
 def test_training_flags_come_from_the_settings():

@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
+from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
@@ -37,7 +38,6 @@ from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
 from vime.devtools.make_tiny_model import tiny_config  # noqa: E402
-from vime.flops import moe_layer_pattern  # noqa: E402
 
 VOCAB = 256
 TEMPERATURE = 0.7

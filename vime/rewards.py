@@ -121,6 +121,28 @@ def math(response: str, label: str, **metadata: Any) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
+def deepscaler(response: str, label: str, **metadata: Any) -> float:
+    """slime's ``deepscaler`` reward (``slime/rollout/rm_hub/deepscaler.py``), in what it reads: the solution is
+    what follows the last ``</think>`` (else what follows the first ``###Response``; a response with neither scores
+    0.0, its thinking never closed), and its answer is the last ``\\boxed{}`` in it only (an unboxed answer scores
+    0.0); a label holding a ``\\boxed{}`` is compared by its contents, an empty label scores 0.0. It departs from
+    slime in how two answers are found equal: slime normalizes them as MATH's grader does and then compares them
+    in sympy; vime compares the boxed answer with :func:`math` (math-verify), which takes at least as many forms of
+    one number as equal (``0.5`` and ``\\frac{1}{2}``)."""
+    if "</think>" in response:
+        solution = response.split("</think>")[-1]
+    elif "###Response" in response:
+        solution = response.split("###Response")[1]
+    else:
+        return 0.0
+    answer, label = _last_boxed(solution), str(label)
+    if "\\boxed" in label:
+        label = _last_boxed(label) or ""
+    if answer is None or not label:
+        return 0.0
+    return math(f"\\boxed{{{answer}}}", label)
+
+
 # An answer holding a power of more digits than this is compared as written, not evaluated: sympy spends
 # math-verify's whole time limit (5 s) expanding ``9^{9^{9^{9}}}``, and one such answer in a hundred cut the
 # reward's throughput tenfold and more (bench/rewards.py). No answer to a math problem is a number this long.
@@ -163,7 +185,7 @@ def _same_number(text: str, label: str) -> bool:
 
 
 BUILT_IN: dict[str, RewardFn] = {"exact": exact, "first_number": first_number, "last_number": last_number,
-                                  "gsm8k": gsm8k, "math": math}
+                                  "gsm8k": gsm8k, "math": math, "deepscaler": deepscaler}
 
 
 def resolve(name: str, custom: str = "") -> RewardFn:

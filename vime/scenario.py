@@ -9,6 +9,7 @@ also a flag (``--lr``, ``--rollout-batch-size``, ``--advantage-estimator rloo`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import shlex
@@ -21,13 +22,14 @@ from typing import Callable
 
 import trio
 
-from vime import slime_flags
+from vime import megatron_flags, slime_flags
 from vime.config import LaunchConfig, RunConfig, TrainingLaunchConfig, add_flags, engine_flags, from_flags
 from vime.logs import configure
 from vime.settings import add_setting_flags, given_settings
 
 SCENARIOS = {name: f"vime.scenarios.{name}" for name in (
-    "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck")}
+    "arithmetic", "qwen3_4b_gsm8k", "qwen3_4b_gsm8k_tools", "qwen3_30b_a3b_dapo", "glm45_air_dapo", "selfcheck",
+    "slime")}
 DEFAULT = "arithmetic"
 
 
@@ -65,6 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     launch = LaunchConfig(**given_settings(args, LaunchConfig))
     training_launch = TrainingLaunchConfig(**given_settings(args, TrainingLaunchConfig))
+    if training:
+        try:
+            out, resume_from, folder_notes = slime_flags.run_folder(args, launch.out, training_launch.resume)
+        except ValueError as err:
+            return _refuse(err)
+        launch = dataclasses.replace(launch, out=out)
+        training_launch = dataclasses.replace(training_launch, resume=resume_from)
+        for note in [*folder_notes, *slime_flags.wandb_notes(args)]:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     configure(launch.log_level)
     resume = training_launch.resume is not None
     run_dir = training_launch.resume or launch.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -115,7 +126,8 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
-                                         show=display, resume=resume, host=launch.host, tls=launch.tls()))
+                                         show=display, resume=resume, host=launch.host, tls=launch.tls(),
+                                         model_flags=megatron_flags.given(args)))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)
     except RunFailed as err:
@@ -152,7 +164,8 @@ def _dry_run(scenario: ModuleType, args: argparse.Namespace, training_launch: Tr
         if builds is None and not resume:
             config = scenario.prepare(run_dir, config)  # one that would build its model has said so instead
         gpus = None if training_launch.dry_run_gpus is None else [str(i) for i in range(training_launch.dry_run_gpus)]
-        placed, row = preflight(config, gpus, weights=False, model=builds is None)
+        placed, row = preflight(config, gpus, weights=False, model=builds is None,
+                                model_flags=megatron_flags.given(args))
         trio.run(check_reward, config, row)
         config = config.replace(rollout_workers=len(placed.engines))  # as the run records it
         lines = describe(config, placed)

@@ -19,13 +19,14 @@ from typing import Any
 
 
 def setting(default: Any, help: str, flags: tuple[str, ...] = (), *, metavar: str | None = None,
-            const: Any = dataclasses.MISSING) -> Any:
+            const: Any = dataclasses.MISSING, spellings: dict[str, Any] | None = None) -> Any:
     """A dataclass field with ``default`` whose ``--help`` text is ``help`` (a dict default is copied
     for each instance; ``dataclasses.MISSING``: a field without default, which code must give).
     ``flags``: the command line's spellings of it, when not just ``--field-name`` (an alias kept for an
     older name, with the field itself the one source of truth); ``metavar``: the value's name in --help;
-    ``const``: what the flag given without a value means (``--exit-with-parent`` alone)."""
-    metadata = {"help": help, "flags": flags, "metavar": metavar, "const": const}
+    ``const``: what the flag given without a value means (``--exit-with-parent`` alone); ``spellings``: other
+    names of a choice on the command line, read as the choice they name (slime's ``--tis-level geometric``)."""
+    metadata = {"help": help, "flags": flags, "metavar": metavar, "const": const, "spellings": spellings or {}}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -87,8 +88,9 @@ def add_setting_flags(group: Any, kind: type, defaults: Any = None) -> None:
             group.add_argument(*flags, dest=name, action=_Store, type=item, nargs="*", default=None,
                                metavar=meta.get("metavar") or ("ID" if item is int else "VALUE"), help=help_text)
         elif choices_of(annotation):
+            spellings = meta.get("spellings") or {}
             group.add_argument(*flags, dest=name, action=_Store, choices=choices_of(annotation), default=None,
-                               help=help_text)
+                               type=lambda value, spellings=spellings: spellings.get(value, value), help=help_text)
         else:
             optional = {} if meta.get("const", dataclasses.MISSING) is dataclasses.MISSING else {
                 "nargs": "?", "const": meta["const"]}

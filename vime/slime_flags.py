@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any, Callable
 
 from vime.settings import flag_values, spelling_of
@@ -39,6 +40,7 @@ def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable
       when that is not given, as slime derives its steps per rollout;
     - with slime's KL spelling on the command line (``--use-kl-loss`` or ``--kl-loss-type``), the KL loss is on only
       with ``--use-kl-loss`` (slime ignores ``--kl-loss-coef`` without it), and its estimator defaults to slime's k1;
+    - ``--calculate-per-token-loss`` is ``--loss-aggregation token``;
     - ``--optimizer adam`` is vime's AdamW (Megatron's adam decays weights decoupled, as AdamW does); others are
       refused.
 
@@ -60,7 +62,87 @@ def translate(args: argparse.Namespace, given: dict[str, Any], current: Callable
     batch = getattr(args, "slime_global_batch_size", None)
     if batch is not None:
         given.update(_updates_per_step(batch, given, current))
+    if getattr(args, "slime_use_tis", None):
+        given.update(_tis(given))
+    if getattr(args, "slime_calculate_per_token_loss", None):
+        if given.get("loss_aggregation", "token") != "token":
+            raise ValueError(f"--calculate-per-token-loss is vime's --loss-aggregation token, but --loss-aggregation "
+                             f"{given['loss_aggregation']} is given too: pass one of them")
+        given["loss_aggregation"] = "token"
+    given.update(_recompute(args))
+    given.update(_reward(getattr(args, "slime_rm_type", None), given))
+    given.update(_eval_sets(getattr(args, "slime_eval_prompt_data", None), given))
     return given
+
+
+def _tis(given: dict[str, Any]) -> dict[str, str]:
+    """slime's ``--use-tis``: truncated importance sampling against the rollout's log-probs, weights in
+    [--tis-clip-low, --tis-clip] (slime's defaults 0 and 2, vime's too), which is vime's --off-policy-correction tis;
+    ValueError when another correction is asked for beside it."""
+    if given.get("off_policy_correction", "tis") != "tis":
+        raise ValueError(f"--use-tis is vime's --off-policy-correction tis, but --off-policy-correction "
+                         f"{given['off_policy_correction']} is given too: pass one of them")
+    return {"off_policy_correction": "tis"}
+
+
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def _recompute(args: argparse.Namespace) -> dict[str, bool]:
+    """Megatron's recomputation flags as vime's ``--recompute-activations``, which is Megatron's full, uniform
+    recomputation of one layer per checkpoint; any other value is refused naming what vime does."""
+    spelled = {name: getattr(args, f"slime_{name}", None) for name in _RECOMPUTE}
+    if all(value is None for value in spelled.values()):
+        return {}
+    wrong = [f"--{name.replace('_', '-')} {value}" for name, value in spelled.items()
+             if value is not None and value != _RECOMPUTE[name]]
+    if wrong or spelled["recompute_granularity"] is None:
+        asked = ", ".join(wrong) or "--recompute-method/--recompute-num-layers without --recompute-granularity"
+        raise ValueError(f"{asked}: vime recomputes whole layers, one per checkpoint (Megatron's "
+                         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1, which is "
+                         "vime's --recompute-activations); pass those, or leave the --recompute-* flags out to keep "
+                         "every activation")
+    return {"recompute_activations": True}
+
+
+# slime's --rm-type and vime's built-in reward doing the same; the others refused with what to pass
+RM_TYPES = {"math": "math", "deepscaler": "deepscaler", "gsm8k": "gsm8k"}
+_RM_INSTEAD = {
+    "dapo": "--reward math (math-verify reads DAPO's \"Answer:\" line too; slime's dapo scores a wrong answer -1 where "
+            "vime's scores 0: GRPO's group-normalised advantages are the same, eval means are not)",
+    "remote_rm": "--custom-reward module:function calling your reward server",
+}
+
+
+def _reward(rm_type: str | None, given: dict[str, Any]) -> dict[str, str]:
+    """slime's ``--rm-type`` as vime's ``--reward``; ValueError for one vime has not, saying what to pass."""
+    if rm_type is None:
+        return {}
+    if rm_type not in RM_TYPES:
+        instead = _RM_INSTEAD.get(rm_type, "--reward NAME, a built-in of vime.rewards, or --custom-reward "
+                                           "module:function")
+        raise ValueError(f"--rm-type {rm_type}: vime has no such reward; pass {instead}. --rm-type takes "
+                         f"{', '.join(RM_TYPES)}")
+    if given.get("reward", RM_TYPES[rm_type]) != RM_TYPES[rm_type]:
+        raise ValueError(f"--rm-type {rm_type} is vime's --reward {RM_TYPES[rm_type]}, but --reward "
+                         f"{given['reward']} is given too: pass one of them")
+    return {"reward": RM_TYPES[rm_type]}
+
+
+def _eval_sets(pairs: list[str] | None, given: dict[str, Any]) -> dict[str, str]:
+    """slime's ``--eval-prompt-data NAME PATH`` as vime's ``--eval-data PATH``. Several sets are refused: vime
+    evaluates one file, and gives per-set metrics from its rows' ``data_source``; slime's NAME only names its
+    metrics (vime's are ``eval/pass@1``, ... without it)."""
+    if pairs is None:
+        return {}
+    if len(pairs) != 2:
+        raise ValueError(f"--eval-prompt-data {' '.join(pairs)}: vime takes one NAME PATH pair: it evaluates one file "
+                         "(--eval-data), with pass@1 and mean@k per set when its rows carry a data_source field; "
+                         "put the sets in one JSONL, each row's data_source its set's name, and pass that")
+    if "eval_data" in given:
+        raise ValueError(f"--eval-prompt-data {' '.join(pairs)} is vime's --eval-data {pairs[1]}, but --eval-data "
+                         "is given too: pass one of them")
+    return {"eval_data": pairs[1]}
 
 
 def _updates_per_step(batch: int, given: dict[str, Any], current: Callable[[str], Any]) -> dict[str, int]:
@@ -88,14 +170,22 @@ class LayoutFlag:
     missing: str  # what vime lacks to honour another value
     accepted: int | bool | None = None  # the value vime runs as it is; None: none is (a switch is refused when given)
     number: bool = False  # the flag takes a number (else it is a switch)
+    note: str = ""  # for a switch accepted: why what vime does is what it asks for
+    text: bool = False  # the flag takes a text value (refused whatever it is)
 
 
 _TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
 _OFFLOAD = "offloading of the optimizer state to the CPU"
+_WANDB = "logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard"
 LAYOUT_FLAGS = (
     LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
     LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
-    LayoutFlag("--sequence-parallel", "", accepted=True),  # vime's tensor parallelism always shards the sequence
+    LayoutFlag("--sequence-parallel", "", accepted=True, note="vime's tensor parallelism always shards the sequence"),
+    LayoutFlag("--rollout-shuffle", "", accepted=True,
+               note="vime always draws the prompts in an order shuffled anew each epoch from --seed"),
+    LayoutFlag("--balance-data", "", accepted=True,
+               note="slime's balancing of tokens among data-parallel ranks moves samples between ranks, not "
+                    "what a step's gradient sums; vime splits a mini-batch's samples evenly among the copies"),
     LayoutFlag("--use-dynamic-batch-size", _TOKEN_BUDGET),
     LayoutFlag("--max-tokens-per-gpu", _TOKEN_BUDGET, number=True),
     LayoutFlag("--optimizer-cpu-offload", _OFFLOAD),
@@ -103,6 +193,9 @@ LAYOUT_FLAGS = (
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
     LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
 )
+# slime reads these only with --use-wandb (refused below unless --wandb-mode disabled): alone they ask for nothing
+WANDB_SETTINGS = ("--wandb-project", "--wandb-group", "--wandb-run-id", "--wandb-key", "--wandb-host", "--wandb-team",
+                  "--wandb-mode")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser) -> None:
@@ -111,15 +204,36 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                                       "one shown is refused, naming what vime lacks)")
     for layout in LAYOUT_FLAGS:
         if layout.accepted is True:
-            meaning = "accepted: vime's tensor parallelism always shards the sequence"
+            meaning = f"accepted: {layout.note}"
         elif layout.accepted is None:
             meaning = f"refused (vime lacks {layout.missing})"
         else:
             meaning = f"{layout.accepted} only (vime lacks {layout.missing})"
-        if layout.number:
-            group.add_argument(layout.flag, dest=_dest(layout), type=int, default=None, metavar="N", help=meaning)
+        if layout.number or layout.text:
+            group.add_argument(layout.flag, dest=_dest(layout), type=int if layout.number else str, default=None,
+                               metavar="N" if layout.number else "VALUE", help=meaning)
         else:
             group.add_argument(layout.flag, dest=_dest(layout), action="store_true", default=None, help=meaning)
+    group.add_argument("--use-wandb", dest="slime_use_wandb", action="store_true", default=None,
+                       help=f"refused (vime lacks {_WANDB}), unless --wandb-mode disabled, which logs nothing")
+    for flag in WANDB_SETTINGS:
+        group.add_argument(flag, dest=_wandb_dest(flag), default=None, metavar="VALUE",
+                           help="accepted with a note: slime reads it only with --use-wandb")
+
+
+def _wandb_dest(flag: str) -> str:
+    return "slime_" + flag.removeprefix("--").replace("-", "_")
+
+
+def wandb_notes(args: argparse.Namespace) -> list[str]:
+    """What the W&B flags given do on vime, to show: nothing (their values not shown: --wandb-key is a secret)."""
+    given = [flag for flag in WANDB_SETTINGS if getattr(args, _wandb_dest(flag), None) is not None]
+    if getattr(args, "slime_use_wandb", None):
+        return ["--use-wandb --wandb-mode disabled logs nothing, in slime and in vime"]
+    if not given:
+        return []
+    return [f"{', '.join(given)} ignored: slime reads {'it' if len(given) == 1 else 'them'} only with --use-wandb "
+            f"(and vime lacks {_WANDB})"]
 
 
 def add_translated_flags(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +248,65 @@ def add_translated_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--optimizer", dest="slime_optimizer", default=None, metavar="adam",
                        help="adam only: vime's AdamW is Megatron's adam, whose weight decay is decoupled too, so "
                             "--weight-decay, --adam-beta1 and --adam-beta2 mean the same")
+    group.add_argument("--calculate-per-token-loss", dest="slime_calculate_per_token_loss", action="store_true",
+                       default=None, help="slime's loss averaged over a batch's tokens: --loss-aggregation token "
+                                          "(without it slime averages per response, then over responses: the "
+                                          "slime scenario's --loss-aggregation sequence)")
+    group.add_argument("--use-tis", dest="slime_use_tis", action="store_true", default=None,
+                       help="slime's truncated importance sampling: --off-policy-correction tis (--tis-clip and "
+                            "--tis-clip-low bound the weights, 2 and 0 by default in both)")
+    for name, value in _RECOMPUTE.items():
+        group.add_argument(f"--{name.replace('_', '-')}", dest=f"slime_{name}", type=type(value), default=None,
+                           metavar=str(value), help=f"{value} only: with the other two, vime's "
+                                                    "--recompute-activations (whole layers, one per checkpoint)")
+    group.add_argument("--rm-type", dest="slime_rm_type", default=None, metavar="TYPE",
+                       help=f"slime's reward: {', '.join(f'{k} is --reward {v}' for k, v in RM_TYPES.items())} "
+                            "(deepscaler: the last \\boxed{} after the last </think>, or after ###Response, as "
+                            "slime's, 0 without one; its answers compared by math-verify, not slime's sympy "
+                            "grader); others refused with what to pass")
+    group.add_argument("--eval-prompt-data", dest="slime_eval_prompt_data", nargs="+", default=None,
+                       metavar="NAME PATH", help="one NAME PATH pair: --eval-data PATH (several sets: one file, "
+                                                 "each row's data_source naming its set, gives metrics per set)")
+    group.add_argument("--save", dest="slime_save", default=None, metavar="DIR",
+                       help="slime's checkpoint folder: vime's run folder (--out DIR), which holds its checkpoints "
+                            "(RUN_DIR/checkpoints, every --save-interval) beside its metrics and logs")
+    group.add_argument("--load", dest="slime_load", default=None, metavar="DIR",
+                       help="slime's folder to continue from: with --save DIR the same, a run already in DIR is "
+                            "resumed (--resume DIR), else a new one starts there from --hf-checkpoint, as slime "
+                            "starts from --ref-load")
+    group.add_argument("--ref-load", dest="slime_ref_load", default=None, metavar="DIR",
+                       help="slime's Megatron copy of the starting and reference weights: not read, since vime "
+                            "reads both from --hf-checkpoint (a note says so)")
+
+
+def run_folder(args: argparse.Namespace, out: Path | None, resume: Path | None) -> tuple[Path | None, Path | None,
+                                                                                     list[str]]:
+    """vime's run folder and run to resume (``--out``, ``--resume``) with slime's ``--save``/``--load``/``--ref-load``
+    applied, and notes to show. slime saves its checkpoints to --save and continues from --load when a checkpoint is
+    there, else starts from --ref-load; vime's run folder holds its checkpoints, a run is continued in its own
+    folder, and it starts from --hf-checkpoint. ValueError for what has no vime meaning, saying what to pass."""
+    save, load, ref_load = (getattr(args, f"slime_{name}", None) for name in ("save", "load", "ref_load"))
+    notes = [] if ref_load is None else [
+        f"--ref-load {ref_load} is not read: vime's starting and reference weights are --hf-checkpoint's (convert "
+        "another reference model to a Hugging Face folder to train from it)"]
+    if save is None and load is None:
+        return out, resume, notes
+    if out is not None or resume is not None:
+        raise ValueError("--save/--load name vime's run folder, as --out or --resume do: pass one of them")
+    if save is None:
+        raise ValueError(f"--load {load} without --save {load}: vime continues a run in its own folder; pass --save "
+                         f"and --load the same folder, or --resume RUN_DIR")
+    if load is not None and Path(load).resolve() != Path(save).resolve():
+        raise ValueError(f"--save {save} and --load {load} are different folders: vime continues a run in its own "
+                         f"folder; pass the same folder to both (--load {save}), or leave --load out to start in "
+                         f"{save}")
+    folder = Path(save)
+    if (folder / "config.json").is_file():
+        if load is None:
+            raise ValueError(f"--save {save} holds a vime run: add --load {save} to continue it, as slime's --load "
+                             "does, or pass a new folder")
+        return None, folder, [*notes, f"--load {load}: the run in it is resumed (--resume {load})"]
+    return folder, None, notes
 
 
 def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> None:
@@ -146,7 +319,10 @@ def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> 
     for layout in LAYOUT_FLAGS:
         value = getattr(args, _dest(layout), None)
         if value is not None and value != layout.accepted:
-            refused.setdefault(layout.missing, []).append(layout.flag if value is True else f"{layout.flag} {value}")
+            shown = value is not True and not layout.text  # a text value may be a secret (--wandb-key)
+            refused.setdefault(layout.missing, []).append(f"{layout.flag} {value}" if shown else layout.flag)
+    if getattr(args, "slime_use_wandb", None) and getattr(args, "slime_wandb_mode", None) != "disabled":
+        refused.setdefault(_WANDB, []).append("--use-wandb")
     if refused:
         listed = "; ".join(f"{', '.join(flags)} ({missing})" for missing, flags in refused.items())
         raise ValueError(f"vime does not have what these flags ask for yet: {listed}. Leave them out (the run then "

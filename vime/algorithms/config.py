@@ -88,7 +88,9 @@ class PolicyLossConfig:
     tis_floor: float = setting(0.0, "the importance weight's lower bound (tis raises to it, icepop drops below it; "
                                     "IcePop uses 0.5 with a cap of 5)", flags=("--tis-floor", "--tis-clip-low"))
     tis_level: TisLevel = setting("token", "whose importance weight: token; sequence-geometric (the geometric mean of "
-                                      "the response's token weights); sequence-product (their product)")
+                                      "the response's token weights); sequence-product (their product); slime's "
+                                      "geometric and sequence are the two sequence levels",
+                                  spellings={"geometric": "sequence-geometric", "sequence": "sequence-product"})
     stale_ratio: StaleRatio = setting("behaviour", "the PPO ratio of a token sampled by older weights than the "
                                                    "trainer's (--max-staleness > 0): behaviour: against the "
                                                    "log-probs it was sampled with, so the clip bounds the policy's "

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vime.backends.megatron.parallel import _expert_tensor_parallel
-from vime.flops import moe_layer_pattern
+from vime.architecture import expert_tensor_parallel, moe_layer_pattern
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
@@ -87,7 +86,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
         expert_model_parallel_size=expert_parallel,
-        expert_tensor_parallel_size=_expert_tensor_parallel(tensor_parallel, expert_parallel),
+        expert_tensor_parallel_size=expert_tensor_parallel(tensor_parallel, expert_parallel),
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )

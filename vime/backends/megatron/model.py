@@ -23,11 +23,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
+from vime.architecture import moe_layer_pattern
 from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
 from vime.backends.megatron.routing import _routing
-from vime.flops import moe_layer_pattern
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,

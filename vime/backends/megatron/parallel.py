@@ -17,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from vime.architecture import expert_tensor_parallel
 from vime.backends import cpu_compat
 from vime.config import check_expert_parallel
 
@@ -55,7 +56,7 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                                  pipeline_model_parallel_size=1,
                                                  expert_model_parallel_size=expert_parallel,
-                                                 expert_tensor_parallel_size=_expert_tensor_parallel(
+                                                 expert_tensor_parallel_size=expert_tensor_parallel(
                                                      tensor_parallel, expert_parallel))
         if torch.cuda.is_available():
             # Megatron forks the CUDA RNG tracker's state around dropout, and under sequence parallelism around
@@ -64,11 +65,6 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
     elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size(),
           parallel_state.get_data_parallel_world_size()) != (tensor_parallel, expert_parallel, data_parallel):
         raise ValueError("this process already holds a model of another tensor-, expert- or data-parallel size")
-
-
-def _expert_tensor_parallel(tensor_parallel: int, expert_parallel: int) -> int:
-    """How many ranks share each expert: all of a copy's when the experts are not divided whole, else one."""
-    return tensor_parallel if expert_parallel == 1 else 1
 
 
 def _sequence_ranks(model: GPTModel) -> tuple[int, int]:
