@@ -205,38 +205,6 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def test_a_killed_driver_resumes_from_the_command_line(tmp_path):
-    import os
-    import subprocess
-    import time
-
-    run_dir = tmp_path / "run"
-    steps = 30
-    scenario = [sys.executable, "-m", "vime.scenario", "arithmetic"]
-    driver = subprocess.Popen([*scenario, "--out", str(run_dir), "--steps", str(steps), "--save-every", "3",
-                               "--rollout-batch-size", "16", "--max-staleness", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while checkpoint.latest(run_dir) is None:
-            assert time.monotonic() < deadline and driver.poll() is None, "no checkpoint was written"
-            time.sleep(0.02)
-    finally:
-        driver.kill()
-        driver.wait()
-    assert not (run_dir / "summary.json").exists()  # it died mid-run
-    pids = [actor["pid"] for actor in json.loads((run_dir / "actors.json").read_text())["actors"]]
-    deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in pids):  # orphaned actors notice and exit
-        assert time.monotonic() < deadline, "actors outlived their driver"
-        time.sleep(0.1)
-    resumed = subprocess.run([*scenario, "--resume", str(run_dir)], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert_every_group_trained_once(summary, MetricsFollower(run_dir).new_rows(), steps, 16)
-
-
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting to be reaped by whoever adopted it does not count)."""
     try:
