@@ -512,3 +512,16 @@ def test_wandb_settings_without_use_wandb_ask_for_nothing():
         parse("--use-wandb", "--wandb-mode", "offline")
 
 
+
+
+def test_colocate_says_it_keeps_vllm_awake_unless_sleep_mode_is_chosen(tmp_path):
+    """slime's --colocate offloads the engine while the trainer steps, vime's keeps vLLM awake: the same flag with
+    another meaning is said on the command line, unless the run chose with --vllm-enable-sleep-mode."""
+    layout = ["--actor-num-gpus-per-node", "1", "--rollout-backend", "vllm", *MEGATRON, "--dry-run", "--out",
+              str(tmp_path / "run")]
+    note = "note: --colocate keeps each vLLM engine awake"
+    for chosen, noted in (([], True), (["--vllm-enable-sleep-mode", "true"], False)):
+        result = run("vime.scenario", "arithmetic", "--colocate", "--dry-run-gpus", "1", *layout, *chosen)
+        assert result.returncode == 0 and (note in result.stderr) == noted, result.stderr
+    plain = run("vime.scenario", "arithmetic", "--dry-run-gpus", "2", *layout)
+    assert plain.returncode == 0 and note not in plain.stderr, plain.stderr

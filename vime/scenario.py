@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(err)
         launch = dataclasses.replace(launch, out=out)
         training_launch = dataclasses.replace(training_launch, resume=resume_from)
-        for note in [*folder_notes, *slime_flags.wandb_notes(args)]:
+        backend = getattr(args, "rollout_backend", None) or scenario.defaults().rollout.rollout_backend
+        for note in [*folder_notes, *slime_flags.wandb_notes(args), *slime_flags.colocate_notes(args, backend)]:
             print(f"note: {note}", file=sys.stderr, flush=True)
     configure(launch.log_level)
     resume = training_launch.resume is not None

@@ -236,6 +236,19 @@ def wandb_notes(args: argparse.Namespace) -> list[str]:
             f"(and vime lacks {_WANDB})"]
 
 
+def colocate_notes(args: argparse.Namespace, rollout_backend: str) -> list[str]:
+    """``--colocate`` is spelled alike in slime and vime but does not do the same: slime's offloads the engine while
+    the trainer steps, vime's keeps vLLM awake unless told to sleep. Said on the command line, not left to the
+    README, when a vLLM run asks for --colocate without choosing (``--vllm-enable-sleep-mode``)."""
+    if not getattr(args, "colocate", None) or rollout_backend != "vllm":
+        return []
+    if "enable_sleep_mode" in (getattr(args, "vllm_args", None) or {}):
+        return []
+    return ["--colocate keeps each vLLM engine awake, holding its --vllm-gpu-memory-utilization share of the GPU, "
+            "while the trainer steps; slime's --colocate offloads the engine meanwhile: pass "
+            "--vllm-enable-sleep-mode true for that (or false to keep vime's way and silence this note)"]
+
+
 def add_translated_flags(parser: argparse.ArgumentParser) -> None:
     """slime's flags that are no setting of vime's but translate into some (:func:`translate`)."""
     group = parser.add_argument_group("slime's flags translated into vime's settings")
