@@ -188,7 +188,7 @@ class MegatronTrainEngine(TorchTrainEngine):
             squares += part
         whole = [grad for key, grad in grads.items() if key not in self._split]
         total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(list(grads.values()), max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_([param for param in params if param.grad is not None], max_norm, total)
         return total
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
