@@ -102,7 +102,8 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
               model: bool = True) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
-    replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
+    replay; a --critic-model-path folder likewise, without the tokenizer, of the policy's
+    experts for routing replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
@@ -112,21 +113,27 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     (``--dry-run``) passes ``weights=False``, as it reads the model's config.json and tokenizer only, and
     ``model=False`` when there is no model folder yet (a scenario that would build one): what needs the folder
     is then not checked."""
+    critic = config.model.critic_model_path
     if model:
         check_model_folder(config.model.model_path, weights=weights)
+    if critic:
+        check_model_folder(critic, tokenizer=False, weights=weights, flag="--critic-model-path")
     placed = place(config, visible_gpus() if gpus is None else gpus)
     if model and config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
+        if critic:
+            routing_replay.check_critic_folder(config.model.model_path, critic)
     if config.job.train_backend == "megatron":
         try:
             from vime.backends import megatron
         except ImportError as err:
             raise ValueError(f"--train-backend megatron needs megatron-core ({err}); install it with "
                              "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
-        if model:
-            from transformers import AutoConfig
+        from transformers import AutoConfig
 
-            megatron.transformer_config(AutoConfig.from_pretrained(config.model.model_path),  # what it cannot build
+        folders = ([config.model.model_path] if model else []) + ([critic] if critic else [])
+        for folder in folders:  # what it cannot build
+            megatron.transformer_config(AutoConfig.from_pretrained(folder),
                                         tensor_parallel=config.job.tensor_model_parallel_size,
                                         expert_parallel=config.job.expert_model_parallel_size,
                                         recompute=config.job.recompute_activations)

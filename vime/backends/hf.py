@@ -19,13 +19,15 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True) -> Path:
+def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True,
+                       flag: str = "--model-path") -> Path:
     """The folder, or a ValueError naming what is missing and what to pass instead
     (a trainer's own checkpoint folder holds the model without a tokenizer; ``weights=False``: a dry run reads
-    config.json and the tokenizer only, so a folder without the weights will do)."""
+    config.json and the tokenizer only, so a folder without the weights will do). ``flag``: the setting that
+    named the folder, for the message."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"--model-path {folder}: no such folder; pass a local Hugging Face model folder "
+        raise ValueError(f"{flag} {folder}: no such folder; pass a local Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files); nothing is downloaded")
     missing = [what for what, present in (
         ("config.json", (folder / "config.json").is_file()),
@@ -34,7 +36,7 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: boo
          or (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()),
     ) if not present]
     if missing:
-        raise ValueError(f"--model-path {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
+        raise ValueError(f"{flag} {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files), or make a tiny stand-in with "
                          "python -m vime.devtools.make_tiny_model")
     return folder
