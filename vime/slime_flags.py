@@ -92,6 +92,7 @@ class LayoutFlag:
 
 _TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
 _OFFLOAD = "offloading of the optimizer state to the CPU"
+_OWN_GPUS = "PPO's value model on GPUs of its own; it trains on the policy's ranks"
 LAYOUT_FLAGS = (
     LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
     LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
@@ -102,6 +103,8 @@ LAYOUT_FLAGS = (
     LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
     LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
+    LayoutFlag("--critic-num-nodes", _OWN_GPUS, number=True),
+    LayoutFlag("--critic-num-gpus-per-node", _OWN_GPUS, number=True),
 )
 
 
