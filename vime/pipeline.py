@@ -32,7 +32,7 @@ from vime import checkpoint, rewards
 from vime.agent.tools import Toolbox
 from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
-from vime.backends.hf import check_model_folder, load_tokenizer
+from vime.backends.hf import check_critic_vocabulary, check_model_folder, load_tokenizer
 from vime.cluster import Cluster
 from vime.config import RECORDABLE, ActorStart, RunConfig
 from vime.data import check_prompting, load_rows
@@ -103,7 +103,7 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay; a --critic-model-path folder likewise, without the tokenizer, of the policy's
-    experts for routing replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
+    vocabulary and tokenizer, of the policy's experts for routing replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
     a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
@@ -118,6 +118,8 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
         check_model_folder(config.model.model_path, weights=weights)
     if critic:
         check_model_folder(critic, tokenizer=False, weights=weights, flag="--critic-model-path")
+        if model:
+            check_critic_vocabulary(config.model.model_path, critic)
     placed = place(config, visible_gpus() if gpus is None else gpus)
     if model and config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)

@@ -42,6 +42,28 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: boo
     return folder
 
 
+def check_critic_vocabulary(policy_path: str | Path, critic_path: str | Path) -> None:
+    """ValueError, before a run, when PPO's value model from ``critic_path`` (``--critic-model-path``) cannot
+    read the policy's token ids: it is fed them as they are, so its embedding needs every id the policy can
+    sample (on one rank a larger id is an index error; split over tensor-parallel ranks, an id past the
+    vocabulary embeds as zeros and gives values silently wrong), and, where the folder has a tokenizer, the
+    same one (an id must mean the same token to both)."""
+    from transformers import AutoConfig
+
+    policy, critic = (AutoConfig.from_pretrained(path).get_text_config().vocab_size
+                      for path in (policy_path, critic_path))
+    if critic < policy:
+        raise ValueError(f"--critic-model-path {critic_path} has a vocabulary of {critic} tokens, fewer than the "
+                         f"{policy} of --model-path {policy_path}, whose token ids it is given: pass a value model "
+                         "with the policy's tokenizer, or leave --critic-model-path out")
+    critic_folder = Path(critic_path)
+    if (critic_folder / "tokenizer.json").is_file() or (critic_folder / "tokenizer_config.json").is_file():
+        if load_tokenizer(critic_folder).get_vocab() != load_tokenizer(policy_path).get_vocab():
+            raise ValueError(f"--critic-model-path {critic_path} has a tokenizer other than --model-path "
+                             f"{policy_path}'s, whose token ids it is given: pass a value model with the "
+                             "policy's tokenizer, or leave --critic-model-path out")
+
+
 def stop_token_ids(path: str | Path, tokenizer: Any) -> list[int]:
     """The ids a response of this model ends at: the tokenizer's EOS and generation_config.json's
     ``eos_token_id`` (GLM-4.5 and Qwen3 list several there)."""
