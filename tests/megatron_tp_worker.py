@@ -34,16 +34,19 @@ from vime.backends.base import TensorBatch
 from vime.backends.megatron import MegatronTrainEngine
 from vime.config import OptimConfig
 
+from conftest import plain_sgd  # the script's folder, tests/, is on sys.path
+
 
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,
          recompute: bool) -> None:
     def build() -> MegatronTrainEngine:
-        return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
-                                                                          micro_batch_size=2),
-                                   loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
-                                   ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                   data_parallel=data_parallel, recompute=recompute)
+        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=2),
+                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
+                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
+                                     tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                     data_parallel=data_parallel, recompute=recompute)
+        plain_sgd(engine)  # AdamW's step is blind to the gradient's scale, so to whether it was clipped
+        return engine
 
     def weights(device: str | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
@@ -69,8 +72,6 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
         torch.save({"loaded": loaded, "streamed": streamed, "logprobs": logprobs, "metrics": metrics,
                     "trained": trained, "resumed_alike": resumed_alike, "vocabulary_gaps": vocabulary_gaps}, out)
     dist.destroy_process_group()
-
-
 
 
 def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
@@ -99,16 +100,6 @@ def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expe
     if dist.get_rank() == 0:
         torch.save({"metrics": metrics, "values": values, "resumed_alike": resumed_alike}, out)
     dist.destroy_process_group()
-
-
-def plain_sgd(engine: MegatronTrainEngine, lr: float = 0.1) -> None:
-    """Plain SGD at a constant ``lr`` in place of the engine's AdamW, over the same parameter groups. AdamW's
-    update for a gradient near its eps (1e-8) is about lr / 2 whatever the gradient's rounding, so float noise
-    where one run has exactly 0 becomes lr-sized; and it is blind to a gradient's scale (a value model's
-    gradient counted twice would take the same step). SGD's update keeps noise at noise size and shows both."""
-    engine.optimizer = torch.optim.SGD([{"params": group["params"]} for group in engine.optimizer.param_groups],
-                                       lr=lr)
-    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
 
 
 def vocab_parallel_gaps() -> list[float]:
