@@ -392,7 +392,9 @@ def test_ppo_step_matches_the_reference_trainer(hf_models, case):
     reference trainer's values, the same GAE advantages and clipped value loss follow, and both models train
     in the one step as the reference trainer trains them: two mini-batches, so the second one's values have
     moved from the step's starting ones and the clip is in play. The MoE replays random experts (R3) in the
-    policy and the value model alike: a value model routing freely would give other values."""
+    policy and the value model alike: a value model routing freely would give other values. Every policy
+    weight after the step is the reference trainer's, the experts' too (their updates follow the replayed
+    routes)."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config)
     trainers = reference, engine = [_engine(cls, folder, algo="ppo", kl_coef=0.05)
@@ -402,6 +404,7 @@ def test_ppo_step_matches_the_reference_trainer(hf_models, case):
     rows = torch.arange(batch.input_ids.shape[0])
     with torch.no_grad():
         assert not reference._values(batch, rows).any()  # zero-initialised heads: the step is what moves them
+    initial = {name: tensor.clone() for name, tensor in _fused_experts(engine.named_weights()).items()}
     expected, got = reference.train_step(batch), engine.train_step(batch)
     assert sorted(got) == sorted(expected) and expected["value_loss"] > 0 and expected["vf_clipfrac"] > 0
     for key in expected:
@@ -412,9 +415,31 @@ def test_ppo_step_matches_the_reference_trainer(hf_models, case):
         free = dataclasses.replace(batch, routed_experts=None)
         if batch.routed_experts is not None:  # the experts replayed were not those the routers choose
             assert (engine._values(free, rows) - ours).abs().max() > 1e-3
-    policy = engine.named_weights()
-    assert all(torch.allclose(tensor, reference.policy.state_dict()[name], atol=1e-6)
-               for name, tensor in policy.items() if ".experts." not in name)
+    theirs = reference.policy.state_dict()
+    ours = _fused_experts(engine.named_weights())
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name, tensor in ours.items() if not torch.allclose(tensor, theirs[name], atol=1e-6)] == []
+    if case == "qwen3_moe":  # the experts' updates are those of the replayed routes, not of free routing
+        assert all((ours[name] - initial[name]).abs().max() > 1e-4 for name in ours if ".experts." in name)
+
+
+def _fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron's Hugging Face weights with each MoE layer's experts fused as transformers keeps them in
+    memory: ``gate_up_proj`` [experts, 2 * ffn, hidden] (gate then up) and ``down_proj`` [experts, hidden, ffn]."""
+    import re
+
+    fused, experts = {}, {}
+    for name, tensor in weights.items():
+        matched = re.fullmatch(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if matched is None:
+            fused[name] = tensor
+        else:
+            experts.setdefault(matched[1], {}).setdefault(int(matched[2]), {})[matched[3]] = tensor
+    for prefix, layer in experts.items():
+        ordered = [layer[index] for index in sorted(layer)]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in ordered])
+        fused[f"{prefix}.down_proj"] = torch.stack([e["down_proj"] for e in ordered])
+    return fused
 
 
 def test_the_value_model_starts_from_critic_model_path(hf_models):
