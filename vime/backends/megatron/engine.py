@@ -118,8 +118,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
         # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms, routers
         # and the value head act on the rank's share of the tokens, q/k norms on its own heads
-        pairs = [(tensor, param) for group, model in zip(self.optimizer.param_groups, self._trained_models())
-                 for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad])]
+        pairs = [(tensor, param)
+                 for group, model in zip(self.optimizer.param_groups, self._trained_models(), strict=True)
+                 for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad],
+                                          strict=True)]
         self._split = {id(tensor) for tensor, param in pairs if getattr(param, "tensor_model_parallel", False)}
         self._partial = {id(tensor) for tensor, param in pairs if getattr(param, "sequence_parallel", False)}
         self._experts = {id(tensor) for tensor, param in pairs if hasattr(param, "expert_split")}
