@@ -718,8 +718,8 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
                                                              data_parallel, recompute, tmp_path):
     """PPO's value model under tensor parallelism: each rank's value head computes the values of its share of
     the positions, gathered whole on every rank, and its gradient is summed over the ranks; the values after
-    a step (the head off zero), the step's metrics and a resumed trainer's next step are those of one
-    process. Plain SGD: Adam's step would hide a gradient counted twice. In the MoE layout (two copies of two
+    a step (the head off zero), the step's metrics (the value model's gradient norm, ``value_grad_norm``, among
+    them) and a resumed trainer's next step are those of one process. Plain SGD: Adam's step would hide a gradient counted twice. In the MoE layout (two copies of two
     ranks, the experts divided among all four, layers recomputed) the value model replays the batch's experts
     as the policy does."""
     model, _, folder = hf_models[case]
@@ -729,6 +729,7 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     single = _engine(megatron.MegatronTrainEngine, folder, algo="ppo")
     plain_sgd(single, lr=0.5)
     expected = single.train_step(batch)
+    assert expected["value_grad_norm"] > 0  # the value model's own, summed over the ranks' shares as the policy's
     for key in expected:
         assert ranks["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
     values = single.score(batch)["values"]

@@ -280,6 +280,8 @@ class TorchTrainEngine(TrainEngine):
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
             totals.setdefault("grad_norm", []).append((norms[0], 1.0))
+            if len(norms) > 1:  # the value model's, clipped on its own as slime clips its critic's
+                totals.setdefault("value_grad_norm", []).append((norms[1], 1.0))
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.publish()
