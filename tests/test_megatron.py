@@ -589,18 +589,19 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 # -- in the pipeline -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo,tensor_parallel", [  # CI time: TP2 78 s (grpo) here; ppo one rank 65 s
-    ("grpo", 1), pytest.param("grpo", 2, marks=pytest.mark.slow), ("ppo", 1),
-    pytest.param("ppo", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algo,tensor_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
+    ("grpo", 1), ("ppo", 1), pytest.param("ppo", 2, marks=pytest.mark.slow)])
 async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
-    --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts. It must learn
-    (issue 30): the reward rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion
-    in the Megatron path fails here and not only on a GPU. PPO's value model must learn too: GAE over values
-    stuck at 0 is a whitened REINFORCE, which learns this task as well, but its value loss stays about half the
-    mean reward (0.5 x the mean squared return; the rewards are 0 or 1); a value model that tracks the returns
-    brings it well under a quarter."""
+    --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts; only PPO
+    runs so, as it exercises all GRPO's TP2 does (the policy's split weights, their gradients, their sync)
+    and the value model besides. It must learn (issue 30): the reward rises by 0.3 or more in 30 steps, so a
+    broken gradient or weight conversion in the Megatron path fails here and not only on a GPU. PPO's value
+    model must learn too: GAE over values stuck at 0 is a whitened REINFORCE, which learns this task as well,
+    but its value loss is then the zero-value baseline, 0.5 x the mean squared return of the step's rows
+    (the rewards are 0 or 1, so 0.5 x the mean reward); a value model that tracks the returns brings it under
+    half that."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
@@ -617,7 +618,8 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, ten
     assert start < 0.1 and end >= start + 0.3, ([row["raw_reward"] for row in rows], start, end)
     if algo == "ppo":
         value_loss = sum(row["value_loss"] for row in rows[-5:]) / 5
-        assert value_loss < 0.25 * end, ([row["value_loss"] for row in rows], end)
+        zero_values = sum(0.5 * row["raw_reward"] for row in rows[-5:]) / 5  # 0.5 x mean(return^2), return 0 or 1
+        assert value_loss < 0.5 * zero_values, ([row["value_loss"] for row in rows], zero_values)
     assert summary["groups"]["lost"] == 0
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
 
