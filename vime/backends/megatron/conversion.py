@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.backends.megatron.parallel import _expert_tensor_parallel
+from vime.backends.routing_replay import routed_experts
 from vime.flops import moe_layer_pattern
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
@@ -96,7 +97,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     pattern = moe_layer_pattern(hf_config)
     if any(pattern):
         settings.update(
-            num_moe_experts=hf_config.num_experts if family == "qwen3_moe" else hf_config.n_routed_experts,
+            num_moe_experts=routed_experts(hf_config),
             moe_router_topk=hf_config.num_experts_per_tok, moe_ffn_hidden_size=hf_config.moe_intermediate_size,
             moe_layer_freq=pattern, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32", moe_grouped_gemm=False, moe_enable_routing_replay=routing_replay,
@@ -173,8 +174,7 @@ def _tensor_maps(hf_config: Any, lm_head: bool = True) -> list[_TensorMap]:
             _TensorMap(("model.norm.weight",), "decoder.final_layernorm.weight")]
     if lm_head and not hf_config.tie_word_embeddings:
         maps.append(_TensorMap(("lm_head.weight",), "output_layer.weight"))
-    qwen3_moe = hf_config.model_type == "qwen3_moe"
-    experts = hf_config.num_experts if qwen3_moe else getattr(hf_config, "n_routed_experts", 0)
+    experts = routed_experts(hf_config)
     for layer, moe in enumerate(moe_layer_pattern(hf_config)):
         hf, megatron = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         pairs = [("input_layernorm.weight", "input_layernorm.weight"),
