@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from conftest import plain_sgd  # the script's folder, tests/, is on sys.path
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import TensorBatch
 from vime.backends.megatron import MegatronTrainEngine
 from vime.config import OptimConfig
-
-from conftest import plain_sgd  # the script's folder, tests/, is on sys.path
 
 
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,

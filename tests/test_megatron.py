@@ -26,8 +26,8 @@ import transformers  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from conftest import plain_sgd  # noqa: E402
 
+from conftest import plain_sgd  # noqa: E402
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
@@ -721,9 +721,9 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     """PPO's value model under tensor parallelism: each rank's value head computes the values of its share of
     the positions, gathered whole on every rank, and its gradient is summed over the ranks; the values after
     a step (the head off zero), the step's metrics (the value model's gradient norm, ``value_grad_norm``, among
-    them) and a resumed trainer's next step are those of one process. Plain SGD: Adam's step would hide a gradient counted twice. In the MoE layout (two copies of two
-    ranks, the experts divided among all four, layers recomputed) the value model replays the batch's experts
-    as the policy does."""
+    them) and a resumed trainer's next step are those of one process. Plain SGD: Adam's step would hide a
+    gradient counted twice. In the MoE layout (two copies of two ranks, the experts divided among all four,
+    layers recomputed) the value model replays the batch's experts as the policy does."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
     ranks = _train_on_ranks(tmp_path, folder, batch, tensor_parallel, expert_parallel, data_parallel, recompute,

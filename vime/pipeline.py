@@ -103,8 +103,8 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay; a --critic-model-path folder likewise, without the tokenizer, of the policy's
-    vocabulary and tokenizer, of the policy's experts for routing replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
-    a schema or without --chat-template, a plug-in
+    vocabulary and tokenizer, of the policy's experts for routing replay), a placement this host's GPUs
+    cannot take, an unknown reward, a tool without a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
     Returns where each process goes and the first prompt row; raises ValueError saying what to pass.
