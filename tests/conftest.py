@@ -150,6 +150,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def plain_sgd(engine: Any, lr: float = 0.1) -> None:
+    """Plain SGD at a constant ``lr`` in place of the engine's AdamW, over the same parameter groups. AdamW's
+    update for a gradient near its eps (1e-8) is about lr / 2 whatever the gradient's rounding, so float noise
+    where one run has exactly 0 becomes lr-sized; and it is blind to a gradient's scale (a value model's
+    gradient counted twice, or one left unclipped, would take the same step). SGD's update keeps noise at noise
+    size and shows both. For the Megatron tests and their ranks (``megatron_tp_worker.py``)."""
+    import torch
+
+    engine.optimizer = torch.optim.SGD([{"params": group["params"]} for group in engine.optimizer.param_groups],
+                                       lr=lr)
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+
+
 def leaked_processes(mark: str, linger_s: float = 0.0) -> list[tuple[int, str]]:
     """Processes other than this one whose environment carries ``VIME_TEST_SESSION=mark``, after giving
     them ``linger_s`` to exit; each with its command line."""

@@ -2,7 +2,8 @@
 and data parallel), a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
-leader that orders its follower to release memory, then to gather (``lead-and-release``).
+leader that orders its follower to release memory, then to gather (``lead-and-release``); or PPO's policy and
+value model trained by ranks under ``torchrun`` (``ppo``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from conftest import plain_sgd  # the script's folder, tests/, is on sys.path
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
@@ -37,12 +39,13 @@ from vime.config import OptimConfig
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,
          recompute: bool) -> None:
     def build() -> MegatronTrainEngine:
-        return MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(lr=1e-3, updates_per_step=1,
-                                                                          micro_batch_size=2),
-                                   loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
-                                   ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                   data_parallel=data_parallel, recompute=recompute)
+        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=2),
+                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
+                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
+                                     tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                     data_parallel=data_parallel, recompute=recompute)
+        plain_sgd(engine)  # AdamW's step is blind to the gradient's scale, so to whether it was clipped
+        return engine
 
     def weights(device: str | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
@@ -70,6 +73,32 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     dist.destroy_process_group()
 
 
+def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
+              data_parallel: int, recompute: bool) -> None:
+    """PPO on every rank, plain SGD (:func:`plain_sgd`): rank 0 writes the step's metrics, the value model's
+    values after it (the head has moved off zero) and whether a trainer resumed from a checkpoint of all
+    ranks takes the next step exactly as the original."""
+    def build() -> MegatronTrainEngine:
+        engine = MegatronTrainEngine(folder, algo="ppo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),
+                                     loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                     temperature=0.7, total_steps=4, tensor_parallel=tensor_parallel,
+                                     expert_parallel=expert_parallel, data_parallel=data_parallel,
+                                     recompute=recompute)
+        plain_sgd(engine, lr=0.5)
+        return engine
+
+    engine = build()
+    batch = TensorBatch(**torch.load(batch_file, weights_only=True))
+    metrics = engine.train_step(batch)
+    values = engine.score(batch)["values"]
+    checkpoint = Path(out).with_name("checkpoint")
+    engine.save(checkpoint)
+    resumed = build()
+    resumed.load(checkpoint)
+    resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
+    if dist.get_rank() == 0:
+        torch.save({"metrics": metrics, "values": values, "resumed_alike": resumed_alike}, out)
+    dist.destroy_process_group()
 
 
 def vocab_parallel_gaps() -> list[float]:
@@ -206,6 +235,8 @@ if __name__ == "__main__":
         lead_and_release(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
+    elif sys.argv[1] == "ppo":
+        train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:
         main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
              sys.argv[7] == "recompute")

@@ -644,8 +644,10 @@ def test_advantage_estimator_and_algo_are_one_setting_and_kl_coef_changed_meanin
     del old["loss"]["kl_loss_coef"]
     old["loss"]["kl_coef"] = 0.05
     assert RunConfig.from_dict(old).loss.kl_loss_coef == 0.05 and RunConfig.from_dict(old).loss.kl_coef == 0.0
-    with pytest.raises(ValueError, match="megatron has no value model yet"):
-        RunConfig().replace(algo="ppo", train_backend="megatron")
+    assert RunConfig().replace(algo="ppo", train_backend="megatron").job.train_backend == "megatron"
+    with pytest.raises(ValueError, match="--critic-model-path initialises PPO's value model, which "
+                                         "--advantage-estimator grpo has none of"):
+        RunConfig().replace(critic_model_path="/some/critic")
     arguments = RunConfig().replace(max_new_tokens=7).train_engine_arguments(seed=0)
     assert arguments["loss"].loss_scale_tokens == 7  # Dr.GRPO's constant: the longest response generated
 

@@ -252,3 +252,31 @@ def test_a_group_of_one_with_a_group_baseline_is_warned_about(tmp_path, estimato
         preflight(config)
     said = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
     assert any("every advantage is 0" in event for event in said) == warned, said
+
+
+def test_a_critic_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
+    """--critic-model-path is fed the policy's token ids: a value model of a smaller vocabulary (an index
+    error on one rank, zeros from tensor-parallel ranks' embedding) or of another tokenizer is refused before
+    any actor starts, naming both flags; a copy of the policy's folder, or one without a tokenizer, passes."""
+    import shutil
+
+    from vime.pipeline import preflight
+
+    config = config_for(tmp_path / "run", algo="ppo")
+    policy = Path(config.model.model_path)
+    critic = tmp_path / "critic"
+    shutil.copytree(policy, critic)
+    preflight(config.replace(critic_model_path=str(critic)))
+    settings = json.loads((critic / "config.json").read_text())
+    tokenizer = json.loads((critic / "tokenizer.json").read_text())
+    renamed = next(iter(tokenizer["model"]["vocab"]))
+    tokenizer["model"]["vocab"][renamed + "x"] = tokenizer["model"]["vocab"].pop(renamed)
+    (critic / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="--critic-model-path .* has a tokenizer other than --model-path"):
+        preflight(config.replace(critic_model_path=str(critic)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (critic / name).unlink(missing_ok=True)
+    preflight(config.replace(critic_model_path=str(critic)))
+    (critic / "config.json").write_text(json.dumps({**settings, "vocab_size": settings["vocab_size"] - 1}))
+    with pytest.raises(ValueError, match="--critic-model-path .* fewer than the .* of --model-path"):
+        preflight(config.replace(critic_model_path=str(critic)))

@@ -191,7 +191,8 @@ def test_features_vime_lacks_are_refused_together(tmp_path):
     several hosts added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
     flags = ["--pipeline-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
              "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480", "--optimizer-cpu-offload",
-             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep"]
+             "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep",
+             "--critic-num-gpus-per-node", "4"]
     with pytest.raises(ValueError) as refused:
         parse(*flags, "--actor-num-nodes", "8")
     said = str(refused.value)
@@ -199,7 +200,8 @@ def test_features_vime_lacks_are_refused_together(tmp_path):
                      "parallelism)", "--context-parallel-size 2 (context parallelism)", "--use-dynamic-batch-size, "
                      "--max-tokens-per-gpu 20480 (micro-batches packed to a token budget", "--optimizer-cpu-offload, "
                      "--overlap-cpu-optimizer-d2h-h2d (offloading of the optimizer state to the CPU)",
-                     "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP"):
+                     "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP",
+                     "--critic-num-gpus-per-node 4 (PPO's value model on GPUs of its own"):
         assert expected in said, said
     assert "--sequence-parallel" not in said
     result = run("vime.scenario", "arithmetic", *flags, "--out", str(tmp_path / "run"))

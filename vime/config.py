@@ -40,6 +40,9 @@ class ModelConfig:
                               flags=("--model-path", "--hf-checkpoint"))
     dtype: Dtype = setting("fp32", "fp32, or bf16 (rollout and trainer weights in bf16; "
                                    "the optimizer steps fp32 masters)")
+    critic_model_path: str = setting("", "ppo: the Hugging Face folder PPO's value model starts from (its backbone; "
+                                         "a zero-initialised scalar head replaces the output layer); empty: "
+                                         "--model-path. The value model trains on the policy's ranks")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -145,7 +148,8 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     lr: float = setting(1e-3, "policy learning rate (AdamW)")
-    critic_lr: float = setting(1e-3, "value model learning rate (PPO)")
+    critic_lr: float = setting(1e-3, "value model learning rate (PPO; the value model's own AdamW parameter group, "
+                                     "on the policy's schedule, its gradient clipped on its own)")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     adam_beta1: float = setting(0.9, "AdamW beta1")
     adam_beta2: float = setting(0.999, "AdamW beta2")
@@ -259,7 +263,7 @@ class JobConfig:
                                                "(the same on group-centred rewards); ppo (GAE, value model)",
                                        flags=("--advantage-estimator", "--algo"))
     train_backend: TrainBackend = setting("torch", "torch: the plain-PyTorch reference trainer; megatron: "
-                                                   "megatron-core (GRPO; needs the megatron-core package)")
+                                                   "megatron-core (needs the megatron-core package)")
     steps: int = setting(300, "training steps (one batch of rollout_batch_size groups each)",
                          flags=("--steps", "--num-rollout"))
     seed: int = setting(0, "the run's one seed: the prompt order, the model init of built-in scenarios, sampling; "
@@ -296,8 +300,6 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.train_backend == "megatron" and self.algo == "ppo":
-            raise ValueError("--train-backend megatron has no value model yet: use --train-backend torch for ppo")
         for flag in ("tensor_model_parallel_size", "data_parallel_size"):
             if getattr(self, flag) > 1 and self.train_backend != "megatron":
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
@@ -362,6 +364,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_estimator(self.job.algo, self.loss)
+        if self.model.critic_model_path and self.job.algo != "ppo":
+            raise ValueError(f"--critic-model-path initialises PPO's value model, which --advantage-estimator "
+                             f"{self.job.algo} has none of: pass --advantage-estimator ppo, or leave it out")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {section.name: dataclasses.asdict(getattr(self, section.name)) for section in dataclasses.fields(self)}
@@ -400,7 +405,8 @@ class RunConfig:
             loss = dataclasses.replace(loss, stale_ratio="proximal")
         arguments = dict(model_path=self.model.model_path, algo=self.job.algo, optim=self.optim, loss=loss,
                          grpo_config=self.grpo, ppo_config=self.ppo, temperature=self.sampling.temperature,
-                         dtype=self.model.dtype, total_steps=self.job.steps, seed=seed)
+                         dtype=self.model.dtype, total_steps=self.job.steps, seed=seed,
+                         critic_model_path=self.model.critic_model_path)
         if self.job.train_backend == "megatron":
             arguments.update(tensor_parallel=self.job.tensor_model_parallel_size,
                              data_parallel=self.job.data_parallel_size,

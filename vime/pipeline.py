@@ -32,7 +32,7 @@ from vime import checkpoint, megatron_flags, rewards
 from vime.agent.tools import Toolbox
 from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
-from vime.backends.hf import check_model_folder, load_tokenizer
+from vime.backends.hf import check_critic_vocabulary, check_model_folder, load_tokenizer
 from vime.cluster import Cluster
 from vime.config import RECORDABLE, ActorStart, RunConfig
 from vime.data import check_prompting, load_rows
@@ -104,8 +104,9 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
               model: bool = True, model_flags: Mapping[str, Any] | None = None) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
-    replay), a placement this host's GPUs cannot take, an unknown reward, a tool without
-    a schema or without --chat-template, a plug-in
+    replay; a --critic-model-path folder likewise, without the tokenizer, of the policy's
+    vocabulary and tokenizer, of the policy's experts for routing replay), a placement this host's GPUs
+    cannot take, an unknown reward, a tool without a schema or without --chat-template, a plug-in
     that does not import, prompts or eval prompts that do not load, prompt settings
     the tokenizer or the rows cannot serve.
     Returns where each process goes and the first prompt row; raises ValueError saying what to pass.
@@ -116,6 +117,7 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     is then not checked. ``model_flags``: Megatron's model flags given (slime's MODEL_ARGS,
     :func:`vime.megatron_flags.given`), checked against config.json, which is read once for them and the Megatron
     backend's config."""
+    critic = config.model.critic_model_path
     hf_config = None
     if model:
         check_model_folder(config.model.model_path, weights=weights)
@@ -124,17 +126,26 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
 
             hf_config = AutoConfig.from_pretrained(config.model.model_path)
         megatron_flags.check(model_flags or {}, hf_config, config, f"{config.model.model_path}/config.json")
+    if critic:
+        check_model_folder(critic, tokenizer=False, weights=weights, flag="--critic-model-path")
+        if model:
+            check_critic_vocabulary(config.model.model_path, critic)
     placed = place(config, visible_gpus() if gpus is None else gpus)
     if model and config.rollout.use_rollout_routing_replay:
         routing_replay.check_model_folder(config.model.model_path)
+        if critic:
+            routing_replay.check_critic_folder(config.model.model_path, critic)
     if config.job.train_backend == "megatron":
         try:
             from vime.backends import megatron
         except ImportError as err:
             raise ValueError(f"--train-backend megatron needs megatron-core ({err}); install it with "
                              "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 triton") from None
-        if model:
-            megatron.transformer_config(hf_config,  # what it cannot build
+        from transformers import AutoConfig
+
+        configs = ([hf_config] if model else []) + ([AutoConfig.from_pretrained(critic)] if critic else [])
+        for folder_config in configs:  # what it cannot build
+            megatron.transformer_config(folder_config,
                                         tensor_parallel=config.job.tensor_model_parallel_size,
                                         expert_parallel=config.job.expert_model_parallel_size,
                                         recompute=config.job.recompute_activations)

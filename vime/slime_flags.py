@@ -177,6 +177,7 @@ class LayoutFlag:
 _TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
 _OFFLOAD = "offloading of the optimizer state to the CPU"
 _WANDB = "logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard"
+_OWN_GPUS = "PPO's value model on GPUs of its own; it trains on the policy's ranks"
 LAYOUT_FLAGS = (
     LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
     LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
@@ -192,6 +193,8 @@ LAYOUT_FLAGS = (
     LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),
     LayoutFlag("--moe-enable-deepep", "DeepEP's expert dispatch"),
+    LayoutFlag("--critic-num-nodes", _OWN_GPUS, number=True),
+    LayoutFlag("--critic-num-gpus-per-node", _OWN_GPUS, number=True),
 )
 # slime reads these only with --use-wandb (refused below unless --wandb-mode disabled): alone they ask for nothing
 WANDB_SETTINGS = ("--wandb-project", "--wandb-group", "--wandb-run-id", "--wandb-key", "--wandb-host", "--wandb-team",

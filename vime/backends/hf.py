@@ -19,13 +19,15 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True) -> Path:
+def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True,
+                       flag: str = "--model-path") -> Path:
     """The folder, or a ValueError naming what is missing and what to pass instead
     (a trainer's own checkpoint folder holds the model without a tokenizer; ``weights=False``: a dry run reads
-    config.json and the tokenizer only, so a folder without the weights will do)."""
+    config.json and the tokenizer only, so a folder without the weights will do). ``flag``: the setting that
+    named the folder, for the message."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"--model-path {folder}: no such folder; pass a local Hugging Face model folder "
+        raise ValueError(f"{flag} {folder}: no such folder; pass a local Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files); nothing is downloaded")
     missing = [what for what, present in (
         ("config.json", (folder / "config.json").is_file()),
@@ -34,10 +36,32 @@ def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: boo
          or (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()),
     ) if not present]
     if missing:
-        raise ValueError(f"--model-path {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
+        raise ValueError(f"{flag} {folder} has no {', no '.join(missing)}; pass a Hugging Face model folder "
                          "(config.json, *.safetensors, tokenizer files), or make a tiny stand-in with "
                          "python -m vime.devtools.make_tiny_model")
     return folder
+
+
+def check_critic_vocabulary(policy_path: str | Path, critic_path: str | Path) -> None:
+    """ValueError, before a run, when PPO's value model from ``critic_path`` (``--critic-model-path``) cannot
+    read the policy's token ids: it is fed them as they are, so its embedding needs every id the policy can
+    sample (on one rank a larger id is an index error; split over tensor-parallel ranks, an id past the
+    vocabulary embeds as zeros and gives values silently wrong), and, where the folder has a tokenizer, the
+    same one (an id must mean the same token to both)."""
+    from transformers import AutoConfig
+
+    policy, critic = (AutoConfig.from_pretrained(path).get_text_config().vocab_size
+                      for path in (policy_path, critic_path))
+    if critic < policy:
+        raise ValueError(f"--critic-model-path {critic_path} has a vocabulary of {critic} tokens, fewer than the "
+                         f"{policy} of --model-path {policy_path}, whose token ids it is given: pass a value model "
+                         "with the policy's tokenizer, or leave --critic-model-path out")
+    critic_folder = Path(critic_path)
+    if (critic_folder / "tokenizer.json").is_file() or (critic_folder / "tokenizer_config.json").is_file():
+        if load_tokenizer(critic_folder).get_vocab() != load_tokenizer(policy_path).get_vocab():
+            raise ValueError(f"--critic-model-path {critic_path} has a tokenizer other than --model-path "
+                             f"{policy_path}'s, whose token ids it is given: pass a value model with the "
+                             "policy's tokenizer, or leave --critic-model-path out")
 
 
 def stop_token_ids(path: str | Path, tokenizer: Any) -> list[int]:

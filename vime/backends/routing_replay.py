@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -57,6 +57,34 @@ def check_model_folder(path: str | Path) -> None:
     if model_type not in MODEL_TYPES:
         raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({', '.join(MODEL_TYPES)}); "
                          f"{path} holds a {model_type}: pass --no-use-rollout-routing-replay")
+
+
+def routed_experts(hf_config: Any) -> int:
+    """How many routed experts each MoE layer of a Hugging Face config has (Qwen3-MoE's ``num_experts``,
+    GLM-4.5's ``n_routed_experts``); 0 for a dense model. The one place both families' names are read."""
+    if hf_config.model_type == "qwen3_moe":
+        return hf_config.num_experts
+    return getattr(hf_config, "n_routed_experts", None) or 0
+
+
+def check_critic_folder(policy_path: str | Path, critic_path: str | Path) -> None:
+    """ValueError, before a run, when PPO's value model from ``critic_path`` (``--critic-model-path``) cannot
+    replay the experts the policy's rollout recorded: it replays them as the policy does, so it needs the same
+    MoE layers, experts and top-k."""
+    from transformers import AutoConfig
+
+    from vime.flops import moe_layer_pattern
+
+    def layout(path: str | Path) -> tuple[Any, ...]:
+        config = AutoConfig.from_pretrained(path)
+        return tuple(moe_layer_pattern(config)), routed_experts(config), getattr(config, "num_experts_per_tok", None)
+
+    policy, critic = layout(policy_path), layout(critic_path)
+    if policy != critic:
+        raise ValueError(f"--use-rollout-routing-replay: the value model replays the policy's experts, so "
+                         f"--critic-model-path {critic_path} needs the policy's MoE layers, experts and top-k "
+                         f"({policy}), not {critic}: pass a value model of the policy's architecture, or leave "
+                         "--critic-model-path out")
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -19,16 +19,20 @@ pass is skipped. ``dtype="bf16"`` runs forward and backward on bf16 weights and
 steps fp32 masters (``vime.backends.master_weights``).
 
 ``algo`` is the advantage estimator (``vime.algorithms.estimators``). PPO's
-value model is a second copy of the backbone with a scalar head; a frozen
+value model is a second copy of the backbone (from ``critic_model_path``, else
+the policy's checkpoint) with a scalar head, trained in the same step at
+``critic_lr`` (its own parameter group, clipped on its own), replaying the
+rollout's experts as the policy does under R3; a frozen
 copy of the initial policy serves as the KL reference when either KL
 coefficient is > 0 (``kl_loss_coef``: a loss term; ``kl_coef``: a penalty in
 the reward, measured once per step with the scoring pass's log-probs).
+Changed with PPO on Megatron: the value model replays the rollout's experts under R3, is in eval mode for the
+scoring pass, and is loaded from its checkpoint on disk rather than deep-copied from the policy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -47,12 +51,12 @@ from vime.config import OptimConfig
 
 
 class _ValueModel(torch.nn.Module):
-    """The policy's backbone with a scalar head: V(prefix) for every position."""
+    """A causal LM's backbone with a scalar head (in place of its output layer): V(prefix) for every position."""
 
-    def __init__(self, policy: torch.nn.Module) -> None:
+    def __init__(self, causal_lm: torch.nn.Module) -> None:
         super().__init__()
-        self.backbone = copy.deepcopy(policy.model)
-        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        self.backbone = causal_lm.model
+        self.head = torch.nn.Linear(causal_lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
@@ -65,7 +69,7 @@ class _ValueModel(torch.nn.Module):
 class TorchTrainEngine(TrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
-                 total_steps: int = 1, seed: int = 0, device: str = "cpu") -> None:
+                 total_steps: int = 1, seed: int = 0, device: str = "cpu", critic_model_path: str = "") -> None:
         check_estimator(algo, loss)
         torch.manual_seed(seed)
         self.seed = seed
@@ -81,8 +85,8 @@ class TorchTrainEngine(TrainEngine):
                           if loss.kl_loss_coef or loss.kl_coef else None)
         if self.reference is not None and dtype == "bf16":
             to_bf16(self.reference)  # as the policy's weights are: the KL starts at exactly 0
-        self.critic = _ValueModel(self.policy).to(device) if algo == "ppo" else None
-        trained = [self.policy] + ([self.critic] if self.critic is not None else [])
+        self.critic = self._load_critic(critic_model_path or model_path).to(device) if algo == "ppo" else None
+        trained = self._trained_models()
         self.masters = MasterWeights(trained) if dtype == "bf16" else None
         params = self.masters.groups if self.masters else [
             [param for param in module.parameters() if param.requires_grad] for module in trained]
@@ -95,9 +99,15 @@ class TorchTrainEngine(TrainEngine):
 
     def _load_policy(self, model_path: str) -> torch.nn.Module:
         """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=,
-        position_ids=).logits``: the one thing another backend overrides to reuse this step (called
-        again for the frozen KL reference)."""
+        position_ids=).logits``: what another backend overrides to reuse this step, with
+        :meth:`_load_critic` (called again for the frozen KL reference)."""
         return load_causal_lm(model_path, "fp32")
+
+    def _load_critic(self, model_path: str) -> torch.nn.Module:
+        """PPO's value model from the Hugging Face folder ``model_path``: its backbone, a zero-initialised scalar
+        head, in fp32, answering ``critic(input_ids, attention_mask)`` with the values of every position
+        ``[rows, width]`` in fp32 (another backend overrides this with its own model)."""
+        return _ValueModel(load_causal_lm(model_path, "fp32")).eval()
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         return {name: param.detach().to(device) for name, param in self.policy.named_parameters()}
@@ -142,6 +152,17 @@ class TorchTrainEngine(TrainEngine):
         """The policy's dropout: with any, a training forward is not the scoring one (eval mode, no dropout)."""
         config = self.policy.config
         return getattr(config, "attention_dropout", 0.0) + getattr(config, "hidden_dropout", 0.0)
+
+    def _trained_models(self) -> list[torch.nn.Module]:
+        """The models the optimizer steps, in the order of its parameter groups: the policy, and for ppo the
+        value model."""
+        return [self.policy] + ([self.critic] if self.critic is not None else [])
+
+    def _train_mode(self, training: bool) -> None:
+        """The trained models in training mode for the step's training passes (dropout; a replay that a
+        recomputing model keeps for the backward pass), in eval mode for the scoring pass."""
+        for model in self._trained_models():
+            model.train(training)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` to a norm of at most ``max_norm``; their norm before."""
@@ -188,9 +209,15 @@ class TorchTrainEngine(TrainEngine):
         return token_stats(logits, targets, self.temperature, entropy_grad=entropy_grad)
 
     def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The value model's values at the positions that predict the response tokens of ``rows``. Under R3 it
+        routes each token to the rollout's experts, as the policy does: it starts as the policy's copy, and a
+        value that moves between the step's scoring pass and its training passes because a near-tie in a
+        router flipped would be clipped as if the weights had moved it."""
         assert self.critic is not None
         _, width = _span(batch, rows)
-        values = self.critic(batch.input_ids[rows, :width], batch.attention_mask[rows, :width])
+        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :width]
+        with self._replaying(self.critic, experts):
+            values = self.critic(batch.input_ids[rows, :width], batch.attention_mask[rows, :width])
         return values.gather(1, _response_index(batch, rows, width)) * batch.response_mask[rows]
 
     @torch.no_grad()
@@ -226,7 +253,7 @@ class TorchTrainEngine(TrainEngine):
             scores = {"old_logprobs": empty, "entropy": empty.clone()}
         else:
             scores = self.score(batch)
-        self.policy.train()
+        self._train_mode(True)
         mask = batch.response_mask
         version = self.weight_version
         metrics: dict[str, Any] = {}
@@ -255,6 +282,8 @@ class TorchTrainEngine(TrainEngine):
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
             totals.setdefault("grad_norm", []).append((norms[0], 1.0))
+            if len(norms) > 1:  # the value model's, clipped on its own as slime clips its critic's
+                totals.setdefault("value_grad_norm", []).append((norms[1], 1.0))
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.publish()
@@ -271,7 +300,7 @@ class TorchTrainEngine(TrainEngine):
         metrics["entropy"] = float(aggregate(scores["entropy"], mask, "token"))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        self.policy.eval()
+        self._train_mode(False)
         self.weight_version += 1
         sums = _read(totals)
         summed = self._sum_over_replicas(torch.tensor(list(sums.values()), dtype=torch.float64).reshape(-1, 3))

@@ -6,18 +6,21 @@ Which file holds what:
   collectives the others share.
 - ``modules``: the layers vime gives megatron-core's layer spec: a core attention on
   ``torch.nn.functional.scaled_dot_product_attention`` (:class:`SDPAttention`, the one attention path on
-  CPU and GPU; no Transformer Engine), torch's RMSNorm under sequence parallelism, and an MoE layer's
-  routed experts as two stacked weights in grouped matmuls (:class:`GroupedExperts`).
+  CPU and GPU; no Transformer Engine), torch's RMSNorm under sequence parallelism, an MoE layer's
+  routed experts as two stacked weights in grouped matmuls (:class:`GroupedExperts`), and PPO's value
+  head in place of the output layer (:class:`ValueHead`).
 - ``conversion``: the mapping from a Hugging Face config of the three families vime trains (``qwen3``,
   ``qwen3_moe``, ``glm4_moe``) to a megatron-core ``TransformerConfig``, and of Hugging Face safetensors
   weights to Megatron's layout and back (bit-exact both ways).
-- ``model``: the GPTModel of that config (:func:`build_model`) and its :func:`forward`.
+- ``model``: the GPTModel of that config (:func:`build_model`; a value model with ``value_head``) and its
+  :func:`forward`.
 - ``routing``: R3 -- recording the experts each token is routed to, and replaying given experts, through
   megatron-core's ``RouterReplay``, with the gate weights still differentiable.
 - ``weights``: the weights in and out of the model, sharded and gathered, and Hugging Face folders.
 - ``logprobs``: per-token log-probs under the sampling temperature, computed exactly as the rollout
   reports them (``vime.backends.hf.scaled_logprobs``), also from a rank's share of the vocabulary.
-- ``engine``: :class:`MegatronTrainEngine`, the reference trainer's step on this model.
+- ``engine``: :class:`MegatronTrainEngine`, the reference trainer's step on this model (and, for PPO, on
+  a value model of the policy's architecture beside it, on the same ranks).
 
 The public names are re-exported here; import them from ``vime.backends.megatron``.
 
@@ -43,7 +46,7 @@ gathered over the group that divides it. Activation recomputation
 (``recompute``) checkpoints every layer; a replay of the rollout's experts
 then holds until the backward pass has run the layers again. What is
 deliberately not here yet: pipeline parallelism, Megatron's distributed
-optimizer, sequence packing, and PPO's value model.
+optimizer, sequence packing, and a value model on GPUs of its own.
 
 On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
 megatron-core cannot do without; MoE layers use the ``alltoall`` token
@@ -54,7 +57,7 @@ from vime.backends.megatron.conversion import FAMILIES, hf_to_megatron, transfor
 from vime.backends.megatron.engine import MegatronTrainEngine
 from vime.backends.megatron.logprobs import token_logprobs, vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
-from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm
+from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import init_parallel
 from vime.backends.megatron.routing import end_replay
 from vime.backends.megatron.weights import (
@@ -72,5 +75,5 @@ __all__ = [
     "FAMILIES", "CheckpointFiles", "ForwardOutput", "GroupedExperts", "MegatronTrainEngine", "SDPAttention",
     "SequenceParallelRMSNorm", "build_model", "end_replay", "forward", "hf_tensors", "hf_to_megatron", "hf_weights",
     "init_parallel", "load_hf_weights", "model_tensors", "read_hf_folder", "token_logprobs", "transformer_config",
-    "unsharded_weights", "vocab_parallel_token_stats", "write_hf_folder",
+    "unsharded_weights", "ValueHead", "vocab_parallel_token_stats", "write_hf_folder",
 ]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.architecture import expert_tensor_parallel, moe_layer_pattern
+from vime.backends.routing_replay import routed_experts
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
@@ -95,7 +96,7 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     pattern = moe_layer_pattern(hf_config)
     if any(pattern):
         settings.update(
-            num_moe_experts=hf_config.num_experts if family == "qwen3_moe" else hf_config.n_routed_experts,
+            num_moe_experts=routed_experts(hf_config),
             moe_router_topk=hf_config.num_experts_per_tok, moe_ffn_hidden_size=hf_config.moe_intermediate_size,
             moe_layer_freq=pattern, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32", moe_grouped_gemm=False, moe_enable_routing_replay=routing_replay,
@@ -165,14 +166,14 @@ def _experts_maps(hf: str, megatron: str, experts: int) -> list[_TensorMap]:
                        megatron + "linear_fc2.weight", torch.stack, torch.unbind)]
 
 
-def _tensor_maps(hf_config: Any) -> list[_TensorMap]:
-    """Every tensor of the GPTModel, and where it comes from in a Hugging Face checkpoint."""
+def _tensor_maps(hf_config: Any, lm_head: bool = True) -> list[_TensorMap]:
+    """Every tensor of the GPTModel, and where it comes from in a Hugging Face checkpoint; without ``lm_head``
+    (a value model, whose head is its own), the checkpoint's output layer is not among them."""
     maps = [_TensorMap(("model.embed_tokens.weight",), "embedding.word_embeddings.weight"),
             _TensorMap(("model.norm.weight",), "decoder.final_layernorm.weight")]
-    if not hf_config.tie_word_embeddings:
+    if lm_head and not hf_config.tie_word_embeddings:
         maps.append(_TensorMap(("lm_head.weight",), "output_layer.weight"))
-    qwen3_moe = hf_config.model_type == "qwen3_moe"
-    experts = hf_config.num_experts if qwen3_moe else getattr(hf_config, "n_routed_experts", 0)
+    experts = routed_experts(hf_config)
     for layer, moe in enumerate(moe_layer_pattern(hf_config)):
         hf, megatron = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         pairs = [("input_layernorm.weight", "input_layernorm.weight"),
@@ -211,11 +212,13 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict
     return dict(_converted(hf_state, hf_config))
 
 
-def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any,
+               lm_head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`hf_to_megatron` one Megatron tensor at a time, once the names are checked: the checkpoint's
-    tensors are read only as they are converted (a lazy ``hf_state`` then never holds the whole model)."""
+    tensors are read only as they are converted (a lazy ``hf_state`` then never holds the whole model).
+    Without ``lm_head`` (a value model) the checkpoint's output layer is left out, never read."""
     _check_family(hf_config)
-    maps = _tensor_maps(hf_config)
+    maps = _tensor_maps(hf_config, lm_head)
     missing = [name for tensor_map in maps for name in tensor_map.hf_names if name not in hf_state]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors its config.json implies, e.g. {missing[:3]}; "
@@ -223,7 +226,7 @@ def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> Iterator
     used = {name for tensor_map in maps for name in tensor_map.hf_names}
     extra_layers = f"model.layers.{hf_config.num_hidden_layers}."
     unknown = sorted(name for name in hf_state if name not in used and not name.startswith(extra_layers)
-                     and not (hf_config.tie_word_embeddings and name == "lm_head.weight"))
+                     and not ((hf_config.tie_word_embeddings or not lm_head) and name == "lm_head.weight"))
     if unknown:
         raise ValueError(f"checkpoint tensors with no place in a {hf_config.model_type} model: {unknown[:5]}")
     for tensor_map in maps:

@@ -1,8 +1,9 @@
 """``MegatronTrainEngine``: the reference trainer's step (``vime.backends.torch_train``) on the GPTModel.
 
-The engine supplies the model and its weights' ways in and out, and completes the gradients over the
-ranks before clipping; the step itself is inherited. Building the model, its forward, the weights'
-conversion and the vocabulary-parallel log-probs are in the other files of this package.
+The engine supplies the model (and PPO's value model, a GPTModel with a value head) and its weights' ways in
+and out, and completes the gradients over the ranks before clipping; the step itself is inherited. Building
+the model, its forward, the weights' conversion and the vocabulary-parallel log-probs are in the other files
+of this package.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ class _AsCausalLM(torch.nn.Module):
         return forward(self.model, input_ids, replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
+class _AsValueModel(_AsCausalLM):
+    """A GPTModel with a :class:`~vime.backends.megatron.modules.ValueHead` called the way the reference
+    trainer calls its value model: ``critic(input_ids, attention_mask)`` -> the values of every position,
+    ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return forward(self.model, input_ids, replay_experts=self.replay_experts).logits.squeeze(-1).float()
+
+
 class MegatronTrainEngine(TorchTrainEngine):
     """The trainer on a megatron-core GPTModel, with the reference trainer's training step.
 
@@ -87,38 +97,46 @@ class MegatronTrainEngine(TorchTrainEngine):
     rank. Rank 0 writes the Hugging Face folder; each rank writes its own
     trainer state.
 
-    Every advantage estimator but ppo: PPO's value model is a Hugging Face backbone there.
+    PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
+    :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
+    and in their layout, replaying the rollout's experts under R3 as the policy does; its optimizer state
+    and masters are the policy's kind, and each rank's shard of it is in that rank's trainer state.
     """
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
-                 data_parallel: int = 1, recompute: bool = False) -> None:
-        if algo == "ppo":
-            raise NotImplementedError("the Megatron trainer has no value model yet: use the torch trainer for ppo")
+                 data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "") -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel = data_parallel
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
-                         seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
+                         seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
+                         critic_model_path=critic_model_path)
         del self._checkpoint
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
-        # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms and
-        # routers act on the rank's share of the tokens, q/k norms on its own heads
-        trained = [(name, param) for name, param in self.policy.named_parameters() if param.requires_grad]
-        tensors = self.optimizer.param_groups[0]["params"]  # the trainable parameters' (or masters'), in order
-        self._split = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
-                       if getattr(param, "tensor_model_parallel", False)}
-        self._partial = {id(tensor) for tensor, (_, param) in zip(tensors, trained)
-                         if getattr(param, "sequence_parallel", False)}
-        self._experts = {id(tensor) for tensor, (_, param) in zip(tensors, trained) if hasattr(param, "expert_split")}
+        # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms, routers
+        # and the value head act on the rank's share of the tokens, q/k norms on its own heads
+        pairs = [(tensor, param)
+                 for group, model in zip(self.optimizer.param_groups, self._trained_models(), strict=True)
+                 for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad],
+                                          strict=True)]
+        self._split = {id(tensor) for tensor, param in pairs if getattr(param, "tensor_model_parallel", False)}
+        self._partial = {id(tensor) for tensor, param in pairs if getattr(param, "sequence_parallel", False)}
+        self._experts = {id(tensor) for tensor, param in pairs if hasattr(param, "expert_split")}
         self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
         self.layout = {"train_backend": "megatron", "tensor_parallel": tensor_parallel,
                        "data_parallel": data_parallel, "expert_parallel": expert_parallel}
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
+
+    def _load_critic(self, model_path: str) -> _AsValueModel:
+        """``model_path``'s architecture and backbone (the policy's, unless ``critic_model_path`` names another
+        folder) with a zero-initialised value head; each rank reads its shard, as for the policy."""
+        hf_config, checkpoint = read_hf_folder(model_path)
+        return _AsValueModel(self._build(hf_config, checkpoint, value_head=True), hf_config).eval()
 
     @contextlib.contextmanager
     def _replaying(self, model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
@@ -135,11 +153,15 @@ class MegatronTrainEngine(TorchTrainEngine):
             model.replay_experts = None
 
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
-        model = build_model(self.hf_config, routing_replay=self.hf_config.model_type in MOE_MODEL_TYPES,
+        return _AsCausalLM(self._build(self.hf_config, checkpoint), self.hf_config).eval()
+
+    def _build(self, hf_config: Any, checkpoint: Mapping[str, torch.Tensor], value_head: bool = False) -> GPTModel:
+        """A GPTModel of ``hf_config`` in this trainer's layout, its weights from ``checkpoint``."""
+        model = build_model(hf_config, routing_replay=hf_config.model_type in MOE_MODEL_TYPES,
                             tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
-                            data_parallel=self.data_parallel, recompute=self.recompute)
-        load_hf_weights(model, checkpoint, self.hf_config)
-        return _AsCausalLM(model, self.hf_config).eval()
+                            data_parallel=self.data_parallel, recompute=self.recompute, value_head=value_head)
+        load_hf_weights(model, checkpoint, hf_config)
+        return model
 
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +170,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         return vocab_parallel_token_stats(logits, targets, self.temperature, entropy_grad)
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        """The reference trainer's step; the experts the last micro-batch replayed, kept for its backward pass
-        when the layers recompute, are dropped after it. Experts that cannot be replayed are refused first, by
-        every rank (each holds the whole batch): one refusing in a micro-batch that the other data-parallel
-        copies do not run would leave them waiting in their next collective."""
+        """The reference trainer's step; the experts the last micro-batch replayed (in the policy and the value
+        model), kept for its backward pass when the layers recompute, are dropped after it. Experts that cannot
+        be replayed are refused first, by every rank (each holds the whole batch): one refusing in a micro-batch
+        that the other data-parallel copies do not run would leave them waiting in their next collective."""
         batch = batch.to(self.device)  # checked where the step reads them (on the host, seconds for a large batch)
         if batch.routed_experts is not None:
             _check_replayable(batch.routed_experts)
@@ -159,7 +181,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             return super().train_step(batch)
         finally:
             if self.recompute:
-                end_replay(self.policy.model)
+                for model in self._trained_models():
+                    end_replay(model.model)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Complete the gradients, then take the norm over the whole model and clip to it.
@@ -188,7 +211,7 @@ class MegatronTrainEngine(TorchTrainEngine):
             squares += part
         whole = [grad for key, grad in grads.items() if key not in self._split]
         total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(list(grads.values()), max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_([param for param in params if param.grad is not None], max_norm, total)
         return total
 
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:

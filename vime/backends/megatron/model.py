@@ -1,5 +1,5 @@
-"""The GPTModel of a Hugging Face config, and its forward pass: logits, routing freely, recording or
-replaying experts.
+"""The GPTModel of a Hugging Face config (a policy, or PPO's value model: a scalar head in place of the
+output layer), and its forward pass: logits or values, routing freely, recording or replaying experts.
 
 :func:`build_model` puts vime's layers (``modules``) in megatron-core's layer spec for the config that
 ``conversion`` maps; it leaves the weights uninitialised (``weights.load_hf_weights`` fills them). How
@@ -25,14 +25,14 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
 from vime.architecture import moe_layer_pattern
 from vime.backends.megatron.conversion import transformer_config
-from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm
+from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
 from vime.backends.megatron.routing import _routing
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
                 tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1,
-                recompute: bool = False) -> GPTModel:
+                recompute: bool = False, value_head: bool = False) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
@@ -40,7 +40,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     this process holds its rank's shard, and its logits cover its share of
     the vocabulary (:func:`forward` gathers them); ``expert_parallel`` and
     ``data_parallel`` (see :func:`init_parallel`) decide how an MoE model's
-    experts are shared; ``recompute``: see :func:`transformer_config`.
+    experts are shared; ``recompute``: see :func:`transformer_config`. ``value_head``: PPO's value model, a
+    :class:`ValueHead` in place of the output layer (its logits are then one value per position).
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
@@ -71,6 +72,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True)
+    if value_head:
+        model.output_layer = ValueHead(config)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -80,7 +83,9 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
 class ForwardOutput:
     """What one forward gives: the logits, and the experts chosen when they were recorded."""
 
-    logits: torch.Tensor  # [batch, seq, vocab], or this rank's share of the vocabulary (whole_vocabulary=False)
+    # [batch, seq, vocab], or this rank's share of the vocabulary (whole_vocabulary=False); a value model's values
+    # [batch, seq, 1], whole on every rank
+    logits: torch.Tensor
     experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
 
 
@@ -104,7 +109,8 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     positions = torch.arange(width, device=input_ids.device).expand(batch, width)
     with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles:
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)[:, :seq]
-        if whole_vocabulary and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        if (whole_vocabulary and parallel_state.get_tensor_model_parallel_world_size() > 1
+                and not isinstance(model.output_layer, ValueHead)):
             logits = gather_from_tensor_model_parallel_region(logits)
         experts = None
         if record_experts:

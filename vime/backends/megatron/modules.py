@@ -1,9 +1,10 @@
 """The layers vime puts in megatron-core's layer spec in place of its own (no Transformer Engine).
 
 A core attention on ``torch.nn.functional.scaled_dot_product_attention``, the one attention path on CPU
-and GPU; torch's RMSNorm, allowed under sequence parallelism; and an MoE layer's routed experts as two
+and GPU; torch's RMSNorm, allowed under sequence parallelism; an MoE layer's routed experts as two
 stacked weights in grouped matmuls (:class:`GroupedExperts`, in place of megatron-core's one-by-one
-``SequentialMLP``; ``bench/experts.py``). Where they go in the spec is ``model.build_model``'s business;
+``SequentialMLP``; ``bench/experts.py``); and PPO's scalar value head in place of the output layer
+(:class:`ValueHead`). Where they go in the spec is ``model.build_model``'s business;
 how their weights map to a Hugging Face checkpoint is ``conversion``'s.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -139,3 +141,36 @@ class GroupedExperts(MegatronModule):
         hidden = F.silu(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
         return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=ends)[:routed], None
+
+
+class ValueHead(MegatronModule):
+    """PPO's value head, ``Linear(hidden, 1)``, in the GPTModel's ``output_layer`` place: a value model is the
+    policy's architecture with a scalar per position instead of the vocabulary's logits.
+
+    It is replicated, whole on every tensor-parallel rank, rather than row-parallel: the decoder's output
+    reaches the output layer cut by sequence (sequence parallelism), each rank holding every hidden feature
+    of its positions, so each rank computes the values of its own positions with no exchange, and one
+    all-gather of ``[positions, batch]`` scalars makes them whole on every rank. A row-parallel head would
+    first have to redistribute the hidden states by feature, a far larger exchange, to split a weight of
+    ``hidden`` numbers. Every rank computes the same loss from the gathered values, so the gather's backward
+    pass keeps each rank's share of their gradient (no reduction), and the head's gradient on a rank is that
+    of its positions only: marked ``sequence_parallel``, as the norms are, it is summed over the ranks.
+
+    It starts at zero (every value 0 until the value loss moves it), as the reference trainer's head does;
+    the checkpoint's output layer, if any, is not used."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        """``hidden [positions (this rank's), batch, hidden]`` -> ``[positions (all), batch, 1]``, called as the
+        GPTModel calls its output layer (``weight``: a tied embedding, which a value head does not use)."""
+        values = F.linear(hidden, self.weight, self.bias)
+        if self.config.sequence_parallel:
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None

@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 
 from vime.backends.hf import check_model_folder
 from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_maps
+from vime.backends.megatron.modules import ValueHead
 
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -75,13 +76,18 @@ def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
     """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid);
-    under tensor parallelism each rank takes its shard of the whole checkpoint, one tensor at a time."""
+    under tensor parallelism each rank takes its shard of the whole checkpoint, one tensor at a time. A value
+    model's head (:class:`ValueHead`) is not in the checkpoint: it keeps its own weights, and the checkpoint's
+    output layer is not read."""
     live = model_tensors(model)
-    names = {tensor_map.megatron_name for tensor_map in _tensor_maps(hf_config)}
+    lm_head = not isinstance(model.output_layer, ValueHead)
+    if not lm_head:
+        live = {name: tensor for name, tensor in live.items() if not name.startswith("output_layer.")}
+    names = {tensor_map.megatron_name for tensor_map in _tensor_maps(hf_config, lm_head)}
     if names != set(live):
         raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - names)[:5]},"
                          f" unknown {sorted(names - set(live))[:5]}")
-    for name, tensor in _converted(hf_state, hf_config):
+    for name, tensor in _converted(hf_state, hf_config, lm_head):
         live[name].copy_(_shard(name, tensor, live[name]))
 
 
