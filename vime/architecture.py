@@ -1,5 +1,6 @@
 """What a Hugging Face config.json says about a model's shape, read the same way by every part of vime that needs it
-(the FLOP count, the Megatron backend's conversion, the check of Megatron's model flags, ``vime.megatron_flags``),
+(the FLOP count, the Megatron backend's conversion, the check of Megatron's model flags, ``vime.megatron_flags``,
+the value model's check for routing replay),
 and how the Megatron layout shares the experts. Imports no torch: the flags are checked before any engine loads."""
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     if hf_config.model_type == "glm4_moe":
         return [int(layer >= hf_config.first_k_dense_replace) for layer in range(layers)]
     return [0] * layers
+
+
+def routed_experts(hf_config: Any) -> int:
+    """How many routed experts each MoE layer has (Qwen3-MoE's ``num_experts``, GLM-4.5's ``n_routed_experts``); 0
+    for a dense model."""
+    if hf_config.model_type == "qwen3_moe":
+        return hf_config.num_experts
+    return getattr(hf_config, "n_routed_experts", None) or 0
 
 
 def head_dim(hf_config: Any) -> int:

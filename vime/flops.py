@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vime.architecture import head_dim, moe_layer_pattern
+from vime.architecture import head_dim, moe_layer_pattern, routed_experts
 
 
 def matmul_parameters(hf_config: Any) -> int:
@@ -31,7 +31,7 @@ def matmul_parameters(hf_config: Any) -> int:
         if not moe:
             total += dense
             continue
-        experts = getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts
+        experts = routed_experts(hf_config)
         per_expert = 3 * hidden * hf_config.moe_intermediate_size
         shared = getattr(hf_config, "n_shared_experts", 0) or 0
         total += (hf_config.num_experts_per_tok + shared) * per_expert + hidden * experts

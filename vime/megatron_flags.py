@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-from vime.architecture import expert_tensor_parallel, head_dim, moe_layer_pattern
+from vime.architecture import expert_tensor_parallel, head_dim, moe_layer_pattern, routed_experts
 
 ABSENT = object()  # what a MoE flag is checked against on a dense model: no value given equals it
 
@@ -78,10 +78,6 @@ def _qk_norm(hf: Any) -> bool:
     """Whether the checkpoint normalizes queries and keys per head: Qwen3's always do (its config has no field
     for it), GLM-4.5's when use_qk_norm says so; a model without the field (Qwen2, Llama) has none."""
     return hf.model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf, "use_qk_norm", False))
-
-
-def _experts(hf: Any) -> int:
-    return hf.num_experts if hf.model_type == "qwen3_moe" else hf.n_routed_experts
 
 
 class _LongerThanModel(Exception):
@@ -188,7 +184,7 @@ MEGATRON_FLAGS = (
                  "tie_word_embeddings"),
     MegatronFlag("--attention-dropout", float, lambda hf, run: getattr(hf, "attention_dropout", 0.0),
                  "attention_dropout"),
-    MegatronFlag("--num-experts", int, _moe(_experts), "num_experts", note="GLM-4.5: n_routed_experts"),
+    MegatronFlag("--num-experts", int, _moe(routed_experts), "num_experts", note="GLM-4.5: n_routed_experts"),
     MegatronFlag("--moe-ffn-hidden-size", int, _moe(lambda hf: hf.moe_intermediate_size), "moe_intermediate_size"),
     MegatronFlag("--moe-router-topk", int, _moe(lambda hf: hf.num_experts_per_tok), "num_experts_per_tok"),
     MegatronFlag("--moe-shared-expert-intermediate-size", int,

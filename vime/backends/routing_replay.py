@@ -59,21 +59,13 @@ def check_model_folder(path: str | Path) -> None:
                          f"{path} holds a {model_type}: pass --no-use-rollout-routing-replay")
 
 
-def routed_experts(hf_config: Any) -> int:
-    """How many routed experts each MoE layer of a Hugging Face config has (Qwen3-MoE's ``num_experts``,
-    GLM-4.5's ``n_routed_experts``); 0 for a dense model. The one place both families' names are read."""
-    if hf_config.model_type == "qwen3_moe":
-        return hf_config.num_experts
-    return getattr(hf_config, "n_routed_experts", None) or 0
-
-
 def check_critic_folder(policy_path: str | Path, critic_path: str | Path) -> None:
     """ValueError, before a run, when PPO's value model from ``critic_path`` (``--critic-model-path``) cannot
     replay the experts the policy's rollout recorded: it replays them as the policy does, so it needs the same
     MoE layers, experts and top-k."""
     from transformers import AutoConfig
 
-    from vime.flops import moe_layer_pattern
+    from vime.architecture import moe_layer_pattern, routed_experts
 
     def layout(path: str | Path) -> tuple[Any, ...]:
         config = AutoConfig.from_pretrained(path)

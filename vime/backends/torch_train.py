@@ -26,8 +26,6 @@ rollout's experts as the policy does under R3; a frozen
 copy of the initial policy serves as the KL reference when either KL
 coefficient is > 0 (``kl_loss_coef``: a loss term; ``kl_coef``: a penalty in
 the reward, measured once per step with the scoring pass's log-probs).
-Changed with PPO on Megatron: the value model replays the rollout's experts under R3, is in eval mode for the
-scoring pass, and is loaded from its checkpoint on disk rather than deep-copied from the policy.
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vime.architecture import expert_tensor_parallel, moe_layer_pattern
-from vime.backends.routing_replay import routed_experts
+from vime.architecture import expert_tensor_parallel, moe_layer_pattern, routed_experts
 
 FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe")
 
