@@ -59,14 +59,20 @@ RUNS: dict[str, tuple[str, int, list[str], str]] = {
 }
 
 
+def model_folder(args: argparse.Namespace, root: Path, kind: str) -> Path:
+    """Where the random checkpoint of ``kind`` (dense or MoE) is built for these flags."""
+    shape, layers = {"dense": (args.dense_shape, args.dense_layers), "moe": (args.moe_shape, args.moe_layers)}[kind]
+    return root / "models" / f"{shape}-{layers or 'all'}-s{args.seed}"
+
+
 def build_models(args: argparse.Namespace, root: Path, kinds: set[str]) -> dict[str, Path]:
     """The random checkpoints the runs need, built once each (in a subprocess: the MoE shape's host memory
     goes back when it ends)."""
     shapes = {"dense": (args.dense_shape, args.dense_layers), "moe": (args.moe_shape, args.moe_layers)}
-    folders = {}
+    folders: dict[str, Path] = {}
     for kind in sorted(kinds):
         shape, layers = shapes[kind]
-        folder = root / "models" / f"{shape}-{layers or 'all'}-s{args.seed}"
+        folder = model_folder(args, root, kind)
         if not (folder / "config.json").exists():
             code = ("import sys; from pathlib import Path; from vime.scenarios import arithmetic; "
                     "arithmetic.build_model(Path(sys.argv[1]), seed=int(sys.argv[2]), shape=sys.argv[3], "
@@ -79,7 +85,7 @@ def build_models(args: argparse.Namespace, root: Path, kinds: set[str]) -> dict[
 
 def command_of(name: str, model: Path, args: argparse.Namespace, out: Path) -> list[str]:
     _, staleness, flags, _ = RUNS[name]
-    placement = ON_CPU if args.cpu else [*ON_GPU, "--vllm-gpu-memory-utilization", str(args.vllm_util)]
+    placement = [*(ON_CPU if args.cpu else ON_GPU), "--vllm-gpu-memory-utilization", str(args.vllm_util)]
     return [sys.executable, "-m", "vime.scenario", "arithmetic", *STACK, *placement, *flags, "--max-staleness",
             str(staleness), "--model-path", str(model), "--steps",
             str(args.steps), "--seed", str(args.seed), "--out", str(out), *args.extra]
@@ -100,15 +106,19 @@ def _gap_figures(diffs: list[float | None]) -> dict[str, Any]:
             "diff_max": max(present, default=None)}
 
 
-def row_of(name: str, command: list[str], run_dir: Path, code: int | None, wall: float) -> dict[str, Any]:
+def row_of(name: str, command: list[str], run_dir: Path, code: int | None, wall: float | None) -> dict[str, Any]:
+    """A run's row from its folder; ``date`` is when its metrics were last written (or now, if it wrote none)."""
     placement, staleness, flags, kind = RUNS[name]
+    metrics = run_dir / "metrics.jsonl"
+    finished = (datetime.datetime.fromtimestamp(metrics.stat().st_mtime, datetime.timezone.utc) if metrics.exists()
+                else datetime.datetime.now(datetime.timezone.utc))
     row: dict[str, Any] = {
         "name": name, "train_backend": "megatron", "rollout_backend": "vllm", "placement": placement,
         "max_staleness": staleness, "weight_path": weight_path(run_dir), "r3": "--use-rollout-routing-replay" in flags,
-        "model": kind, "exit_code": code, "wall_s": round(wall, 1),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": kind, "exit_code": code, "wall_s": None if wall is None else round(wall, 1),
+        "date": finished.strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(command[1:]).replace(str(run_dir), "RUN_DIR")}
-    if not (run_dir / "metrics.jsonl").exists():
+    if not metrics.exists():
         return row
     figures, curves = summarize(run_dir)
     if not figures["steps_done"]:
@@ -173,7 +183,8 @@ def main() -> None:
     parser.add_argument("--dense-layers", type=int, default=None, help="default: the shape's own depth")
     parser.add_argument("--moe-shape", default="qwen3-30b-a3b")
     parser.add_argument("--moe-layers", type=int, default=4)
-    parser.add_argument("--vllm-util", type=float, default=0.15, help="each engine's --vllm-gpu-memory-utilization")
+    parser.add_argument("--vllm-util", type=float, default=0.15,
+                        help="each engine's --vllm-gpu-memory-utilization (--cpu: the share of host memory it takes)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once on the GPU")
     parser.add_argument("--stagger", type=float, default=90.0, help="seconds between two starts")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
@@ -181,14 +192,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--tabulate", action="store_true",
+                        help="run nothing: the rows of the --runs found under --out (a run cut short included)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- then flags for every run")
     args = parser.parse_args()
     args.extra = [flag for flag in args.extra if flag != "--"]
     root = args.out or Path(tempfile.mkdtemp(prefix="learn-"))
-    root.mkdir(parents=True, exist_ok=True)
-    models = build_models(args, root, {RUNS[name][3] for name in args.runs})
-    print(f"{len(args.runs)} runs of {args.steps} steps under {root}", flush=True)
-    rows = launch(args.runs, models, args, root)
+    if args.tabulate:
+        found = [name for name in args.runs if (root / name).is_dir()]
+        rows = [row_of(name, command_of(name, model_folder(args, root, RUNS[name][3]), args, root / name),
+                       root / name, None, None) for name in found]
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        models = build_models(args, root, {RUNS[name][3] for name in args.runs})
+        print(f"{len(args.runs)} runs of {args.steps} steps under {root}", flush=True)
+        rows = launch(args.runs, models, args, root)
     rows.sort(key=lambda row: args.runs.index(row["name"]))
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
