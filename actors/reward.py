@@ -1,8 +1,8 @@
 """The reward actor: scores every sample of a group and passes the group on.
 
 The function is a built-in (``--reward NAME``) or the user's
-(``--custom-reward module:function``), plain or async; see
-``vime.rewards``. A group's samples are scored concurrently, and several
+(``--custom-reward module:function``, or slime's ``custom_rm(args, sample)``
+as ``--custom-rm-path``), plain or async; see ``vime.rewards``. A group's samples are scored concurrently, and several
 groups at once (``GROUPS_IN_FLIGHT``), passed on in the order they came:
 a plain function in ``--reward-workers`` processes, an async one here; each call
 under ``--reward-timeout`` (``vime.reward_workers``), past which the sample
@@ -32,8 +32,7 @@ class Reward(Actor):
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
         run = RunConfig.from_dict(self.config)
-        self.workers = RewardWorkers(run.reward.reward, run.reward.custom_reward, run.reward.reward_workers,
-                                     run.reward.reward_timeout)
+        self.workers = RewardWorkers.for_run(run)
         self.slots = trio.Semaphore(GROUPS_IN_FLIGHT)
         self.last_turn = trio.Event()  # set once the group that came last is sent on
         self.last_turn.set()
@@ -71,7 +70,7 @@ class Reward(Actor):
         async def score_one(sample: Any) -> None:
             nonlocal timeouts
             if sample.reward is None:  # an external agent may have scored its episode itself
-                scored = await self.workers.score(sample.response_text, sample.label, sample.metadata)
+                scored = await self.workers.score(sample.response_text, sample.label, sample.metadata, sample)
                 sample.reward, timeouts = scored.reward, timeouts + scored.timed_out
 
         try:

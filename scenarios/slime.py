@@ -11,6 +11,24 @@ unless ``--eval-interval`` or ``--save-interval`` asks, and Megatron's optimizer
 Adam's beta2 0.999, a linear learning-rate decay over the run), one response per prompt (slime's
 ``--n-samples-per-prompt`` default; GRPO needs more). Everything else is vime's default
 (``vime.config.RunConfig``); ``--hf-checkpoint`` (``--model-path``) and ``--prompt-data`` (``--data``) are needed.
+
+Which versions these follow (THUDM/slime commits; the copies read carry no dates):
+
+- slime's own defaults, from ``slime/utils/arguments.py`` at 002fa9d: ``--n-samples-per-prompt 1``;
+  ``--eval-temperature``, ``--eval-top-p`` and ``--eval-top-k`` unset, so the rollout's; ``--eval-interval`` and
+  ``--save-interval`` unset; ``--calculate-per-token-loss`` off; ``--apply-chat-template-kwargs`` empty, so Qwen3's
+  template thinks. The row as it is: ``slime/utils/data.py`` passes the prompt field to the engine untouched
+  (through the chat template with ``--apply-chat-template``).
+- Megatron's, which slime leaves as they are: ``--weight-decay 0.01`` and ``--adam-beta2 0.999`` from
+  ``megatron/training/arguments.py``, ``lr_decay_style`` linear from ``megatron/training/config/training_config.py``,
+  both of megatron-core 0.19.2 (the version vime installs).
+- The launchers ``tests/test_slime_scripts.py`` runs on this scenario and checks against slime's recipe:
+  ``scripts/run-qwen3-4B.sh`` at 05a0752 and ``scripts/run-qwen3-30B-A3B.sh`` at 128cb0e (temperature 0.8, eval
+  top-p 0.7, 8192 tokens, ...). Those values come from the scripts' flags, not from these defaults.
+
+Where slime's train.py has a default of its own that this scenario leaves at vime's, a launcher silent on it runs
+vime's: the learning rate (slime resets Megatron's ``--lr`` to 1e-6; vime's is 1e-3), GAE's lambda (slime's
+``--lambd`` 1.0, vime's 0.95) and the seed (1234, vime's 0). slime's scripts pass ``--lr``; pass ``--lambd`` for PPO.
 """
 
 from __future__ import annotations

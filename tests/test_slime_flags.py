@@ -222,7 +222,8 @@ def test_the_readme_table_lists_the_aliases_there_are():
             spellings.update(dict.fromkeys(flags_of(field), flags_of(field)))
     for slime, vime in rows:
         assert slime in spellings.get(vime, ()), f"README: {slime} is no name of {vime}'s setting"
-    assert {slime for slime, _, _ in SAME_MEANING} | {"--eps-clip", "--apply-chat-template"} == {s for s, _ in rows}
+    assert {slime for slime, _, _ in SAME_MEANING} | {"--eps-clip", "--apply-chat-template", "--custom-rm-path"} == {
+        s for s, _ in rows}
     same_names = section[section.index("These have the same name in both"):section.index("As in\nMegatron")]
     for flag in re.findall(r"`(--[\w-]+)`", same_names):
         assert flag in spellings, f"README: {flag} is no vime flag"
@@ -393,7 +394,8 @@ def test_rm_type_is_vimes_reward_where_one_does_the_same():
     with pytest.raises(ValueError, match=r"--rm-type dapo: vime has no such reward; pass --reward math \(math-verify "
                                          r"reads DAPO's \"Answer:\" line too; slime's dapo scores a wrong answer -1"):
         parse("--rm-type", "dapo")
-    with pytest.raises(ValueError, match=r"--rm-type remote_rm: .*pass --custom-reward module:function"):
+    with pytest.raises(ValueError, match=r"--rm-type remote_rm: .*pass --custom-rm-path module.function, a "
+                                         r"custom_rm\(args, sample\)"):
         parse("--rm-type", "remote_rm")
     with pytest.raises(ValueError, match=r"--rm-type math is vime's --reward math, but --reward exact is given too"):
         parse("--rm-type", "math", "--reward", "exact")

@@ -1,7 +1,7 @@
-"""slime's own launchers on vime (issue 33's acceptance): the flag arrays of THUDM/slime's scripts/run-qwen3-4B.sh and
-scripts/run-qwen3-30B-A3B.sh, typed in as they are (with their MODEL_ARGS from scripts/models/ and their SGLang
-flags), planned by ``--dry-run --dry-run-gpus 8`` on a folder holding the real model's config.json and the Qwen3
-tokenizer (no weights).
+"""slime's own launchers on vime (issue 33's acceptance): the flag arrays of THUDM/slime's scripts/run-qwen3-4B.sh
+(at commit 05a0752) and scripts/run-qwen3-30B-A3B.sh (at 128cb0e), typed in as they are (with their MODEL_ARGS from
+scripts/models/ and their SGLang flags), planned by ``--dry-run --dry-run-gpus 8`` on a folder holding the real
+model's config.json and the Qwen3 tokenizer (no weights).
 
 Left out of each script: the lines that start Ray and clean up (``pkill``, ``ray stop``/``ray start``, the
 ``ray job submit --address ... --runtime-env-json ...`` wrapper around ``python3 train.py``) and the environment

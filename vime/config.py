@@ -139,10 +139,29 @@ class RolloutConfig:
 class RewardConfig:
     reward: str = setting("exact", "a built-in reward of vime.rewards")
     custom_reward: str = setting("", "module:function, fn(response, label, **metadata) -> float, sync or async")
+    custom_rm_path: str = setting("", "slime's custom reward, module.function (or module:function): "
+                                      "custom_rm(args, sample) -> float, sync or async, run where --custom-reward's "
+                                      "runs; sample holds slime's prompt, tokens, response, response_length, label, "
+                                      "metadata (the row's 'metadata' field), status and group_index, args the run's "
+                                      "settings by vime's and slime's names (vime.slime_reward says what is left "
+                                      "out); a dict return is refused (no --reward-key)")
     reward_timeout: float = setting(10.0, "seconds one reward call may take; past that its process is killed and "
                                           "the sample scores 0 (counted as reward_timeouts)")
     reward_workers: int = setting(2, "processes that run a plain reward function, each call under "
                                      "--reward-timeout")
+
+    def __post_init__(self) -> None:
+        if self.custom_reward and self.custom_rm_path:
+            raise ValueError(f"--custom-reward {self.custom_reward} and --custom-rm-path {self.custom_rm_path} both "
+                             "name the reward: pass one of them (--custom-rm-path for slime's custom_rm(args, "
+                             "sample), --custom-reward for fn(response, label, **metadata))")
+
+    def custom_spelled(self) -> str:
+        """The user's reward function as given on the command line (``--custom-rm-path SPEC`` or ``--custom-reward
+        SPEC``), for messages; "" when the reward is a built-in."""
+        if self.custom_rm_path:
+            return f"--custom-rm-path {self.custom_rm_path}"
+        return f"--custom-reward {self.custom_reward}" if self.custom_reward else ""
 
 
 @dataclasses.dataclass(frozen=True)

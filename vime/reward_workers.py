@@ -13,14 +13,15 @@ cancellation reaches it). A function that raises or returns something that is no
 the run, as ``vime.rewards.score`` says: that is a bug to fix, not an answer to score.
 
 Only plain data crosses to a worker: msgpack maps of strings and the sample's metadata (never pickle), and
-each worker finds the function itself from its name (``--reward``, ``--custom-reward``).
+each worker finds the function itself from its name (``--reward``, ``--custom-reward``, ``--custom-rm-path``), told
+in the first frame it reads; a ``--custom-rm-path`` function's worker is told the run's settings too (its ``args``)
+and sent the sample's plain fields with each call (``vime.slime_reward``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import inspect
 import os
 import signal
 import subprocess
@@ -31,7 +32,8 @@ from typing import Any
 import msgpack
 import trio
 
-from vime import rewards
+from vime import rewards, slime_reward
+from vime.config import RunConfig
 
 START_S = 120.0  # a worker importing the function (and math-verify's sympy) may take a while on a busy host
 
@@ -54,22 +56,33 @@ class _Died(Exception):
 
 
 class RewardWorkers:
-    """``workers`` processes that score samples with the reward ``name`` (or ``custom``), each call limited to
-    ``limit_s`` seconds. :meth:`start` them, :meth:`close` them; :meth:`score` may be called concurrently."""
+    """``workers`` processes that score samples with the reward ``name`` (or ``custom``, or slime's
+    ``custom_rm_path`` with the run's ``settings`` as its ``args``), each call limited to ``limit_s`` seconds.
+    :meth:`start` them, :meth:`close` them; :meth:`score` may be called concurrently."""
 
-    def __init__(self, name: str, custom: str, workers: int, limit_s: float) -> None:
+    def __init__(self, name: str, custom: str, workers: int, limit_s: float, custom_rm_path: str = "",
+                 settings: dict[str, dict[str, Any]] | None = None) -> None:
         if workers < 1 or limit_s <= 0:
             raise ValueError(f"--reward-workers must be >= 1 (got {workers}) and --reward-timeout > 0 "
                              f"(got {limit_s})")
-        self.name, self.custom, self.size, self.limit_s = name, custom, workers, limit_s
-        self.fn = rewards.resolve(name, custom)  # fails here, before any process starts, if it does not exist
-        self.inline = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None))
+        self.size, self.limit_s = workers, limit_s
+        # what a worker is told to find: plain values, sent as its first frame
+        self.spec = {"name": name, "custom": custom, "custom_rm_path": custom_rm_path,
+                     "settings": settings if custom_rm_path else None}
+        self.fn = rewards.resolve(**self.spec)  # fails here, before any process starts, if it does not exist
+        self.inline = rewards.is_async(self.fn)
         self.idle: list[_Worker] = []  # waiting for a call; with the busy ones, ``workers`` while open
         self.running: set[_Worker] = set()  # every process, idle or busy: close() kills them all
         self.free = trio.Semaphore(workers)
         self.closed = False
         self.timeouts = 0
+
+    @classmethod
+    def for_run(cls, config: RunConfig, workers: int | None = None) -> RewardWorkers:
+        """The pool a run's reward settings ask for (``workers``: another number of processes)."""
+        settings = config.reward
+        return cls(settings.reward, settings.custom_reward, workers or settings.reward_workers,
+                   settings.reward_timeout, settings.custom_rm_path, config.to_dict())
 
     def start(self) -> None:
         if not self.inline:
@@ -84,14 +97,16 @@ class RewardWorkers:
         self.running.clear()
         self.idle = []
 
-    async def score(self, response: str, label: str, metadata: dict[str, Any]) -> Scored:
-        """The reward of one response; 0 (and counted) when the call runs past the limit or its process dies."""
+    async def score(self, response: str, label: str, metadata: dict[str, Any], sample: Any = None) -> Scored:
+        """The reward of one response; 0 (and counted) when the call runs past the limit or its process dies.
+        ``sample``: the rollout's ``Sample``, whose other fields a ``--custom-rm-path`` function's sample holds."""
+        fields = slime_reward.sample_fields(sample) if sample is not None and self.spec["custom_rm_path"] else None
         if self.inline:
             with trio.move_on_after(self.limit_s):
-                return Scored(await rewards.score(self.fn, response, label, metadata))
+                return Scored(await rewards.score(self.fn, response, label, metadata, fields))
             return self._timed_out()
         try:
-            request = _frame({"response": response, "label": label, "metadata": metadata})
+            request = _frame({"response": response, "label": label, "metadata": metadata, "fields": fields})
         except (TypeError, ValueError) as err:
             raise TypeError(f"a sample cannot be sent to a reward worker ({err}): keep its metadata to plain "
                             "values (strings, numbers, lists, maps)") from None
@@ -126,7 +141,7 @@ class RewardWorkers:
         return Scored(reward)
 
     def _add(self) -> None:
-        worker = _Worker.start(self.name, self.custom)
+        worker = _Worker.start(self.spec)
         self.running.add(worker)
         self.idle.append(worker)
 
@@ -142,10 +157,10 @@ class RewardWorkers:
 
 
 class _Worker:
-    """One process (``python -m vime.reward_workers NAME CUSTOM``) serving calls over its stdin and stdout, as
-    length-prefixed msgpack frames; it says it is ready once it has found the function. A process of its own
-    rather than a multiprocessing child: spawn would import the actor's own modules (torch among them) into
-    every worker."""
+    """One process (``python -m vime.reward_workers``) serving calls over its stdin and stdout, as length-prefixed
+    msgpack frames: the first it reads names the function, and it says it is ready once it has found it. A process
+    of its own rather than a multiprocessing child: spawn would import the actor's own modules (torch among them)
+    into every worker."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process, self.ready, self.pending = process, False, b""
@@ -155,14 +170,17 @@ class _Worker:
         process.stdout.close()
 
     @classmethod
-    def start(cls, name: str, custom: str) -> _Worker:
+    def start(cls, spec: dict[str, Any]) -> _Worker:
         """Started from the actor's own thread, not trio's worker threads: the kernel's parent-death signal
         (below) goes when the thread that started the process ends, and trio's threads come and go."""
         # the actor's import path, so that a --custom-reward module found here is found there too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # a process group of its own: what a reward starts (a sandboxed run of generated code) is killed with it
-        return cls(subprocess.Popen([sys.executable, "-m", "vime.reward_workers", name, custom],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True))
+        process = subprocess.Popen([sys.executable, "-m", "vime.reward_workers"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, env=env, start_new_session=True)
+        process.stdin.write(_frame(spec))  # a pipe's buffer holds it: nothing reads it before the process starts
+        process.stdin.flush()
+        return cls(process)
 
     async def _read(self, size: int) -> bytes:
         while len(self.pending) < size:
@@ -216,9 +234,9 @@ def _frame(value: Any) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-def _serve(name: str, custom: str) -> None:
-    """A worker's loop: find the function, say ready, then score each request until stdin closes. Frames go
-    out on the stdout it was started with; what the function prints goes to stderr."""
+def _serve() -> None:
+    """A worker's loop: read which function (its first frame), find it, say ready, then score each request until
+    stdin closes. Frames go out on the stdout it was started with; what the function prints goes to stderr."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the actor's to handle; it stops us
     out = os.fdopen(os.dup(1), "wb")
@@ -230,8 +248,9 @@ def _serve(name: str, custom: str) -> None:
         out.flush()
 
     try:
-        fn = rewards.resolve(name, custom)
-        if not custom:  # a built-in imports what it needs on its first call (math-verify: sympy, seconds)
+        spec = msgpack.unpackb(inp.read(int.from_bytes(inp.read(4), "big")))
+        fn = rewards.resolve(**spec)
+        if fn is rewards.BUILT_IN.get(spec["name"]):  # it imports what it needs on its first call (sympy: seconds)
             fn("1", "1")
     except Exception as err:
         send({"error": f"{type(err).__name__}: {err}"})
@@ -241,8 +260,8 @@ def _serve(name: str, custom: str) -> None:
         body = inp.read(int.from_bytes(head, "big"))
         try:
             request = msgpack.unpackb(body)
-            answer: dict[str, Any] = {"reward": rewards.checked(fn, fn(request["response"], request["label"],
-                                                                       **request["metadata"]))}
+            value = rewards.call(fn, request["response"], request["label"], request["metadata"], request["fields"])
+            answer: dict[str, Any] = {"reward": rewards.checked(fn, value)}
         except Exception as err:
             answer = {"error": f"reward function failed: {type(err).__name__}: {err}"}
         send(answer)
@@ -258,4 +277,4 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.argv[2])
+    _serve()

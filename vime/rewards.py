@@ -3,8 +3,9 @@
 A reward function is ``fn(response: str, label: str, **metadata) -> float``,
 plain or ``async``. Built-ins are plain functions of this module, callable as
 ``vime.rewards.NAME(response, label)`` and chosen with ``--reward NAME``; a
-user's is given as ``--custom-reward package.module:function``. Where they run,
-and under which time limit: ``vime.reward_workers``.
+user's is given as ``--custom-reward package.module:function``, or, written as
+slime's ``custom_rm(args, sample)``, as ``--custom-rm-path`` (``vime.slime_reward``).
+Where they run, and under which time limit: ``vime.reward_workers``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import threading
 from typing import Any, Awaitable, Callable
 
+from vime import slime_reward
 from vime.plugins import import_function
 
 RewardFn = Callable[..., "float | Awaitable[float]"]
@@ -188,19 +190,45 @@ BUILT_IN: dict[str, RewardFn] = {"exact": exact, "first_number": first_number, "
                                   "gsm8k": gsm8k, "math": math, "deepscaler": deepscaler}
 
 
-def resolve(name: str, custom: str = "") -> RewardFn:
-    """The reward to use: ``custom`` (module:function) when given, else the built-in ``name``."""
+def resolve(name: str, custom: str = "", custom_rm_path: str = "",
+            settings: dict[str, dict[str, Any]] | None = None) -> RewardFn:
+    """The reward to use: ``custom_rm_path`` (slime's ``custom_rm(args, sample)``, given the ``args`` of the run's
+    ``settings``: ``vime.slime_reward``) or ``custom`` (module:function) when given, else the built-in ``name``."""
+    if custom_rm_path:
+        return slime_reward.load(custom_rm_path, settings)
     if custom:
-        return import_function(custom, "--custom-reward")
+        fn = import_function(custom, "--custom-reward")
+        if slime_reward.parameters(fn)[:2] == ["args", "sample"]:
+            raise ValueError(f"--custom-reward {custom}: {getattr(fn, '__qualname__', fn)} takes (args, sample), "
+                             f"slime's signature: pass it as --custom-rm-path {custom}, or write it as "
+                             "fn(response, label, **metadata)")
+        return fn
     if name not in BUILT_IN:
         raise ValueError(f"--reward {name!r} is not a built-in reward; choose one of {sorted(BUILT_IN)} "
                          "or pass --custom-reward package.module:function")
     return BUILT_IN[name]
 
 
-async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any]) -> float:
-    """Call a reward function (plain or async) and check that it returned a finite number."""
-    value = fn(response, label, **metadata)
+def call(fn: RewardFn, response: str, label: str, metadata: dict[str, Any],
+         sample_fields: dict[str, Any] | None = None) -> Any:
+    """``fn``'s value for one response, a coroutine for an async ``fn``: vime's reward functions take ``(response,
+    label, **metadata)``; slime's (``--custom-rm-path``) a sample built from these and ``sample_fields``
+    (``vime.slime_reward.sample_fields``; None where there is no rollout sample)."""
+    if isinstance(fn, slime_reward.SlimeReward):
+        return fn(response, label, metadata, sample_fields or {})
+    return fn(response, label, **metadata)
+
+
+def is_async(fn: RewardFn) -> bool:
+    """Whether calling ``fn`` gives a coroutine (an async function, or an object with an async ``__call__``)."""
+    target = fn.function if isinstance(fn, slime_reward.SlimeReward) else fn
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+
+
+async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any],
+                sample_fields: dict[str, Any] | None = None) -> float:
+    """Call a reward function (plain or async; see :func:`call`) and check that it returned a finite number."""
+    value = call(fn, response, label, metadata, sample_fields)
     if inspect.isawaitable(value):
         value = await value
     return checked(fn, value)
@@ -209,8 +237,10 @@ async def score(fn: RewardFn, response: str, label: str, metadata: dict[str, Any
 def checked(fn: RewardFn, value: Any) -> float:
     """``value`` as a float, if it is a finite number (a bool is not); else TypeError naming ``fn``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _math.isfinite(value):
+        # slime takes a dict and picks the reward with --reward-key, which vime has not
+        hint = ": return the reward itself, not a dict of rewards" if isinstance(value, dict) else ""
         raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} returned {value!r}; "
-                        "it must return a finite float")
+                        f"it must return a finite float{hint}")
     return float(value)
 
 
@@ -219,13 +249,16 @@ def check_contract(fn: RewardFn) -> None:
 
     Raises TypeError saying what is wrong: it must take ``(response, label,
     **metadata)`` and return a finite float (directly or from a coroutine).
-    Users can run this on their function before starting a job.
+    Users can run this on their function before starting a job; a slime
+    ``custom_rm(args, sample)`` is checked as
+    ``check_contract(vime.slime_reward.load("package.module.custom_rm"))``.
     """
-    try:
-        inspect.signature(fn).bind("response", "label", source="check_contract")
-    except TypeError as err:
-        raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} must accept "
-                        f"(response: str, label: str, **metadata): {err}") from None
+    if not isinstance(fn, slime_reward.SlimeReward):  # load() checked a slime function's (args, sample)
+        try:
+            inspect.signature(fn).bind("response", "label", source="check_contract")
+        except TypeError as err:
+            raise TypeError(f"reward function {getattr(fn, '__qualname__', fn)!r} must accept "
+                            f"(response: str, label: str, **metadata): {err}") from None
     import trio
 
     trio.run(score, fn, "7", "7", {"source": "check_contract"})

@@ -110,7 +110,7 @@ RM_TYPES = {"math": "math", "deepscaler": "deepscaler", "gsm8k": "gsm8k"}
 _RM_INSTEAD = {
     "dapo": "--reward math (math-verify reads DAPO's \"Answer:\" line too; slime's dapo scores a wrong answer -1 where "
             "vime's scores 0: GRPO's group-normalised advantages are the same, eval means are not)",
-    "remote_rm": "--custom-reward module:function calling your reward server",
+    "remote_rm": "--custom-rm-path module.function, a custom_rm(args, sample) calling your reward server",
 }
 
 
@@ -119,8 +119,8 @@ def _reward(rm_type: str | None, given: dict[str, Any]) -> dict[str, str]:
     if rm_type is None:
         return {}
     if rm_type not in RM_TYPES:
-        instead = _RM_INSTEAD.get(rm_type, "--reward NAME, a built-in of vime.rewards, or --custom-reward "
-                                           "module:function")
+        instead = _RM_INSTEAD.get(rm_type, "--reward NAME, a built-in of vime.rewards, or --custom-rm-path "
+                                           "module.function (slime's custom_rm(args, sample))")
         raise ValueError(f"--rm-type {rm_type}: vime has no such reward; pass {instead}. --rm-type takes "
                          f"{', '.join(RM_TYPES)}")
     if given.get("reward", RM_TYPES[rm_type]) != RM_TYPES[rm_type]:

@@ -41,6 +41,7 @@ class Sample:
     metadata: dict[str, Any]
     response_text: str = ""
     reward: float | None = None
+    prompt_text: str = ""  # prompt_ids decoded, special tokens kept: slime's sample.prompt (--custom-rm-path)
     routed_experts: torch.Tensor | None = None  # routing replay: [prompt + response - 1, moe_layers, top_k] int16
     loss_mask: list[int] | None = None  # with tools: 1 on generated tokens, 0 on inserted tool messages
 
