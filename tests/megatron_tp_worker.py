@@ -110,7 +110,8 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
     """One side of a checkpoint that changes layout, with AdamW (its moments are what must carry over). ``save``:
     train on the first batch, save beside ``out``, then go on to the second; ``resume``: load that checkpoint
     (saved by the test's process, in its layout) and train on the second. Rank 0 writes the weights before the
-    second step, its metrics, the weights after it and, for ppo, the value model's values then."""
+    second step, its metrics, the weights after it and, for ppo, the value model's values then. The settings are
+    those the test's ``_engine`` gives its one-process trainer."""
     engine = MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2, micro_batch_size=2),
                                  loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                  temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
