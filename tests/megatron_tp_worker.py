@@ -2,8 +2,9 @@
 and data parallel), a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
-leader that orders its follower to release memory, then to gather (``lead-and-release``); or PPO's policy and
-value model trained by ranks under ``torchrun`` (``ppo``).
+leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
+value model trained by ranks under ``torchrun`` (``ppo``); or one side of a checkpoint saved in one layout and
+resumed in another (``layouts``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -47,15 +48,9 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
         plain_sgd(engine)  # AdamW's step is blind to the gradient's scale, so to whether it was clipped
         return engine
 
-    def weights(device: str | None = None) -> dict[str, torch.Tensor]:
-        """Rank 0 gathers the weights as the trainer actor's engine does; the others join as followers do."""
-        if dist.get_rank() == 0:  # some alias the weights
-            return {name: tensor.clone() for name, tensor in engine.named_weights(device).items()}
-        engine.join_weight_gather()
-        return {}
-
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
+    weights = functools.partial(gathered_weights, engine)
     loaded = weights()
     streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
     logprobs = engine.score(batch)["old_logprobs"]
@@ -98,6 +93,42 @@ def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expe
     resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
     if dist.get_rank() == 0:
         torch.save({"metrics": metrics, "values": values, "resumed_alike": resumed_alike}, out)
+    dist.destroy_process_group()
+
+
+def gathered_weights(engine: MegatronTrainEngine, device: str | None = None) -> dict[str, torch.Tensor]:
+    """Rank 0 gathers the weights as the trainer actor's engine does (copies: some alias the weights); the others
+    join as followers do, and get nothing."""
+    if dist.get_rank() == 0:
+        return {name: tensor.clone() for name, tensor in engine.named_weights(device).items()}
+    engine.join_weight_gather()
+    return {}
+
+
+def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parallel: int, expert_parallel: int,
+                         data_parallel: int, algo: str, dtype: str, role: str) -> None:
+    """One side of a checkpoint that changes layout, with AdamW (its moments are what must carry over). ``save``:
+    train on the first batch, save beside ``out``, then go on to the second; ``resume``: load that checkpoint
+    (saved by the test's process, in its layout) and train on the second. Rank 0 writes the weights before the
+    second step, its metrics, the weights after it and, for ppo, the value model's values then. The settings are
+    those the test's ``_engine`` gives its one-process trainer."""
+    engine = MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2, micro_batch_size=2),
+                                 loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                 temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
+                                 expert_parallel=expert_parallel, data_parallel=data_parallel)
+    first, second = (TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True))
+    checkpoint = Path(out).with_name("checkpoint")
+    if role == "save":
+        engine.train_step(first)
+        engine.save(checkpoint)
+    else:
+        engine.load(checkpoint)
+    before = gathered_weights(engine, "cpu")
+    metrics = engine.train_step(second)
+    weights = gathered_weights(engine, "cpu")
+    values = engine.score(second)["values"] if algo == "ppo" else None
+    if dist.get_rank() == 0:
+        torch.save({"before": before, "metrics": metrics, "weights": weights, "values": values}, out)
     dist.destroy_process_group()
 
 
@@ -235,6 +266,8 @@ if __name__ == "__main__":
         lead_and_release(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
+    elif sys.argv[1] == "layouts":
+        train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

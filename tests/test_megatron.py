@@ -542,6 +542,36 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, algo, dtyp
             resumed.load(tmp_path / "torch")
 
 
+def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models, tmp_path):
+    """What a trainer cannot take from a checkpoint is refused before anything is loaded, saying what to pass:
+    another model, another algorithm (a value model or none), a state of another layout from vime before shards
+    were recorded, and one whose file of a rank is lost (these two made here by editing a one-rank state)."""
+    _, _, folder = hf_models["qwen3"]
+    saved = _engine(megatron.MegatronTrainEngine, folder, updates=1)
+    saved.train_step(_batch(seed=0))  # Adam's moments: what a lost rank's file lacks
+    saved.save(tmp_path / "one")
+    with pytest.raises(ValueError, match=r"another policy: its output_layer.weight is \[256, 64\] there and absent "
+                                         r"here; resume with the --model-path"):
+        _engine(megatron.MegatronTrainEngine, hf_models["qwen3-tied"][2]).load(tmp_path / "one")
+    with pytest.raises(ValueError, match="with no value model and this one has a value model: resume with the --algo"):
+        _engine(megatron.MegatronTrainEngine, folder, algo="ppo").load(tmp_path / "one")
+    state = torch.load(tmp_path / "one" / "trainer.pt", weights_only=True)
+    state["layout"] = {**state["layout"], "tensor_parallel": 2}
+    shape, _ = state["shards"][0]["embedding.word_embeddings.weight"]
+    state["shards"][0]["embedding.word_embeddings.weight"] = (shape, (0, 1, 0, 2))
+    for name, edit in (("lost", lambda state: state), ("unrecorded", lambda state: {
+            key: value for key, value in state.items() if key != "shards"})):
+        (tmp_path / name).mkdir()
+        torch.save(edit(state), tmp_path / name / "trainer-tp0.pt")
+    with pytest.raises(ValueError, match="lacks the trainer state of the rank that held part 1 of 2 of "
+                                         "embedding.word_embeddings.weight: the checkpoint is incomplete"):
+        saved.load(tmp_path / "lost")
+    with pytest.raises(ValueError, match=r"before its checkpoints recorded each rank's shards: resume it with the "
+                                         r"layout it was written in, \{'train_backend': 'megatron', "
+                                         r"'tensor_parallel': 2"):
+        saved.load(tmp_path / "unrecorded")
+
+
 # -- on the GPU (gpu marker; run with `pytest -m gpu`) ----------------------------------------------------------
 
 
@@ -659,18 +689,28 @@ def _train_on_ranks(tmp_path: Path, folder: Path, batch: TensorBatch, tensor_par
                     data_parallel: int, recompute: bool, mode: str = "") -> dict:
     """What rank 0 of ``megatron_tp_worker.py`` (``mode``: which of its trainers; none: GRPO's) wrote after training
     on ``batch`` under torchrun, one rank per tensor x data parallel copy (gloo)."""
+    torch.save(_fields(batch), tmp_path / "batch.pt")
+    return _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
+                     [*([mode] if mode else []), folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel,
+                      expert_parallel, data_parallel, "recompute" if recompute else "keep"])
+
+
+def _fields(batch: TensorBatch) -> dict[str, torch.Tensor | None]:
+    """``batch`` as a worker reads it back from a file (``TensorBatch(**fields)``)."""
+    return {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+
+
+def _torchrun(ranks: int, out: Path, arguments: list[object]) -> dict:
+    """What rank 0 of ``megatron_tp_worker.py`` wrote to ``out`` after running with ``arguments`` on ``ranks``
+    ranks under torchrun (gloo)."""
     import subprocess
     import sys
 
-    torch.save({field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}, tmp_path / "batch.pt")
     worker = Path(__file__).with_name("megatron_tp_worker.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(tensor_parallel * data_parallel), str(worker), *([mode] if mode else []), str(folder),
-                           str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), str(tensor_parallel),
-                           str(expert_parallel), str(data_parallel), "recompute" if recompute else "keep"],
-                          capture_output=True, text=True, timeout=300)
+                           str(ranks), str(worker), *map(str, arguments)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")
+    return torch.load(out, weights_only=True, map_location="cpu")
 
 
 @pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute", [  # CI time: the default
@@ -737,6 +777,64 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     values = single.score(batch)["values"]
     assert values.abs().max() > 0.05 and (ranks["values"] - values).abs().max() <= 1e-5
     assert ranks["resumed_alike"]
+
+
+@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; two by default
+    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1), True, id="ppo-tp2-to-one"),
+    pytest.param("qwen3", "grpo", "bf16", (2, 1, 1), True, id="bf16-tp2-to-one"),
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2), True, id="dp2-to-one", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 1), True, id="moe-tp2-ep2-to-one", marks=pytest.mark.slow),
+    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1), False, id="ppo-one-to-tp2", marks=pytest.mark.slow)])
+def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo, dtype, ranks_layout, ranks_save):
+    """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel) resumes in one
+    process, or one saved by one process resumes on those ranks (``ranks_save`` False): the weights it resumes
+    from are the saving run's bit for bit, and the step after it is the uninterrupted run's: its metrics, the
+    updated weights and, for ppo, the value model's values (its weights and optimizer state resharded with the
+    policy's). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
+    them would take another step, which the test checks it would notice. In bf16 the masters carry the exact
+    weights, and the step after is one of two tensor-parallel ranks in bf16 beside one rank's (issue 34, item
+    6): they agree within bf16's rounding (the update within 20 %, where a forgotten optimizer state is over
+    100 % off; the loss and gradient norm within 5 %: measured 1 % and 2 %)."""
+    model, _, folder = hf_models[case]
+    first, second = _batch(seed=0, config=model.config), _batch(seed=1, config=model.config)
+    torch.save([_fields(first), _fields(second)], tmp_path / "batches.pt")
+    tensor_parallel, _, data_parallel = ranks_layout
+    single = _engine(megatron.MegatronTrainEngine, folder, dtype=dtype, algo=algo)
+    if not ranks_save:
+        single.train_step(first)
+        single.save(tmp_path / "checkpoint")
+    ranks = _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
+                      ["layouts", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *ranks_layout, algo, dtype,
+                       "save" if ranks_save else "resume"])
+    if ranks_save:
+        single.load(tmp_path / "checkpoint")
+    before = {name: tensor.clone() for name, tensor in single.named_weights().items()}
+    assert [name for name, tensor in before.items() if not torch.equal(ranks["before"][name], tensor)] == []
+    expected = single.train_step(second)
+    fp32 = dtype == "fp32"
+    for key in expected if fp32 else ("loss", "grad_norm", "entropy"):
+        assert ranks["metrics"][key] == pytest.approx(expected[key], rel=1e-4 if fp32 else 5e-2, abs=1e-5,
+                                                      nan_ok=True), key
+    update_gap = _update_gap(before, single.named_weights(), ranks["weights"])
+    assert update_gap <= (1e-4 if fp32 else 0.2)
+    if algo == "ppo":
+        assert (ranks["values"] - single.score(second)["values"]).abs().max() <= 1e-5
+    if ranks_save:
+        forgetful = _engine(megatron.MegatronTrainEngine, folder, dtype=dtype, algo=algo)
+        forgetful.load(tmp_path / "checkpoint")
+        forgetful.optimizer.state.clear()
+        forgetful.train_step(second)
+        assert _update_gap(before, forgetful.named_weights(), ranks["weights"]) > 0.5
+
+
+def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                got: dict[str, torch.Tensor]) -> float:
+    """How far the update from ``before`` to ``got`` is from the one to ``expected``, relative to the latter
+    (norms over every weight together)."""
+    def update(after: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([(after[name].float() - tensor.float()).flatten() for name, tensor in before.items()])
+
+    return float((update(got) - update(expected)).norm() / update(expected).norm())
 
 
 def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models, tmp_path):

@@ -77,7 +77,7 @@ class TorchTrainEngine(TrainEngine):
         self.device = device
         self.weight_version = 0
         self.replica = (0, 1)  # (which, of how many) data-parallel copies of this trainer: each trains its share
-        self.layout: dict[str, Any] = {"train_backend": "torch"}  # a checkpoint resumes only in the same layout
+        self.layout: dict[str, Any] = {"train_backend": "torch"}  # what wrote a checkpoint: the backend, its ranks
         self.policy = self._load_policy(model_path).to(device)
         self.reference = (self._load_policy(model_path).to(device).requires_grad_(False)
                           if loss.kl_loss_coef or loss.kl_coef else None)
@@ -115,23 +115,18 @@ class TorchTrainEngine(TrainEngine):
 
     def save(self, folder: Path) -> None:
         self.save_hf(folder / "model")
-        torch.save({"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                    "critic": None if self.critic is None else self.critic.state_dict(),
-                    "masters": None if self.masters is None else self.masters.state_dict(), "layout": self.layout},
-                   self._state_file(folder))
+        torch.save(self._trainer_state(), self._state_file(folder))
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What :meth:`save` writes beside the Hugging Face folder (optimizer, schedule, value model, masters, RNG,
+        version) and the layout it was written in."""
+        return {"weight_version": self.weight_version, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                "critic": None if self.critic is None else self.critic.state_dict(),
+                "masters": None if self.masters is None else self.masters.state_dict(), "layout": self.layout}
 
     def load(self, folder: Path) -> None:
-        path = self._state_file(folder)
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
-                                    "layout (--tensor-model-parallel-size, --data-parallel-size, "
-                                    "--expert-model-parallel-size); "
-                                    "resume with that layout")
-        state = torch.load(path, weights_only=True)
-        if state.get("layout", self.layout) != self.layout:  # the same files, each rank's tensors of another size
-            raise ValueError(f"{folder} was written by a trainer of layout {state['layout']}, and this one's is "
-                             f"{self.layout}: resume with the flags of that layout")
+        state = self._saved_state(folder)
         if self.masters is not None and state.get("masters") is None:
             raise ValueError(f"{folder} holds no fp32 master weights (an fp32 run, or vime before they were saved): "
                              "resume it with --dtype fp32, or start a new run from its model folder")
@@ -169,6 +164,19 @@ class TorchTrainEngine(TrainEngine):
     def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the data-parallel copies of this trainer (one here: itself)."""
         return tensor
+
+    def _saved_state(self, folder: Path) -> dict[str, Any]:
+        """What :meth:`_trainer_state` gave when ``folder`` was saved, for this trainer: its own file, written in
+        its layout; a checkpoint of another layout is refused (a trainer of this backend cannot reshard it)."""
+        path = self._state_file(folder)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
+                                    "layout (--train-backend megatron, whose checkpoints name each rank's file); "
+                                    "resume it with --train-backend megatron")
+        state = torch.load(path, weights_only=True)
+        if state.get("layout", self.layout) != self.layout:  # the same file name, another backend's state
+            raise _refused_layout(folder, state["layout"], self.layout)
+        return state
 
     def _state_file(self, folder: Path) -> Path:
         """Where :meth:`save` puts what the Hugging Face folder does not hold (optimizer, schedule, masters)."""
@@ -336,6 +344,13 @@ class TorchTrainEngine(TrainEngine):
             loss, stats = loss * 0, {key: value * 0 for key, value in stats.items()}
         loss.backward()
         return stats
+
+
+def _refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:
+    """The refusal of a trainer state that a trainer of layout ``mine`` cannot read: another backend's."""
+    return ValueError(f"{folder} was written by a trainer of layout {written}, and this one's is {mine}: resume "
+                      "with the flags of that layout (only a Megatron trainer's state reshards, to another "
+                      "Megatron layout)")
 
 
 def _read(totals: dict[str, list[tuple[torch.Tensor, float]]]) -> dict[str, list[float]]:

@@ -19,6 +19,8 @@ Which file holds what:
 - ``weights``: the weights in and out of the model, sharded and gathered, and Hugging Face folders.
 - ``logprobs``: per-token log-probs under the sampling temperature, computed exactly as the rollout
   reports them (``vime.backends.hf.scaled_logprobs``), also from a rank's share of the vocabulary.
+- ``resharding``: a checkpoint's trainer state, saved by ranks of one layout, read back by the ranks of
+  another (each rank's shard recorded with where it lies in the whole tensor).
 - ``engine``: :class:`MegatronTrainEngine`, the reference trainer's step on this model (and, for PPO, on
   a value model of the policy's architecture beside it, on the same ranks).
 

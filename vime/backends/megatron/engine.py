@@ -24,6 +24,7 @@ from vime.backends.base import TensorBatch
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
+from vime.backends.megatron.resharding import check_models, resharded_state, shard_records, trained_names
 from vime.backends.megatron.routing import _check_replayable, _route_free_tokens, end_replay
 from vime.backends.megatron.weights import (
     hf_tensors,
@@ -34,7 +35,7 @@ from vime.backends.megatron.weights import (
     write_hf_folder,
 )
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
-from vime.backends.torch_train import TorchTrainEngine
+from vime.backends.torch_train import TorchTrainEngine, _refused_layout
 from vime.config import OptimConfig
 
 
@@ -95,12 +96,14 @@ class MegatronTrainEngine(TorchTrainEngine):
     gradients are summed over the copies; the gradient norm is taken over
     the whole model, and ``named_weights`` gathers whole tensors on every
     rank. Rank 0 writes the Hugging Face folder; each rank writes its own
-    trainer state.
+    trainer state, which a trainer of another layout reshards on load
+    (``resharding``).
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
     and in their layout, replaying the rollout's experts under R3 as the policy does; its optimizer state
-    and masters are the policy's kind, and each rank's shard of it is in that rank's trainer state.
+    and masters are the policy's kind, and each rank's shard of it is in that rank's trainer state (resharded
+    with the policy's).
     """
 
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
@@ -247,6 +250,33 @@ class MegatronTrainEngine(TorchTrainEngine):
         """Returns once every rank has written its part: the checkpoint is complete when the caller seals it."""
         super().save(folder)
         dist.barrier()
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """The reference trainer's state of this rank, and where its shards lie in the whole tensors (for a
+        trainer of another layout to reshard it: ``resharding``)."""
+        models = [model.model for model in self._trained_models()]
+        return {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
+                "parameters": [trained_names(model) for model in models]}
+
+    def _saved_state(self, folder: Path) -> dict[str, Any]:
+        """This rank's own file when the checkpoint was written in this layout (read as it is, as fast as
+        before); else this rank's part of every rank's file (:func:`resharded_state`). Either must be of this
+        trainer's models."""
+        own = self._state_file(folder)
+        if own.exists():
+            state = torch.load(own, weights_only=True)
+            if state.get("layout", self.layout) == self.layout:
+                check_models(state, [model.model for model in self._trained_models()], folder)
+                return state
+        states = [torch.load(file, mmap=True, weights_only=True) for file in sorted(folder.glob("trainer*.pt"))]
+        if not states:
+            raise FileNotFoundError(f"{folder} holds no trainer state (trainer*.pt): the checkpoint is incomplete; "
+                                    "resume from an earlier one")
+        other = next((layout for layout in (state.get("layout", {}) for state in states)
+                      if layout.get("train_backend") != "megatron"), None)
+        if other is not None:  # the reference trainer's: its parameters and optimizer state are of another model
+            raise _refused_layout(folder, other, self.layout)
+        return resharded_state(states, self._trained_models(), folder)
 
     def _state_file(self, folder: Path) -> Path:
         if dist.get_world_size() == 1:

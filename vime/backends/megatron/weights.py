@@ -54,8 +54,13 @@ def _shard(name: str, whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     if rule is None:
         return whole
     dim, parts, group = rule
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    return torch.cat([part.chunk(size, dim)[rank] for part in whole.chunk(parts, dim)], dim)
+    return _part(whole, dim, parts, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _part(whole: torch.Tensor, dim: int, parts: int, rank: int, ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``whole`` split among ``ranks`` on ``dim``: of each of its ``parts`` (a gated
+    ``linear_fc1``'s gate and up), the rank's cut, joined (a new tensor, never a view of ``whole``)."""
+    return torch.cat([part.chunk(ranks, dim)[rank] for part in whole.chunk(parts, dim)], dim)
 
 
 def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,11 @@ def _unshard(name: str, live: torch.Tensor) -> torch.Tensor:
         return live
     pieces = [torch.empty_like(live) for _ in range(size)]
     dist.all_gather(pieces, live.detach().contiguous(), group=group)
+    return _joined(pieces, dim, parts)
+
+
+def _joined(pieces: Sequence[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The whole tensor from every rank's :func:`_part` of it, in rank order."""
     per_rank = [piece.chunk(parts, dim) for piece in pieces]  # each rank's [its gate; its up], or its one part
     return torch.cat([chunks[part] for part in range(parts) for chunks in per_rank], dim)
 
