@@ -82,8 +82,10 @@ def test_reading_the_config_imports_no_torch():
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout[:500] + result.stderr[-500:]
 
 
-# every actor's entry point, the driver's supervisor, and the actors that carry no tensors
-TORCH_FREE = ("vime.actor", "vime.cluster", "vime.actors.router", "vime.actors.reward")
+# every actor's entry point, the driver's supervisor, the actors that carry no tensors (the self-check's echo and
+# tally too, which the runtime's tests spawn by the dozen) and the replay, which reads any actor's log
+TORCH_FREE = ("vime.actor", "vime.cluster", "vime.actors.router", "vime.actors.reward", "vime.scenarios.selfcheck",
+              "vime.replay")
 
 # A scored group as the reward actor sends it and the buffer reads it: its samples declare a tensor field.
 _SCORED_GROUP_ROUND_TRIP = """
