@@ -27,7 +27,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import trio
 
 from vime.cluster import Cluster
@@ -215,6 +214,8 @@ async def run(run_dir: Path, transport: str, say: Callable[[str], None]) -> dict
         figures["small_msgs_per_s"] = count / (time.perf_counter() - t0)
         figures["notes_intact"] = reply == Count(received=count, out_of_order=0)
         say(f"{count} tells: {figures['small_msgs_per_s']:,.0f} msgs/s, all in order: {figures['notes_intact']}")
+
+        import torch  # here: the echo and tally actors, which tests spawn by the dozen, need none
 
         tensor = torch.randn(16 << 20)
         seconds = []

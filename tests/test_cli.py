@@ -82,6 +82,38 @@ def test_reading_the_config_imports_no_torch():
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout[:500] + result.stderr[-500:]
 
 
+# every actor's entry point, the driver's supervisor, the actors that carry no tensors (the self-check's echo and
+# tally too, which the runtime's tests spawn by the dozen) and the replay, which reads any actor's log
+TORCH_FREE = ("vime.actor", "vime.cluster", "vime.actors.router", "vime.actors.reward", "vime.scenarios.selfcheck",
+              "vime.replay")
+
+# A scored group as the reward actor sends it and the buffer reads it: its samples declare a tensor field.
+_SCORED_GROUP_ROUND_TRIP = """
+from vime.messages.pipeline import Sample, ScoredGroup
+from vime.transports.codec import Envelope, decode_frame, encode, encode_frame
+sample = Sample(group_id=0, index=0, prompt_ids=[1], response_ids=[2], logprobs=[-0.5], versions=[0],
+                finish_reason="stop", label="3", metadata={})
+group = ScoredGroup(group_id=0, samples=[sample], worker="w", generate_s=0.1, reward_s=0.2)
+frame = encode_frame("ipc://x", None, [encode(Envelope("ScoredGroup", "reward", "buffer", 1, None, 0.0, 0, False,
+                                                       group))])
+assert decode_frame(frame, max_message_bytes=1 << 20).messages[0].payload == group
+"""
+
+
+def test_actors_that_carry_no_tensors_import_no_torch():
+    """An actor's entry point, the driver's cluster, the router and the reward actor import no torch, nor does
+    a message whose records merely declare a tensor field (a Sample's routed experts) as it travels: torch's
+    import costs each process over a second of start-up, on every run and in every test that starts actors."""
+    probe = ("import importlib, sys\n"
+             f"for name in {TORCH_FREE!r}:\n"
+             "    importlib.import_module(name)\n"
+             "    assert 'torch' not in sys.modules, f'importing {name} imported torch'\n"
+             + _SCORED_GROUP_ROUND_TRIP
+             + "assert 'torch' not in sys.modules, 'a scored group imported torch on its way'\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_choices_come_from_the_settings_types():
     import argparse
     import typing

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vime.scenarios.selfcheck import Blob, Note, Ping
 from vime.transports.codec import (
-    TORCH_DTYPES,
+    TORCH_DTYPE_NAMES,
     BadMessage,
     Envelope,
     FrameError,
@@ -58,6 +58,13 @@ class Whole:
     main: Part | None = None
 
 
+@message
+class Routed:
+    """test -> test: a tensor that may be absent, as a Sample's routed experts."""
+
+    experts: torch.Tensor | None
+
+
 def envelope(payload: Any, msg_id: int = 1, wants_reply: bool = False) -> Envelope:
     return Envelope(type(payload).__name__, "a", "b", msg_id, None, 12.5, 3, wants_reply, payload)
 
@@ -82,11 +89,12 @@ shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(sorted(TORCH_DTYPES)), shape=shapes, transpose=st.booleans(), seed=st.integers(0, 2**31))
+@given(dtype=st.sampled_from(sorted(TORCH_DTYPE_NAMES)), shape=shapes, transpose=st.booleans(),
+       seed=st.integers(0, 2**31))
 def test_torch_tensors_roundtrip_every_dtype_and_layout(dtype: str, shape: list[int], transpose: bool,
                                                          seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    base = torch.randint(-100, 100, shape, generator=generator).to(TORCH_DTYPES[dtype])
+    base = torch.randint(-100, 100, shape, generator=generator).to(getattr(torch, dtype))
     if transpose and base.dim() >= 2:
         base = base.transpose(0, -1)  # non-contiguous input
     (decoded,) = roundtrip(envelope(Blob(tensor=base)))
@@ -135,6 +143,19 @@ def test_records_with_every_field_type_roundtrip(count, ratio, name, raw, flag, 
     assert out.anything == anything
     for a, b in zip(out.tensors, tensors, strict=True):
         assert_same_tensor(a, b)
+
+
+def test_a_tensor_field_takes_a_tensor_or_none_and_refuses_an_array() -> None:
+    """Read from its annotation without torch (vime.transports.records), or given as the class itself."""
+    tensor = torch.arange(6, dtype=torch.int16).view(2, 3)
+    (decoded,) = roundtrip(envelope(Routed(experts=tensor)))
+    assert_same_tensor(decoded.payload.experts, tensor)
+    assert roundtrip(envelope(Routed(experts=None)))[0].payload.experts is None
+    evaluated = message(kind_name=False)(type("Evaluated", (), {"__annotations__": {"experts": torch.Tensor}}))
+    assert build(evaluated, {"experts": tensor}).experts is tensor
+    for record_type in (Routed, evaluated):
+        with pytest.raises(SchemaError, match="expected Tensor, got ndarray"):
+            build(record_type, {"experts": np.zeros(3)})
 
 
 def test_batch_frame_keeps_order_and_envelope_fields() -> None:

@@ -16,6 +16,9 @@ must stay alive as long as they do (callers pass a buffer that does).
 
 Only msgpack is parsed; dtype names are looked up in fixed tables; nothing
 received is ever unpickled, evaluated or imported.
+
+torch is imported by the first torch tensor decoded, not before: actors whose
+messages carry none (the router, the reward actor) never pay for it.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgpack
 import numpy as np
-import torch
 
-from vime.transports.records import SchemaError, build, is_record, kind_of, to_fields
+from vime.transports.records import SchemaError, build, is_record, is_tensor, kind_of, to_fields
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"VIM1"
 _PREAMBLE = struct.Struct("<4sI")
@@ -38,13 +43,10 @@ _ALIGN = 64
 _ZEROS = bytes(_ALIGN)
 _TENSOR_EXT = 1
 
-TORCH_DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
-        "int64", "uint8", "bool", "complex64",
-    )
-}
+TORCH_DTYPE_NAMES = frozenset((
+    "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
+    "int64", "uint8", "bool", "complex64",
+))  # each the name of a torch dtype: getattr(torch, name)
 NUMPY_DTYPES = {
     name: np.dtype(name)
     for name in (
@@ -126,19 +128,21 @@ def _raw_start(pos: int, header_len: int) -> int:
 
 def _as_bytes(value: torch.Tensor | np.ndarray) -> tuple[str, str, list[int], memoryview]:
     """(library, dtype name, shape, contiguous byte view) of a tensor or array."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in TORCH_DTYPES:
-            raise TypeError(f"tensor dtype {tensor.dtype} cannot travel; convert it to one of {sorted(TORCH_DTYPES)}")
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        return "torch", dtype, list(tensor.shape), memoryview(flat.numpy())
-    if value.dtype.name not in NUMPY_DTYPES:
-        raise TypeError(f"array dtype {value.dtype} cannot travel; convert it to one of {sorted(NUMPY_DTYPES)}")
-    flat = np.ascontiguousarray(value).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
-    return "numpy", value.dtype.name, list(value.shape), memoryview(flat.view(np.uint8))
+    if isinstance(value, np.ndarray):
+        if value.dtype.name not in NUMPY_DTYPES:
+            raise TypeError(f"array dtype {value.dtype} cannot travel; convert it to one of {sorted(NUMPY_DTYPES)}")
+        flat = np.ascontiguousarray(value).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
+        return "numpy", value.dtype.name, list(value.shape), memoryview(flat.view(np.uint8))
+    import torch  # imported already: value is a tensor
+
+    tensor = value.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in TORCH_DTYPE_NAMES:
+        raise TypeError(f"tensor dtype {tensor.dtype} cannot travel; convert it to one of {sorted(TORCH_DTYPE_NAMES)}")
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return "torch", dtype, list(tensor.shape), memoryview(flat.numpy())
 
 
 def encode(envelope: Envelope, shm_writer: ShmWriter | None = None, shm_threshold: int = 1 << 20) -> Encoded:
@@ -152,7 +156,7 @@ def encode(envelope: Envelope, shm_writer: ShmWriter | None = None, shm_threshol
         nonlocal raw_len
         if is_record(value):
             return to_fields(value)
-        if isinstance(value, (torch.Tensor, np.ndarray)):
+        if isinstance(value, np.ndarray) or is_tensor(value):
             library, dtype, shape, data = _as_bytes(value)
             if shm_writer is not None and data.nbytes >= shm_threshold:
                 name = shm_writer(data)
@@ -323,8 +327,10 @@ def _view(library: Any, dtype: Any, shape: Any, buffer: Any, offset: int, nbytes
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise SchemaError(f"bad tensor shape {shape!r}")
     count = math.prod(shape)
-    if library == "torch" and dtype in TORCH_DTYPES:
-        torch_dtype = TORCH_DTYPES[dtype]
+    if library == "torch" and dtype in TORCH_DTYPE_NAMES:
+        import torch  # the first tensor this process receives imports it
+
+        torch_dtype = getattr(torch, dtype)
         if count * torch_dtype.itemsize != nbytes:
             raise SchemaError(f"tensor {dtype}{shape} needs {count * torch_dtype.itemsize} bytes, frame has {nbytes}")
         if count == 0:

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from vime.transports.codec import TORCH_DTYPES
+from vime.transports.codec import TORCH_DTYPE_NAMES
 
 Spec = tuple[str, list[int], str]  # name, shape, dtype name
 ALIGN = 256  # bytes: each tensor in a bucket starts at a multiple, so that its bytes view as any dtype
@@ -39,9 +39,9 @@ ALIGN = 256  # bytes: each tensor in a bucket starts at a multiple, so that its 
 
 def dtype_named(name: str) -> torch.dtype:
     """The torch dtype called ``name`` ("bfloat16"), from the codec's table of dtypes that may travel."""
-    if name not in TORCH_DTYPES:
-        raise ValueError(f"{name!r} is not a torch dtype that travels; one of {sorted(TORCH_DTYPES)}")
-    return TORCH_DTYPES[name]
+    if name not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"{name!r} is not a torch dtype that travels; one of {sorted(TORCH_DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

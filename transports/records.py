@@ -13,17 +13,24 @@ Supported field types: ``int``, ``float``, ``str``, ``bytes``, ``bool``,
 ``Any``, ``torch.Tensor``, ``numpy.ndarray``, ``list[T]``, ``dict[str, T]``,
 ``T | None`` and other records (nested as maps). Deliberately absent: sets,
 tuples, arbitrary classes -- anything msgpack cannot carry plainly.
+
+Neither declaring a ``torch.Tensor`` field nor checking a record whose tensor
+fields are None imports torch: the router and the reward actor handle such
+records (a Sample's routed experts) and need no torch, whose import costs
+each of them over a second of start-up. A module that declares one but uses
+no torch itself imports it for type checkers only (``if TYPE_CHECKING``):
+the schema reads ``torch.Tensor`` without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 _KINDS: dict[str, type] = {}
 _RECORDS: set[type] = set()
@@ -79,6 +86,12 @@ def is_record(obj: Any) -> bool:
     return type(obj) in _RECORDS
 
 
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor; asking never imports torch (a process that has not holds none)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def to_fields(record: Any) -> dict[str, Any]:
     """The record's fields as a map, the form it takes on the wire."""
     return {f: getattr(record, f) for f in record.__dataclass_fields__}
@@ -98,8 +111,16 @@ def build(record_type: type, fields: Any) -> Any:
 Check = Callable[[Any], Any]
 
 
+class _Tensor:
+    """``torch.Tensor`` in a record's string annotation, as its schema reads it (the name ``torch`` is not
+    looked up in the declaring module): a value is checked against the real class when one arrives."""
+
+
+_ANNOTATION_NAMES = {"torch": types.SimpleNamespace(Tensor=_Tensor)}
+
+
 def _compile_record(record_type: type) -> Check:
-    hints = typing.get_type_hints(record_type)
+    hints = typing.get_type_hints(record_type, localns=_ANNOTATION_NAMES)
     fields = dataclasses.fields(record_type)
     checks = {f.name: _compile(hints[f.name]) for f in fields}
     required = {
@@ -137,7 +158,9 @@ def _compile(tp: Any) -> Check:
         return lambda v: v if type(v) is tp else build(tp, v)
     if tp is float:
         return _check_float
-    if tp in _SCALARS or tp is torch.Tensor or tp is np.ndarray:
+    if _is_tensor_type(tp):
+        return _check_tensor
+    if tp in _SCALARS or tp is np.ndarray:
         return _type_check(tp, exact=tp in _SCALARS)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -166,6 +189,19 @@ def _type_check(tp: type, exact: bool) -> Check:
         return value
 
     return check
+
+
+def _is_tensor_type(tp: Any) -> bool:
+    """Whether an annotation means ``torch.Tensor``: read from a string, or the class itself (a module without
+    ``from __future__ import annotations``, which imported torch)."""
+    torch = sys.modules.get("torch")
+    return tp is _Tensor or (torch is not None and tp is torch.Tensor)
+
+
+def _check_tensor(value: Any) -> Any:
+    if not is_tensor(value):
+        raise SchemaError(f"expected Tensor, got {type(value).__name__}")
+    return value
 
 
 def _check_float(value: Any) -> float:

@@ -36,8 +36,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 _NAME = re.compile(r"^vime-[0-9]+-[0-9a-f]{8}-[0-9]+$")
 _LEFT_BY = re.compile(r"^vime-([0-9]+)-")  # a segment, or a driver's folder of ipc sockets
 _GRAIN = 1 << 20  # segment sizes round up to this, so near sizes share segments
@@ -185,6 +183,8 @@ def _copy(source: memoryview, mapping: mmap.mmap) -> None:
     if source.readonly:
         mapping[: len(source)] = source
         return
+    import torch  # on the first copy: actors that never lend a segment never import it
+
     target = torch.frombuffer(mapping, dtype=torch.uint8, count=len(source))
     target.copy_(torch.frombuffer(source, dtype=torch.uint8))
 

@@ -3,8 +3,7 @@
 The public runtime surface is re-exported here; implementations live in the
 modules named for what they are (runtime, cluster, messages, transports).
 The names load on first use: importing a submodule alone (``vime.config``
-to read a command line) does not import the runtime, and through its
-transports torch.
+to read a command line) does not import the runtime.
 """
 
 import importlib

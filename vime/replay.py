@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import torch
 import trio
 import trio.testing
 
@@ -59,7 +58,7 @@ from vime.roles import resolve_role
 from vime.runtime import UNREPLAYED_KINDS, Actor, ActorSettings
 from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame
 from vime.transports.msglog import STEP, LogRecord, opening, scan
-from vime.transports.records import is_record, to_fields
+from vime.transports.records import is_record, is_tensor, to_fields
 
 # Logs of processes that are not actors a replay could rebuild, and why.
 NOT_REPLAYED: dict[str, str] = {
@@ -341,7 +340,7 @@ def _differences(a: Any, b: Any, path: str, measured: frozenset[str] = frozenset
         for key in old:
             if key not in measured:
                 yield from _differences(old[key], new[key], f"{path}.{key}")
-    elif isinstance(a, (torch.Tensor, np.ndarray)) and type(a) is type(b):
+    elif (isinstance(a, np.ndarray) or is_tensor(a)) and type(a) is type(b):
         yield from _array_differences(a, b, path)
     elif isinstance(a, dict) and isinstance(b, dict):
         for key in sorted({*a, *b}, key=str):
@@ -362,7 +361,7 @@ def _array_differences(a: Any, b: Any, path: str) -> Iterator[tuple[str, str, st
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         yield f"{path} (dtype, shape)", f"{a.dtype} {tuple(a.shape)}", f"{b.dtype} {tuple(b.shape)}"
         return
-    unequal = (a != b).nonzero() if isinstance(a, torch.Tensor) else np.argwhere(a != b)
+    unequal = (a != b).nonzero() if is_tensor(a) else np.argwhere(a != b)
     if len(unequal):
         where = tuple(int(i) for i in unequal[0])
         yield (f"{path}{list(where)} (first of {len(unequal)} differing elements)", repr(a[where].item()),

@@ -19,11 +19,12 @@ fp32 log-probs arrive bit-exact.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vime.transports.records import message
+
+if TYPE_CHECKING:  # the schema reads Sample.routed_experts without torch (vime.transports.records)
+    import torch
 
 
 @message(kind_name=False)
