@@ -2,8 +2,9 @@
 
 The function is a built-in (``--reward NAME``) or the user's
 (``--custom-reward module:function``, or slime's ``custom_rm(args, sample)``
-as ``--custom-rm-path``), plain or async; see ``vime.rewards``. A group's samples are scored concurrently, and several
-groups at once (``GROUPS_IN_FLIGHT``), passed on in the order they came:
+as ``--custom-rm-path``), plain or async; see ``vime.rewards``. A group's
+samples are scored concurrently, and several groups at once
+(``GROUPS_IN_FLIGHT``), passed on in the order they came:
 a plain function in ``--reward-workers`` processes, an async one here; each call
 under ``--reward-timeout`` (``vime.reward_workers``), past which the sample
 scores 0 and is counted (``reward_timeouts``), so a reward that hangs cannot

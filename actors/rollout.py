@@ -292,7 +292,7 @@ class RolloutWorker(Actor):
             return
         request = group.request
         del self.groups[request.group_id]
-        samples = group.samples(self.tokenizer)
+        samples = group.samples(self.tokenizer, prompt_text=bool(self.run.reward.custom_rm_path))
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,

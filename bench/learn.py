@@ -61,17 +61,21 @@ RUNS: dict[str, tuple[str, int, list[str], str]] = {
 
 def model_folder(args: argparse.Namespace, root: Path, kind: str) -> Path:
     """Where the random checkpoint of ``kind`` (dense or MoE) is built for these flags."""
-    shape, layers = {"dense": (args.dense_shape, args.dense_layers), "moe": (args.moe_shape, args.moe_layers)}[kind]
+    shape, layers = _shape(args, kind)
     return root / "models" / f"{shape}-{layers or 'all'}-s{args.seed}"
+
+
+def _shape(args: argparse.Namespace, kind: str) -> tuple[str, int | None]:
+    """The model shape and depth the flags give ``kind`` (dense or MoE)."""
+    return {"dense": (args.dense_shape, args.dense_layers), "moe": (args.moe_shape, args.moe_layers)}[kind]
 
 
 def build_models(args: argparse.Namespace, root: Path, kinds: set[str]) -> dict[str, Path]:
     """The random checkpoints the runs need, built once each (in a subprocess: the MoE shape's host memory
     goes back when it ends)."""
-    shapes = {"dense": (args.dense_shape, args.dense_layers), "moe": (args.moe_shape, args.moe_layers)}
     folders: dict[str, Path] = {}
     for kind in sorted(kinds):
-        shape, layers = shapes[kind]
+        shape, layers = _shape(args, kind)
         folder = model_folder(args, root, kind)
         if not (folder / "config.json").exists():
             code = ("import sys; from pathlib import Path; from vime.scenarios import arithmetic; "
@@ -197,6 +201,8 @@ def main() -> None:
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- then flags for every run")
     args = parser.parse_args()
     args.extra = [flag for flag in args.extra if flag != "--"]
+    if args.tabulate and not args.out:
+        parser.error("--tabulate reads the runs under --out: pass their folder")
     root = args.out or Path(tempfile.mkdtemp(prefix="learn-"))
     if args.tabulate:
         found = [name for name in args.runs if (root / name).is_dir()]

@@ -20,6 +20,7 @@ from vime.reward_workers import RewardWorkers
 
 SLIME_REWARDS = '''
     import json
+    import os
 
 
     def _record(args, sample):
@@ -28,7 +29,7 @@ SLIME_REWARDS = '''
                 "response_length": sample.response_length, "label": sample.label, "metadata": sample.metadata,
                 "status": sample.status.name, "group_index": sample.group_index, "index": sample.index,
                 "reward": sample.reward, "n_samples_per_prompt": args.n_samples_per_prompt,
-                "group_size": args.group_size, "hf_checkpoint": args.hf_checkpoint}
+                "group_size": args.group_size, "hf_checkpoint": args.hf_checkpoint, "pid": os.getpid()}
         with open(sample.metadata["record"], "a") as out:
             out.write(json.dumps(seen) + "\\n")
         return 1.0 if sample.response == sample.label else 0.0
@@ -110,6 +111,8 @@ async def test_a_slime_reward_scores_the_rollouts_samples_in_the_reward_actor(fu
     scored = await _scored_by_the_reward_actor(config, group)
     assert [sample.reward for sample in scored.samples] == [1.0, 0.0]
     seen = sorted(map(json.loads, record.read_text().splitlines()), key=lambda row: row["response"])
+    in_the_actor = [row.pop("pid") == os.getpid() for row in seen]
+    assert in_the_actor == [function == "async_rm"] * 2, "a plain function runs in a worker, an async one here"
     common = {"prompt": "<|im_start|>user\n2+2?", "label": "4", "metadata": {"record": str(record)},
               "group_index": 7, "index": None, "reward": None, "n_samples_per_prompt": 2, "group_size": 2,
               "hf_checkpoint": "/models/Qwen3"}
@@ -132,7 +135,8 @@ def test_the_rollout_sends_the_prompt_as_the_engine_saw_it():
                             min_weight_version=0, sampling={})
     group = Group(request, [Sequence(0, [0, 5, 6], SamplingParams(), finish_reason="stop")], time.monotonic())
     group.episodes[0].add_generated([0, 8], [0.0, 0.0], [0, 0])
-    [sample] = group.samples(Tokenizer())
+    assert group.samples(Tokenizer())[0].prompt_text == ""  # not sent unless a slime reward reads it
+    [sample] = group.samples(Tokenizer(), prompt_text=True)
     assert (sample.prompt_text, sample.response_text) == ("t0 t5 t6", "t8")
 
 

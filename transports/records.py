@@ -120,7 +120,7 @@ _ANNOTATION_NAMES = {"torch": types.SimpleNamespace(Tensor=_Tensor)}
 
 
 def _compile_record(record_type: type) -> Check:
-    hints = typing.get_type_hints(record_type, localns=_ANNOTATION_NAMES)
+    hints = typing.get_type_hints(record_type, localns={**vars(record_type), **_ANNOTATION_NAMES})
     fields = dataclasses.fields(record_type)
     checks = {f.name: _compile(hints[f.name]) for f in fields}
     required = {

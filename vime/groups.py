@@ -26,15 +26,17 @@ class Group:
         self.started = started
         self.unfinished = len(sequences)
 
-    def samples(self, tokenizer: Any) -> list[Sample]:
-        """One sample per response, the tokens the engine produced (and those inserted between its turns)."""
+    def samples(self, tokenizer: Any, prompt_text: bool = False) -> list[Sample]:
+        """One sample per response, the tokens the engine produced (and those inserted between its turns).
+        ``prompt_text``: each sample carries the prompt decoded too (a ``--custom-rm-path`` reward reads it as
+        slime's ``sample.prompt``); off, it is left empty rather than copied to the reward, buffer and trainer."""
         request = self.request
-        prompt_text = tokenizer.decode(request.prompt_ids)
+        prompt = tokenizer.decode(request.prompt_ids) if prompt_text else ""
         return [Sample(group_id=request.group_id, index=index, prompt_ids=e.prompt_ids,
                        response_ids=e.response_ids, logprobs=e.logprobs, versions=e.versions,
                        finish_reason=s.finish_reason or "length", label=request.label, metadata=request.metadata,
                        response_text=tokenizer.decode(e.response_ids, skip_special_tokens=True),
-                       prompt_text=prompt_text,
+                       prompt_text=prompt,
                        routed_experts=s.routed_experts, loss_mask=e.loss_mask if 0 in e.loss_mask else None,
                        reward=reward)
                 for index, (s, e, reward) in enumerate(zip(self.sequences, self.episodes, self.rewards))]

@@ -178,8 +178,9 @@ class _Worker:
         # a process group of its own: what a reward starts (a sandboxed run of generated code) is killed with it
         process = subprocess.Popen([sys.executable, "-m", "vime.reward_workers"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, env=env, start_new_session=True)
-        process.stdin.write(_frame(spec))  # a pipe's buffer holds it: nothing reads it before the process starts
-        process.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # it died at once: waiting for its hello reports how it ended
+            process.stdin.write(_frame(spec))  # a pipe's buffer holds it: nothing reads it before the process starts
+            process.stdin.flush()
         return cls(process)
 
     async def _read(self, size: int) -> bytes:

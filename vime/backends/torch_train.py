@@ -170,12 +170,12 @@ class TorchTrainEngine(TrainEngine):
         its layout; a checkpoint of another layout is refused (a trainer of this backend cannot reshard it)."""
         path = self._state_file(folder)
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a trainer of another "
-                                    "layout (--train-backend megatron, whose checkpoints name each rank's file); "
-                                    "resume it with --train-backend megatron")
-        state = torch.load(path, weights_only=True)
+            raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete (resume from an earlier one), "
+                                    "or --train-backend megatron wrote it (its files are named by rank: resume it "
+                                    "with --train-backend megatron)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("layout", self.layout) != self.layout:  # the same file name, another backend's state
-            raise _refused_layout(folder, state["layout"], self.layout)
+            raise refused_layout(folder, state["layout"], self.layout)
         return state
 
     def _state_file(self, folder: Path) -> Path:
@@ -346,7 +346,7 @@ class TorchTrainEngine(TrainEngine):
         return stats
 
 
-def _refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:
+def refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:
     """The refusal of a trainer state that a trainer of layout ``mine`` cannot read: another backend's."""
     return ValueError(f"{folder} was written by a trainer of layout {written}, and this one's is {mine}: resume "
                       "with the flags of that layout (only a Megatron trainer's state reshards, to another "

@@ -35,7 +35,7 @@ from vime.backends.megatron.weights import (
     write_hf_folder,
 )
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
-from vime.backends.torch_train import TorchTrainEngine, _refused_layout
+from vime.backends.torch_train import TorchTrainEngine, refused_layout
 from vime.config import OptimConfig
 
 
@@ -264,18 +264,21 @@ class MegatronTrainEngine(TorchTrainEngine):
         trainer's models."""
         own = self._state_file(folder)
         if own.exists():
-            state = torch.load(own, weights_only=True)
+            state = torch.load(own, map_location="cpu", mmap=True, weights_only=True)
             if state.get("layout", self.layout) == self.layout:
                 check_models(state, [model.model for model in self._trained_models()], folder)
                 return state
-        states = [torch.load(file, mmap=True, weights_only=True) for file in sorted(folder.glob("trainer*.pt"))]
+        # on the CPU: a GPU's tensors would otherwise be copied back to the GPU each was saved from (or fail on a
+        # host with fewer GPUs); the optimizer and the masters move this rank's part to its parameters' device
+        states = [torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                  for file in sorted(folder.glob("trainer*.pt"))]
         if not states:
             raise FileNotFoundError(f"{folder} holds no trainer state (trainer*.pt): the checkpoint is incomplete; "
                                     "resume from an earlier one")
         other = next((layout for layout in (state.get("layout", {}) for state in states)
                       if layout.get("train_backend") != "megatron"), None)
         if other is not None:  # the reference trainer's: its parameters and optimizer state are of another model
-            raise _refused_layout(folder, other, self.layout)
+            raise refused_layout(folder, other, self.layout)
         return resharded_state(states, self._trained_models(), folder)
 
     def _state_file(self, folder: Path) -> Path:
