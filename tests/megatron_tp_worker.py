@@ -134,7 +134,7 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
 
 
 def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, tensor_parallel: int,
-                                     expert_parallel: int, data_parallel: int, algo: str) -> None:
+                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
     """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
     ranks, AdamW, a step on each batch; the distributed one saves before the last step and a trainer resumed
     from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every step, its weights after
@@ -146,7 +146,7 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
         return MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2,
                                                                         micro_batch_size=2),
                                    loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
-                                   temperature=0.7, total_steps=4, tensor_parallel=tensor_parallel,
+                                   temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
                                    expert_parallel=expert_parallel, data_parallel=data_parallel,
                                    distributed_optimizer=distributed_optimizer)
 
@@ -307,7 +307,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "layouts":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "distributed-optimizer":
-        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), sys.argv[8])
+        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:
