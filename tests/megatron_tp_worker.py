@@ -136,7 +136,8 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
 def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, tensor_parallel: int,
                                      expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
     """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
-    ranks, AdamW, a step on each batch; the distributed one saves before the last step and a trainer resumed
+    ranks, AdamW with a decaying learning rate (which the schedule sets on the whole tensors' groups and the
+    parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last step and a trainer resumed
     from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every step, its weights after
     the last (gathered; the resumed one's as ``resumed``) and every rank's optimizer-state bytes
     (``state_bytes``: plain, distributed)."""
@@ -144,7 +145,7 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
 
     def build(distributed_optimizer: bool) -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2,
-                                                                        micro_batch_size=2),
+                                                                        micro_batch_size=2, lr_schedule="linear"),
                                    loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                    temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
                                    expert_parallel=expert_parallel, data_parallel=data_parallel,

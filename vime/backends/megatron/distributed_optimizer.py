@@ -69,11 +69,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     each rank keeps for its part of every tensor only; ``group_of(tensor)`` is the process group of the ranks
     that hold copies of ``tensor`` (among which it is divided). ``step`` steps the parts, then gathers them back
     into the whole tensors: every rank of a group must call it. ``adamw``: ``torch.optim.AdamW``'s keywords
-    (the parameter groups' ``lr`` apart)."""
+    other than the learning rate, which each group of ``groups`` gives."""
 
     def __init__(self, groups: list[dict[str, Any]], group_of: Callable[[torch.Tensor], dist.ProcessGroup],
                  bucket_bytes: int = 64 << 20, **adamw: Any) -> None:
-        super().__init__(groups, {"lr": adamw.pop("lr", 1e-3)})
+        super().__init__(groups, {})  # every group has its lr: the policy's, the value model's
         self._parts = [[_Part(tensor, group_of(tensor)) for tensor in group["params"]] for group in self.param_groups]
         self._bucket_bytes = bucket_bytes
         self._inner = torch.optim.AdamW([{"params": [part.view for part in parts], "lr": group["lr"]}
