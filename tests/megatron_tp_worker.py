@@ -137,10 +137,10 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
                                      expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
     """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
     ranks, AdamW with a decaying learning rate (which the schedule sets on the whole tensors' groups and the
-    parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last step and a trainer resumed
-    from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every step, its weights after
-    the last (gathered; the resumed one's as ``resumed``) and every rank's optimizer-state bytes
-    (``state_bytes``: plain, distributed)."""
+    parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last
+    step and a trainer resumed from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every
+    step, its weights after the last (gathered; the resumed one's as ``resumed``) and every rank's
+    optimizer-state bytes (``state_bytes``: plain, distributed)."""
     from vime.backends.megatron.distributed_optimizer import state_bytes
 
     def build(distributed_optimizer: bool) -> MegatronTrainEngine:
