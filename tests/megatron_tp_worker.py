@@ -3,7 +3,8 @@ and data parallel), a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
-value model trained by ranks under ``torchrun`` (``ppo``); or one side of a checkpoint saved in one layout and
+value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
+(``distributed-optimizer``); or one side of a checkpoint saved in one layout and
 resumed in another (``layouts``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
@@ -129,6 +130,44 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
     values = engine.score(second)["values"] if algo == "ppo" else None
     if dist.get_rank() == 0:
         torch.save({"before": before, "metrics": metrics, "weights": weights, "values": values}, out)
+    dist.destroy_process_group()
+
+
+def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, tensor_parallel: int,
+                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
+    """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
+    ranks, AdamW with a decaying learning rate (which the schedule sets on the whole tensors' groups and the
+    parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last
+    step and a trainer resumed from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every
+    step, its weights after the last (gathered; the resumed one's as ``resumed``) and every rank's
+    optimizer-state bytes (``state_bytes``: plain, distributed)."""
+    from vime.backends.megatron.distributed_optimizer import state_bytes
+
+    def build(distributed_optimizer: bool) -> MegatronTrainEngine:
+        return MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2,
+                                                                        micro_batch_size=2, lr_schedule="linear"),
+                                   loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
+                                   temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
+                                   expert_parallel=expert_parallel, data_parallel=data_parallel,
+                                   distributed_optimizer=distributed_optimizer)
+
+    batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
+    engines = {"plain": build(False), "distributed": build(True)}
+    metrics: dict[str, list[dict]] = {name: [] for name in engines}
+    checkpoint = Path(out).with_name("checkpoint")
+    for index, batch in enumerate(batches):
+        if index == len(batches) - 1:
+            engines["distributed"].save(checkpoint)
+        for name, engine in engines.items():
+            metrics[name].append(engine.train_step(batch))
+    resumed = build(True)
+    resumed.load(checkpoint)
+    metrics["resumed"] = [resumed.train_step(batches[-1])]
+    weights = {name: gathered_weights(engine, "cpu") for name, engine in {**engines, "resumed": resumed}.items()}
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, [state_bytes(engine.optimizer) for engine in engines.values()])
+    if dist.get_rank() == 0:
+        torch.save({"metrics": metrics, "weights": weights, "state_bytes": sizes}, out)
     dist.destroy_process_group()
 
 
@@ -268,6 +307,8 @@ if __name__ == "__main__":
         share_buckets(sys.argv[2])
     elif sys.argv[1] == "layouts":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
+    elif sys.argv[1] == "distributed-optimizer":
+        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

@@ -545,7 +545,8 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, algo, dtyp
 def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models, tmp_path):
     """What a trainer cannot take from a checkpoint is refused before anything is loaded, saying what to pass:
     another model, another algorithm (a value model or none), a state of another layout from vime before shards
-    were recorded, and one whose file of a rank is lost (these two made here by editing a one-rank state)."""
+    were recorded, one whose file of a rank is lost, and one of the distributed optimizer's in another layout
+    (these three made here by editing a one-rank state)."""
     _, _, folder = hf_models["qwen3"]
     saved = _engine(megatron.MegatronTrainEngine, folder, updates=1)
     saved.train_step(_batch(seed=0))  # Adam's moments: what a lost rank's file lacks
@@ -570,6 +571,12 @@ def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models,
                                          r"layout it was written in, \{'train_backend': 'megatron', "
                                          r"'tensor_parallel': 2"):
         saved.load(tmp_path / "unrecorded")
+    (tmp_path / "sharded").mkdir()
+    torch.save({**state, "layout": {**state["layout"], "tensor_parallel": 1, "data_parallel": 2,
+                                    "distributed_optimizer": True}}, tmp_path / "sharded" / "trainer-tp0-dp0.pt")
+    with pytest.raises(ValueError, match="only without --use-distributed-optimizer on either side .* resume with the "
+                                         "saving run's --tensor-model-parallel-size, --data-parallel-size"):
+        saved.load(tmp_path / "sharded")
 
 
 # -- on the GPU (gpu marker; run with `pytest -m gpu`) ----------------------------------------------------------
@@ -654,17 +661,20 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, ten
     assert transformers.AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").config.model_type == "qwen3"
 
 
-@pytest.mark.parametrize("tensor_parallel,data_parallel,expert_parallel", [
-    (1, 2, 2), *(pytest.param(*layout, marks=pytest.mark.slow) for layout in ((2, 2, 4), (2, 1, 2)))])  # CI time
+@pytest.mark.parametrize("tensor_parallel,data_parallel,expert_parallel,distributed_optimizer", [
+    (1, 2, 2, False), *(pytest.param(*layout, marks=pytest.mark.slow)  # CI time
+                        for layout in ((2, 2, 4, False), (2, 1, 2, False), (2, 2, 2, True)))])
 async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path, tensor_parallel, data_parallel,
-                                                                       expert_parallel):
+                                                                       expert_parallel, distributed_optimizer):
     """qwen3_30b_a3b_dapo's 8-GPU layouts at toy size: a Qwen3-MoE trained by two data-parallel copies of the
     trainer, the experts divided among all their ranks (slime's layout: copies of one rank here, of two in the
     slow tier), or by one copy of two tensor-parallel ranks that divide them; the ranks recompute their layers,
     replaying the experts the torch rollout engine recorded (R3). The experts travel with each sample through
     the buffer to every rank; a wrong or misplaced one changes the trainer's log-probs, which match the
     rollout's to float rounding (fp32 both sides). Experts lost on the way would not show here (fp32 routes
-    alike on both sides): the engine tests show that the trainer replays them."""
+    alike on both sides): the engine tests show that the trainer replays them. With
+    ``--use-distributed-optimizer`` (two copies of two ranks, each copy holding all the experts) each copy
+    keeps Adam's state for its part of every tensor, its experts' too."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
@@ -674,7 +684,8 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path,
     config = arithmetic.defaults().replace(
         model_path=str(tmp_path / "moe"), steps=4, seed=5, rollout_batch_size=16, max_new_tokens=3,
         train_backend="megatron", tensor_model_parallel_size=tensor_parallel, data_parallel_size=data_parallel,
-        expert_model_parallel_size=expert_parallel, recompute_activations=True, use_rollout_routing_replay=True)
+        expert_model_parallel_size=expert_parallel, recompute_activations=True, use_rollout_routing_replay=True,
+        use_distributed_optimizer=distributed_optimizer)
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == [1, 2, 3, 4]
@@ -825,6 +836,40 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
         forgetful.optimizer.state.clear()
         forgetful.train_step(second)
         assert _update_gap(before, forgetful.named_weights(), ranks["weights"]) > 0.5
+
+
+@pytest.mark.parametrize("case,algo,dtype,layout", [  # CI time: one by default
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2), id="dp2"),
+    pytest.param("qwen3", "ppo", "fp32", (1, 1, 2), id="ppo-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2), id="bf16-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow)])
+def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
+    """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
+    (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
+    experts) train as the plain optimizer does over three steps of two updates each: the same metrics (loss,
+    gradient norm: clipped alike) and the same weights after, which every rank's parts gathered back make
+    whole; a trainer resumed from its checkpoint before the last step takes that step alike; and each rank
+    keeps about half the plain optimizer's state. With ppo the value model's group is divided too; in bf16 the
+    parts step the fp32 masters, which are rounded into the bf16 weights after the gather as without it."""
+    model, _, folder = hf_models[case]
+    batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
+    torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
+    tensor_parallel, _, data_parallel = layout
+    ranks = _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
+                      ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *layout, algo,
+                       dtype])
+    plain, distributed, resumed = (ranks["metrics"][name] for name in ("plain", "distributed", "resumed"))
+    assert plain[0]["grad_norm"] > 1.0  # above --grad-clip's default: the global norm decides the step
+    for expected, got in zip(plain, distributed, strict=True):
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+    assert resumed[0] == pytest.approx(distributed[-1], rel=0, abs=0, nan_ok=True)  # exactly
+    for name, tensor in ranks["weights"]["plain"].items():
+        assert (ranks["weights"]["distributed"][name] - tensor).abs().max() <= 1e-6, name
+        assert torch.equal(ranks["weights"]["resumed"][name], ranks["weights"]["distributed"][name]), name
+    print("optimizer-state bytes per rank (plain, distributed):", ranks["state_bytes"])
+    for plain_bytes, distributed_bytes in ranks["state_bytes"]:
+        assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
 def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],

@@ -316,14 +316,20 @@ class JobConfig:
                                                  "and runs its forward again in the backward pass (activations of "
                                                  "one layer at a time instead of all; about a third more compute); "
                                                  "routing replay holds through it")
+    use_distributed_optimizer: bool = setting(False, "Megatron's distributed optimizer (ZeRO-1): each data-parallel "
+                                                     "copy keeps AdamW's moments for its 1/--data-parallel-size part "
+                                                     "of every tensor, steps that part and gathers the others' after "
+                                                     "the step; trains as without it. A checkpoint of it resumes in "
+                                                     "its own layout only")
 
     def __post_init__(self) -> None:
         check_choices(self)
         for flag in ("tensor_model_parallel_size", "data_parallel_size"):
             if getattr(self, flag) > 1 and self.train_backend != "megatron":
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
-        if self.recompute_activations and self.train_backend != "megatron":
-            raise ValueError("--recompute-activations needs --train-backend megatron")
+        for flag in ("recompute_activations", "use_distributed_optimizer"):
+            if getattr(self, flag) and self.train_backend != "megatron":
+                raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
         check_expert_parallel(self.tensor_model_parallel_size, self.data_parallel_size, self.expert_model_parallel_size)
         _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
                   tensor_model_parallel_size=1, data_parallel_size=1)
@@ -430,7 +436,8 @@ class RunConfig:
             arguments.update(tensor_parallel=self.job.tensor_model_parallel_size,
                              data_parallel=self.job.data_parallel_size,
                              expert_parallel=self.job.expert_model_parallel_size,
-                             recompute=self.job.recompute_activations)
+                             recompute=self.job.recompute_activations,
+                             distributed_optimizer=self.job.use_distributed_optimizer)
         return arguments
 
     def replace(self, **overrides: Any) -> RunConfig:

@@ -88,12 +88,21 @@ class TorchTrainEngine(TrainEngine):
         self.masters = MasterWeights(trained) if dtype == "bf16" else None
         params = self.masters.groups if self.masters else [
             [param for param in module.parameters() if param.requires_grad] for module in trained]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": group, "lr": lr} for group, lr in zip(params, (optim.lr, optim.critic_lr))],
-            weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2),
-            fused=torch.device(device).type == "cuda")
+        self.optimizer = self._optimizer(
+            [{"params": group, "lr": lr} for group, lr in zip(params, (optim.lr, optim.critic_lr))])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: optim.lr_factor(step, total_steps))
+
+    def _optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """AdamW over ``groups`` (one per trained model: the tensors it steps, the masters in bf16, and its learning
+        rate), with the run's settings (:meth:`_adamw_settings`): what another backend overrides to keep its
+        state otherwise."""
+        return torch.optim.AdamW(groups, **self._adamw_settings())
+
+    def _adamw_settings(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s keywords for the run's weight decay and betas (fused kernels on CUDA)."""
+        return {"weight_decay": self.optim.weight_decay, "betas": (self.optim.adam_beta1, self.optim.adam_beta2),
+                "fused": torch.device(self.device).type == "cuda"}
 
     def _load_policy(self, model_path: str) -> torch.nn.Module:
         """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=,

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends.base import TensorBatch
+from vime.backends.megatron.distributed_optimizer import ShardedAdamW
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
@@ -97,7 +98,9 @@ class MegatronTrainEngine(TorchTrainEngine):
     the whole model, and ``named_weights`` gathers whole tensors on every
     rank. Rank 0 writes the Hugging Face folder; each rank writes its own
     trainer state, which a trainer of another layout reshards on load
-    (``resharding``).
+    (``resharding``). With ``distributed_optimizer`` each data-parallel copy
+    keeps Adam's state for its part of every tensor only
+    (``distributed_optimizer``); such a state resumes in its own layout.
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
@@ -109,10 +112,12 @@ class MegatronTrainEngine(TorchTrainEngine):
     def __init__(self, model_path: str, *, algo: str, optim: OptimConfig, loss: PolicyLossConfig,
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
-                 data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "") -> None:
+                 data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "",
+                 distributed_optimizer: bool = False) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel = data_parallel
+        self.sharded_optimizer = distributed_optimizer and data_parallel > 1  # one copy: nothing to divide
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -121,16 +126,33 @@ class MegatronTrainEngine(TorchTrainEngine):
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
         # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms, routers
         # and the value head act on the rank's share of the tokens, q/k norms on its own heads
-        pairs = [(tensor, param)
-                 for group, model in zip(self.optimizer.param_groups, self._trained_models(), strict=True)
-                 for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad],
-                                          strict=True)]
+        pairs = self._optimized_pairs(self.optimizer.param_groups)
         self._split = {id(tensor) for tensor, param in pairs if getattr(param, "tensor_model_parallel", False)}
         self._partial = {id(tensor) for tensor, param in pairs if getattr(param, "sequence_parallel", False)}
         self._experts = {id(tensor) for tensor, param in pairs if hasattr(param, "expert_split")}
         self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
         self.layout = {"train_backend": "megatron", "tensor_parallel": tensor_parallel,
                        "data_parallel": data_parallel, "expert_parallel": expert_parallel}
+        if self.sharded_optimizer:  # only then: a plain state of this layout reads as before
+            self.layout["distributed_optimizer"] = True
+
+    def _optimized_pairs(self, groups: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+        """Each tensor of the optimizer's ``groups`` with the model parameter it is (fp32) or the master of
+        (bf16), which carries how the parameter is split."""
+        return [(tensor, param) for group, model in zip(groups, self._trained_models(), strict=True)
+                for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad],
+                                         strict=True)]
+
+    def _optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """With ``distributed_optimizer`` and several data-parallel copies, AdamW whose state each copy keeps
+        for its part of every tensor (:class:`ShardedAdamW`): the dense tensors divided among the data-parallel
+        ranks, the experts among the ranks holding copies of them."""
+        if not self.sharded_optimizer:
+            return super()._optimizer(groups)
+        experts = {id(tensor) for tensor, param in self._optimized_pairs(groups) if hasattr(param, "expert_split")}
+        dense, expert = parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group()
+        return ShardedAdamW(groups, lambda tensor: expert if id(tensor) in experts else dense,
+                            **self._adamw_settings())
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
@@ -279,6 +301,15 @@ class MegatronTrainEngine(TorchTrainEngine):
                       if layout.get("train_backend") != "megatron"), None)
         if other is not None:  # the reference trainer's: its parameters and optimizer state are of another model
             raise refused_layout(folder, other, self.layout)
+        layouts = [state.get("layout", {}) for state in states]
+        sharded = next((layout for layout in layouts if layout.get("distributed_optimizer")), None)
+        if sharded is not None or self.sharded_optimizer:
+            raise ValueError(f"{folder} was saved in layout {sharded or layouts[0]} and this trainer's is "
+                             f"{self.layout}: a checkpoint resumes in another layout only without "
+                             "--use-distributed-optimizer on either side (its Adam state is divided among the "
+                             "data-parallel ranks, which resharding does not yet join); resume with the saving run's "
+                             "--tensor-model-parallel-size, --data-parallel-size, --expert-model-parallel-size and "
+                             "--use-distributed-optimizer")
         return resharded_state(states, self._trained_models(), folder)
 
     def _state_file(self, folder: Path) -> Path:
