@@ -18,8 +18,8 @@ Which versions these follow (THUDM/slime commits; the copies read carry no dates
 - slime's own defaults, from ``slime/utils/arguments.py`` at 002fa9d: ``--n-samples-per-prompt 1``;
   ``--eval-temperature``, ``--eval-top-p`` and ``--eval-top-k`` unset, so the rollout's; ``--eval-interval`` and
   ``--save-interval`` unset; ``--calculate-per-token-loss`` off; ``--apply-chat-template-kwargs`` empty, so Qwen3's
-  template thinks; ``--lr`` 1e-6, ``--lambd`` 1.0, ``--seed`` 1234. The row as it is: ``slime/utils/data.py`` passes the prompt field to the engine untouched
-  (through the chat template with ``--apply-chat-template``).
+  template thinks; ``--lr`` 1e-6, ``--lambd`` 1.0, ``--seed`` 1234. The row as it is: ``slime/utils/data.py``
+  passes the prompt field to the engine untouched (through the chat template with ``--apply-chat-template``).
 - Megatron's, which slime leaves as they are: ``--weight-decay 0.01`` and ``--adam-beta2 0.999`` from
   ``megatron/training/arguments.py``, ``lr_decay_style`` linear from ``megatron/training/config/training_config.py``,
   both of megatron-core 0.19.2 (the version vime installs).
