@@ -479,16 +479,28 @@ def test_with_dropout_the_old_logprobs_come_from_a_pass_of_their_own(model, monk
     assert len(passes) == 1
 
 
-@pytest.mark.parametrize("micro_batch_size", [4, 1], ids=["4+2", "1x6"])
-def test_micro_batches_accumulate_to_the_same_update(model, micro_batch_size):
+# a step's micro-batches: --micro-batch-size samples, or a token budget (--use-dynamic-batch-size
+# --max-tokens-per-gpu): the prompt (7 tokens) with responses of 1 to 5 tokens is 8 to 12 tokens a sample, so 24
+# takes micro-batches of 2, 2 and 2 samples (12 x 2, 10 x 2, 8 x 2 padded) and 20 those of 1, 1, 2 and 2
+MICRO_BATCHINGS = {"4+2": {"micro_batch_size": 4}, "1x6": {"micro_batch_size": 1},
+                   "24 tokens": {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24},
+                   "20 tokens": {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 20},
+                   "5 tokens, each sample over": {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 5}}
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("micro_batching", MICRO_BATCHINGS.values(), ids=MICRO_BATCHINGS)
+def test_micro_batches_accumulate_to_the_same_update(model, micro_batching, aggregation):
     folder, eos, prompts = model
     # responses of different lengths: micro-batches hold different token counts, so each must be
     # normalised by the whole mini-batch's count for the accumulated gradient to be the full one
     responses = [[6], [7, eos], [8, 9, 10, eos], [11], [4, 5, eos], [12, 13, 6, 7, eos]]
     batch = hand_batch(prompts[3], responses, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1])
-    tis = PolicyLossConfig(off_policy_correction="tis")  # a per-token figure that differs between micro-batches
+    # tis: a per-token figure that differs between micro-batches
+    tis = PolicyLossConfig(off_policy_correction="tis", loss_aggregation=aggregation)
     whole = train_engine(folder, micro_batch_size=6, loss=tis)
-    split = train_engine(folder, micro_batch_size=micro_batch_size, loss=tis)
+    split = train_engine(folder, loss=tis, **micro_batching)
+    assert len(split._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))) > 1
     # plain SGD for the comparison: AdamW's first step is about lr * sign(g), which turns float rounding
     # in near-zero gradients into lr-sized differences; SGD keeps the update proportional to the gradient
     for engine in (whole, split):
@@ -510,6 +522,34 @@ def test_micro_batches_hold_samples_of_similar_length_longest_first():
     mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
     assert [rows.tolist() for rows in micro_batches(torch.arange(6), mask.sum(-1), 2)] == [[1, 3], [5, 2], [0, 4]]
     assert [rows.tolist() for rows in micro_batches(torch.tensor([4, 0, 5]), mask.sum(-1), 2)] == [[5, 0], [4]]
+
+
+def test_token_budget_micro_batches_fit_and_hold_every_sample_once():
+    """Seeded random mini-batches, budgets and data-parallel sizes: each copy's micro-batches that count hold its
+    share of the samples, each once, longest first (its share in order, whole); each fits the budget padded
+    (samples x the longest) or is one sample longer than the budget; each but a copy's last is full (one more
+    sample would not fit), and every copy runs as many passes."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        samples = int(torch.randint(1, 40, (), generator=generator))
+        lengths = torch.randint(1, 200, (samples + 5,), generator=generator)
+        rows = torch.randperm(samples + 5, generator=generator)[:samples]
+        budget = int(torch.randint(1, 800, (), generator=generator))
+        replicas = int(torch.randint(1, 5, (), generator=generator))
+        cuts = [replica_micro_batches(rows, lengths, 1, replica, replicas, max_tokens=budget)
+                for replica in range(replicas)]
+        assert len({len(cut) for cut in cuts}) == 1
+        ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+        for replica, cut in enumerate(cuts):
+            counted = [chunk for chunk, counts in cut if counts]
+            assert [chunk for chunk, counts in cut if not counts] == [ordered[-1:]] * (len(cut) - len(counted))
+            assert torch.equal(torch.cat(counted) if counted else ordered[:0], ordered[replica::replicas])
+            for index, chunk in enumerate(counted):
+                padded = len(chunk) * int(lengths[chunk].max())
+                assert padded <= budget or len(chunk) == 1, (chunk, lengths[chunk], budget)
+                if index < len(counted) - 1:
+                    assert (len(chunk) + 1) * int(lengths[chunk[0]]) > budget
+    assert micro_batches(torch.arange(3), torch.tensor([9, 4, 5]), 1, max_tokens=10)[0].tolist() == [0]
 
 
 def test_data_parallel_copies_share_the_samples_and_run_as_many_passes():

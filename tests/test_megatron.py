@@ -332,9 +332,12 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
 
 
 def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute: bool | None = None,
-            algo: str = "grpo", **loss):
+            algo: str = "grpo", max_tokens: int = 0, **loss):
+    """``max_tokens``: micro-batches by that token budget (--use-dynamic-batch-size); else of 2 samples."""
     extra = {} if recompute is None else {"recompute": recompute}
-    return cls(str(folder), algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2),
+    optim = OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2,
+                        use_dynamic_batch_size=bool(max_tokens), max_tokens_per_gpu=max_tokens)
+    return cls(str(folder), algo=algo, optim=optim,
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                temperature=TEMPERATURE, total_steps=4, dtype=dtype, **extra)
 
@@ -384,6 +387,28 @@ def test_train_step_matches_the_reference_trainer(hf_models, case):
         expert = "model.layers.1.mlp.experts.2"
         gate, up = ours[f"{expert}.gate_proj.weight"], ours[f"{expert}.up_proj.weight"]
         assert torch.allclose(torch.cat([gate, up]), fused[2], atol=1e-5)
+
+
+def test_token_budget_micro_batches_take_the_step_sample_count_ones_do(hf_models):
+    """--use-dynamic-batch-size --max-tokens-per-gpu 28 on Megatron: the batch's samples (15, 14, 12, 11, 10 and 8
+    tokens) in micro-batches of 1 or 2 (15 alone: 2 x 15 is over 28) take the step that micro-batches of 2
+    samples take: the same metrics, the same weights after it."""
+    _, _, folder = hf_models["qwen3"]
+    batch = _batch(seed=3)
+    counted, budgeted = (_engine(megatron.MegatronTrainEngine, folder, max_tokens=tokens) for tokens in (0, 28))
+    rows, lengths = torch.arange(6), batch.attention_mask.sum(-1)
+    assert [len(chunk) for chunk, _ in budgeted._micro_batches(rows, lengths)] == [1, 2, 2, 1]
+    for trainer in (counted, budgeted):
+        plain_sgd(trainer)
+    initial = {name: tensor.clone() for name, tensor in counted.named_weights().items()}
+    expected, got = counted.train_step(batch), budgeted.train_step(batch)
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+    ours = budgeted.named_weights()
+    for name, tensor in counted.named_weights().items():
+        assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])

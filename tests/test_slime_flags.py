@@ -190,15 +190,14 @@ def test_features_vime_lacks_are_refused_together(tmp_path):
     """slime's Qwen3-30B-A3B recipe's performance and optimizer flags, with a pipeline, context parallelism and
     several hosts added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
     flags = ["--pipeline-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
-             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480", "--optimizer-cpu-offload",
+             "--optimizer-cpu-offload",
              "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep",
              "--critic-num-gpus-per-node", "4"]
     with pytest.raises(ValueError) as refused:
         parse(*flags, "--actor-num-nodes", "8")
     said = str(refused.value)
     for expected in ("--actor-num-nodes 8 (a trainer on several hosts", "--pipeline-model-parallel-size 4 (pipeline "
-                     "parallelism)", "--context-parallel-size 2 (context parallelism)", "--use-dynamic-batch-size, "
-                     "--max-tokens-per-gpu 20480 (micro-batches packed to a token budget", "--optimizer-cpu-offload, "
+                     "parallelism)", "--context-parallel-size 2 (context parallelism)", "--optimizer-cpu-offload, "
                      "--overlap-cpu-optimizer-d2h-h2d (offloading of the optimizer state to the CPU)",
                      "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP",
                      "--critic-num-gpus-per-node 4 (PPO's value model on GPUs of its own"):
@@ -207,6 +206,18 @@ def test_features_vime_lacks_are_refused_together(tmp_path):
     result = run("vime.scenario", "arithmetic", *flags, "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "vime does not have what these flags ask for yet" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_dynamic_batch_size_is_a_token_budget_setting():
+    """slime's --use-dynamic-batch-size --max-tokens-per-gpu T are vime's settings of the same names; either alone
+    is refused, naming the other (slime asserts the budget with the switch, and reads the budget only with it)."""
+    optim = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216").optim
+    assert (optim.use_dynamic_batch_size, optim.max_tokens_per_gpu) == (True, 9216)
+    assert (parse().optim.use_dynamic_batch_size, parse().optim.max_tokens_per_gpu) == (False, 0)
+    for flags, named in ((["--use-dynamic-batch-size"], "pass --max-tokens-per-gpu T"),
+                         (["--max-tokens-per-gpu", "9216"], "only with --use-dynamic-batch-size")):
+        with pytest.raises(ValueError, match=named):
+            parse(*flags)
 
 
 def test_the_readme_table_lists_the_aliases_there_are():

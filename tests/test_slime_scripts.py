@@ -198,7 +198,7 @@ def test_the_slime_scenario_has_slimes_defaults():
 
 
 def assert_slimes_recipe(config: dict, *, prompts: int, samples: int, tensor: int, data: int, experts: int,
-                         eval_every: int, save_every: int) -> None:
+                         eval_every: int, save_every: int, max_tokens: int) -> None:
     """What both scripts ask for, as vime resolved it."""
     assert_resolved(config, {
         ("data", "rollout_batch_size"): prompts, ("data", "group_size"): samples,
@@ -212,6 +212,7 @@ def assert_slimes_recipe(config: dict, *, prompts: int, samples: int, tensor: in
         ("optim", "lr"): 1e-6, ("optim", "lr_schedule"): "constant", ("optim", "lr_warmup_steps"): 0,
         ("optim", "weight_decay"): 0.1, ("optim", "adam_beta1"): 0.9, ("optim", "adam_beta2"): 0.98,
         ("optim", "grad_clip"): 1.0,
+        ("optim", "use_dynamic_batch_size"): True, ("optim", "max_tokens_per_gpu"): max_tokens,
         ("job", "algo"): "grpo", ("job", "steps"): 3000, ("job", "train_backend"): "megatron",
         ("job", "recompute_activations"): True, ("job", "tensor_model_parallel_size"): tensor,
         ("job", "data_parallel_size"): data, ("job", "expert_model_parallel_size"): experts,
@@ -227,15 +228,13 @@ def assert_slimes_recipe(config: dict, *, prompts: int, samples: int, tensor: in
 
 
 def test_run_qwen3_4b_sh(root):
-    """Refused for its token-budget micro-batches only; without them, slime's recipe in slime's layout: TP 2 over 8
-    GPUs (data parallel 4, derived), 4 engines of 2 GPUs colocated, --save/--load the run folder."""
+    """Accepted as it is: slime's recipe in slime's layout, TP 2 over 8 GPUs (data parallel 4, derived), 4 engines
+    of 2 GPUs colocated, micro-batches of at most 9216 tokens per data-parallel rank, --save/--load the run
+    folder."""
     result = dry_run("slime", RUN_QWEN3_4B, root)
-    assert result.returncode == 2
-    refused = refused_flags(result.stderr)
-    assert refused == {"--use-dynamic-batch-size", "--max-tokens-per-gpu 9216"}
-    result = dry_run("slime", without(RUN_QWEN3_4B, refused), root)
     config = resolved(result)
-    assert_slimes_recipe(config, prompts=32, samples=8, tensor=2, data=4, experts=1, eval_every=20, save_every=20)
+    assert_slimes_recipe(config, prompts=32, samples=8, tensor=2, data=4, experts=1, eval_every=20, save_every=20,
+                         max_tokens=9216)
     assert (config["rollout"]["rollout_num_gpus_per_engine"], config["rollout"]["rollout_workers"]) == (2, 4)
     assert (config["loss"]["off_policy_correction"], config["model"]["model_path"]) == ("none", f"{root}/Qwen3-4B")
     assert f"the run would write {root}/Qwen3-4B_slime" in result.stdout  # --save
@@ -243,20 +242,21 @@ def test_run_qwen3_4b_sh(root):
 
 
 def test_run_qwen3_30b_a3b_sh(root):
-    """Refused for token-budget micro-batches, optimizer offload, the precision-aware optimizer and W&B, in one
-    message; without them slime's MoE layout (TP 4, EP 8, data parallel 2 derived), one engine of 8 GPUs, TIS at the
+    """Refused for optimizer offload, the precision-aware optimizer and W&B, in one message; without them slime's
+    MoE layout (TP 4, EP 8, data parallel 2 derived), one engine of 8 GPUs, TIS at the
     sequence's geometric mean."""
     result = dry_run("slime", RUN_QWEN3_30B_A3B, root)
     assert result.returncode == 2
     refused = refused_flags(result.stderr)
-    assert refused == {"--use-dynamic-batch-size", "--max-tokens-per-gpu 20480", "--optimizer-cpu-offload",
-                       "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--use-wandb"}
+    assert refused == {"--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+                       "--use-wandb"}
     result = dry_run("slime", without(RUN_QWEN3_30B_A3B, refused), root)
     config = resolved(result)
     # the W&B settings, which slime reads only with --use-wandb, are accepted with a note, the key not shown
     assert "note: --wandb-project, --wandb-group, --wandb-run-id, --wandb-key ignored" in result.stderr
     assert "WANDB_KEY" not in result.stderr + result.stdout
-    assert_slimes_recipe(config, prompts=8, samples=4, tensor=4, data=2, experts=8, eval_every=0, save_every=0)
+    assert_slimes_recipe(config, prompts=8, samples=4, tensor=4, data=2, experts=8, eval_every=0, save_every=0,
+                         max_tokens=20480)
     loss = config["loss"]
     assert (loss["off_policy_correction"], loss["tis_level"], loss["tis_cap"], loss["tis_floor"]) == (
         "tis", "sequence-geometric", 2.0, 0.0)

@@ -177,6 +177,15 @@ class OptimConfig:
     updates_per_step: int = setting(4, "optimizer steps per batch (mini-batches)",
                                     flags=("--updates-per-step", "--num-steps-per-rollout"))
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
+    use_dynamic_batch_size: bool = setting(False, "slime's token-budget micro-batches, in place of --micro-batch-size "
+                                                  "samples each: a mini-batch's samples, longest first, grouped so "
+                                                  "that each micro-batch's padded size (samples x its longest "
+                                                  "sample's prompt + response tokens) is at most "
+                                                  "--max-tokens-per-gpu on each data-parallel rank; a longer sample "
+                                                  "runs alone. Rows are still padded (no packing); the update is "
+                                                  "the same")
+    max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the tokens one micro-batch holds on each "
+                                         "data-parallel rank, counted padded (samples x the longest)")
     lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps",
                                       flags=("--lr-schedule", "--lr-decay-style"))
     lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
@@ -186,6 +195,13 @@ class OptimConfig:
         check_choices(self)
         if self.updates_per_step < 1 or self.micro_batch_size < 1:
             raise ValueError("updates_per_step and micro_batch_size must be >= 1")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu < 1:
+            raise ValueError(f"--use-dynamic-batch-size needs a token budget: pass --max-tokens-per-gpu T (T >= 1, "
+                             f"not {self.max_tokens_per_gpu}), or leave the switch out for --micro-batch-size "
+                             "samples per micro-batch")
+        if self.max_tokens_per_gpu and not self.use_dynamic_batch_size:
+            raise ValueError(f"--max-tokens-per-gpu {self.max_tokens_per_gpu} takes effect only with "
+                             "--use-dynamic-batch-size (as in slime): add it, or leave --max-tokens-per-gpu out")
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """The multiplier of ``lr`` (and ``critic_lr``) for training step ``step`` (from 0)."""

@@ -174,7 +174,6 @@ class LayoutFlag:
     text: bool = False  # the flag takes a text value (refused whatever it is)
 
 
-_TOKEN_BUDGET = "micro-batches packed to a token budget; vime's hold --micro-batch-size samples"
 _OFFLOAD = "offloading of the optimizer state to the CPU"
 _WANDB = "logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard"
 _OWN_GPUS = "PPO's value model on GPUs of its own; it trains on the policy's ranks"
@@ -187,8 +186,6 @@ LAYOUT_FLAGS = (
     LayoutFlag("--balance-data", "", accepted=True,
                note="slime's balancing of tokens among data-parallel ranks moves samples between ranks, not "
                     "what a step's gradient sums; vime splits a mini-batch's samples evenly among the copies"),
-    LayoutFlag("--use-dynamic-batch-size", _TOKEN_BUDGET),
-    LayoutFlag("--max-tokens-per-gpu", _TOKEN_BUDGET, number=True),
     LayoutFlag("--optimizer-cpu-offload", _OFFLOAD),
     LayoutFlag("--overlap-cpu-optimizer-d2h-h2d", _OFFLOAD),
     LayoutFlag("--use-precision-aware-optimizer", "Transformer Engine's precision-aware optimizer"),

@@ -7,16 +7,18 @@ laptop scale: recompute the batch's log-probs with the current weights (the
 its ratio against its rollout log-prob instead: ``policy_loss.ratio_anchor``),
 compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
-over micro-batches of ``micro_batch_size`` samples, with gradient clipping
-and AdamW. A micro-batch is as wide as its longest sample, so each
+over micro-batches of ``micro_batch_size`` samples (with ``use_dynamic_batch_size``,
+of at most ``max_tokens_per_gpu`` padded tokens), with gradient clipping and
+AdamW. A micro-batch is as wide as its longest sample, so each
 mini-batch is cut into micro-batches of samples of similar length (longest
-first); gradients only accumulate over them, so the grouping does not change
-the step. With one optimizer step per batch, neither a KL reference nor a
-value model, and no dropout, nothing needs the old log-probs before the
-training forward passes, which run on those very weights: their log-probs
-serve as the old ones (the ratio is exactly 1), and the separate no-grad
-pass is skipped. ``dtype="bf16"`` runs forward and backward on bf16 weights and
-steps fp32 masters (``vime.backends.master_weights``).
+first); gradients only accumulate over them, each loss normalised by its
+whole mini-batch, so the grouping does not change the step. With one
+optimizer step per batch, neither a KL reference nor a value model, and no
+dropout, nothing needs the old log-probs before the training forward passes,
+which run on those very weights: their log-probs serve as the old ones (the
+ratio is exactly 1), and the separate no-grad pass is skipped.
+``dtype="bf16"`` runs forward and backward on bf16 weights and steps fp32
+masters (``vime.backends.master_weights``).
 
 ``algo`` is the advantage estimator (``vime.algorithms.estimators``). PPO's
 value model is a second copy of the backbone (from ``critic_model_path``, else
@@ -240,8 +242,7 @@ class TorchTrainEngine(TrainEngine):
         """Everything computed once per step with the weights the batch will be trained from: the response
         tokens' log-probs (``old_logprobs``, the trainer side of ``train_rollout_logprob_abs_diff``) and
         entropies, and the reference log-probs and values where the algorithm has them."""
-        chunks = replica_micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu(),
-                                       self.optim.micro_batch_size, *self.replica)
+        chunks = self._micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu())
         batch = batch.to(self.device)
         keys = ["old_logprobs", "entropy"] + ["ref_logprobs"] * (self.reference is not None) + \
             ["values"] * (self.critic is not None)
@@ -289,7 +290,7 @@ class TorchTrainEngine(TrainEngine):
             value_normalizer = float(row_tokens[mini].sum())
             normalizer = batch_normalizer(self.loss.loss_aggregation, float(mini.numel()), max(value_normalizer, 1.0),
                                           self.loss.loss_scale_tokens or mask.shape[-1])
-            for rows, counted in replica_micro_batches(mini, lengths, self.optim.micro_batch_size, *self.replica):
+            for rows, counted in self._micro_batches(mini, lengths):
                 tokens = float(row_tokens[rows].sum()) if counted else 0.0
                 for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
                                                    value_normalizer, scored_in_training, counted).items():
@@ -322,6 +323,12 @@ class TorchTrainEngine(TrainEngine):
         for key, figures in zip(sums, summed.tolist()):
             metrics.setdefault(key, _combine(key, figures, len(minis)))  # kl was measured before the update: kept
         return metrics
+
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """This copy's micro-batches of ``rows`` (:func:`replica_micro_batches`): ``--micro-batch-size`` samples
+        each, or with ``--use-dynamic-batch-size`` at most ``--max-tokens-per-gpu`` padded tokens each."""
+        return replica_micro_batches(rows, lengths, self.optim.micro_batch_size, *self.replica,
+                                     max_tokens=self.optim.max_tokens_per_gpu)
 
     def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
                     advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
@@ -388,25 +395,49 @@ def _combine(key: str, sums: list[float], minis: int) -> float:
     return weighted / max(tokens, 1.0)
 
 
-def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int,
+                  max_tokens: int = 0) -> tuple[torch.Tensor, ...]:
     """``rows`` cut into micro-batches of ``size``, longest samples first (``lengths``: of every sample of the
     batch): a micro-batch is padded to its longest sample, so grouping samples of similar length wastes the
-    least compute on padding, and the largest one comes first (running out of memory shows at once)."""
-    return tuple(chunk for chunk, _ in replica_micro_batches(rows, lengths, size, 0, 1))
+    least compute on padding, and the largest one comes first (running out of memory shows at once). With
+    ``max_tokens`` (slime's --max-tokens-per-gpu), as many samples as :func:`token_budget_sizes` fits instead."""
+    return tuple(chunk for chunk, _ in replica_micro_batches(rows, lengths, size, 0, 1, max_tokens))
 
 
 def replica_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int, replica: int,
-                          replicas: int) -> list[tuple[torch.Tensor, bool]]:
+                          replicas: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, bool]]:
     """The micro-batches (see :func:`micro_batches`) of the share of ``rows`` that copy ``replica`` of
     ``replicas`` data-parallel trainers takes, each with whether it counts: by length, every ``replicas``-th
     sample from the ``replica``-th, so that the shares cost alike. Every copy runs as many micro-batches as
-    the one with the most, the others adding passes over the shortest sample that count for nothing: when
-    experts are divided among the copies, each forward and backward pass needs all of them."""
+    the one with the most (each copy holds the whole batch, so each works out every copy's cut), the others
+    adding passes over the shortest sample that count for nothing: when experts are divided among the copies,
+    each forward and backward pass needs all of them."""
     ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-    share = ordered[replica::replicas]
-    mine = share.split(size) if share.numel() else ()  # an empty tensor splits into one empty part
-    passes = -(-len(rows) // (replicas * size))
+    cuts = [_cut(ordered[copy::replicas], lengths, size, max_tokens) for copy in range(replicas)]
+    mine, passes = cuts[replica], max(len(cut) for cut in cuts)
     return [(chunk, True) for chunk in mine] + [(ordered[-1:], False)] * (passes - len(mine))
+
+
+def _cut(share: torch.Tensor, lengths: torch.Tensor, size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
+    """``share`` (longest first) cut into micro-batches: of ``size`` samples, or by the token budget
+    ``max_tokens`` when it is > 0. The loss is normalised by the whole mini-batch, whatever the cut."""
+    if not share.numel():  # an empty tensor splits into one empty part
+        return ()
+    return share.split(token_budget_sizes(lengths[share].tolist(), max_tokens) if max_tokens else size)
+
+
+def token_budget_sizes(longest_first: list[int], max_tokens: int) -> list[int]:
+    """How many samples each micro-batch takes of samples of these lengths (prompt + response tokens, longest
+    first), so that its padded size, samples x its first (longest) sample's length, is at most ``max_tokens``.
+    Rows are padded to the longest (no packing yet), so the padded size is what the micro-batch's activations
+    hold; slime's budget counts real tokens, which is the padded size once rows are packed. A sample longer
+    than the budget runs alone rather than being refused, as slime's first-fit gives it a micro-batch of its
+    own: the budget bounds memory, and one long response should not stop a run."""
+    sizes, start = [], 0
+    while start < len(longest_first):
+        sizes.append(min(max(1, max_tokens // max(longest_first[start], 1)), len(longest_first) - start))
+        start += sizes[-1]
+    return sizes
 
 
 def _span(batch: TensorBatch, rows: torch.Tensor) -> tuple[int, int]:
