@@ -185,7 +185,8 @@ class OptimConfig:
                                                   "runs alone. Rows are still padded (no packing); the update is "
                                                   "the same")
     max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the tokens one micro-batch holds on each "
-                                         "data-parallel rank, counted padded (samples x the longest)")
+                                         "data-parallel rank, counted padded (samples x the longest)",
+                                      metavar="T")
     lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps",
                                       flags=("--lr-schedule", "--lr-decay-style"))
     lr_warmup_steps: int = setting(0, "linear warm-up from 0 over this many steps")
