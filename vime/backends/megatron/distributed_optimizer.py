@@ -133,7 +133,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """One AdamW step of this rank's parts at the groups' learning rates (set by the schedule on the whole
-        tensors' groups), then every part gathered into its tensor on every rank."""
+        tensors' groups), then every in-place part gathered into its tensor on every rank (the masters' parts
+        are rounded and gathered by :meth:`ShardedMasterWeights.publish`, which the trainer calls next)."""
         _copy_lr(self.param_groups, self._inner.param_groups)
         parts = [part for group in self._parts for part in group]
         for part in parts:
