@@ -4,9 +4,10 @@ Data parallelism over one GPU is degenerate, so the figure issue 34 asks for is 
 ``--data-parallel`` size it starts that many gloo ranks under torchrun, each building the trainer twice (plain
 AdamW, then the distributed optimizer) on a random Qwen3 of ``--hidden-size`` x ``--layers``, takes one step
 (Adam's state is made on the first) and reports every rank's bytes of Adam's state (moments and step counts)
-and of the fp32 masters (``--dtype bf16``; in fp32 the parameters are the masters). Prints a markdown table::
+and of the fp32 masters (``--dtype bf16``; in fp32 the parameters are the masters), each plain and distributed
+(the largest rank's). Prints a markdown table::
 
-    python bench/optimizer_state.py --data-parallel 2 4 --hidden-size 256 --layers 4
+    python bench/optimizer_state.py --data-parallel 2 4 --hidden-size 256 --layers 4 --dtype bf16
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def measure_on_this_rank(folder: str, data_parallel: int, dtype: str) -> None:
     from vime.algorithms.ppo import PPOConfig
     from vime.backends.base import collate
     from vime.backends.megatron import MegatronTrainEngine
-    from vime.backends.megatron.distributed_optimizer import state_bytes
+    from vime.backends.megatron.distributed_optimizer import master_bytes, state_bytes
     from vime.config import OptimConfig
 
     generator = torch.Generator().manual_seed(0)
@@ -46,9 +47,7 @@ def measure_on_this_rank(folder: str, data_parallel: int, dtype: str) -> None:
                                      temperature=1.0, dtype=dtype, data_parallel=data_parallel,
                                      distributed_optimizer=distributed)
         engine.train_step(batch)
-        masters = sum(master.numel() * master.element_size() for master in engine.masters.state_dict()) \
-            if engine.masters else 0
-        mine = [state_bytes(engine.optimizer), masters]
+        mine = [state_bytes(engine.optimizer), master_bytes(engine.masters)]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         figures[name] = every
@@ -80,8 +79,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         parameters = write_model(Path(folder), args.hidden_size, args.layers)
         print(f"Qwen3 {args.hidden_size} x {args.layers} layers, {parameters:,} parameters, {args.dtype}\n")
-        print("| DP | Adam state per rank, plain | distributed | ratio | fp32 masters per rank (both) |")
-        print("|---|---|---|---|---|")
+        print("| DP | Adam state per rank, plain | distributed | ratio | fp32 masters per rank, plain | distributed "
+              "| ratio |")
+        print("|---|---|---|---|---|---|---|")
         for data_parallel in args.data_parallel:
             done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                    str(data_parallel), __file__, "--rank-of", folder, str(data_parallel), args.dtype],
@@ -89,11 +89,16 @@ def main() -> None:
             if done.returncode:
                 sys.exit(done.stderr[-3000:])
             figures = json.loads(done.stdout.strip().splitlines()[-1])
-            plain = max(state for state, _ in figures["plain"])
-            distributed = max(state for state, _ in figures["distributed"])
-            masters = max(masters for _, masters in figures["plain"])
-            print(f"| {data_parallel} | {plain:,} B | {distributed:,} B (max over ranks) | {distributed / plain:.3f} "
-                  f"| {masters:,} B |")
+            columns = [_largest_and_ratio([rank[kind] for rank in figures["plain"]],
+                                          [rank[kind] for rank in figures["distributed"]]) for kind in (0, 1)]
+            print(f"| {data_parallel} | {' | '.join(columns)} |")
+
+
+def _largest_and_ratio(plain: list[int], distributed: list[int]) -> str:
+    """Table cells of one kind of bytes: the largest rank's plain and distributed, and their ratio."""
+    largest, divided = max(plain), max(distributed)
+    ratio = f"{divided / largest:.3f}" if largest else "-"
+    return f"{largest:,} B | {divided:,} B | {ratio}"
 
 
 if __name__ == "__main__":

@@ -140,8 +140,8 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last
     step and a trainer resumed from that checkpoint takes it too. Rank 0 writes each trainer's metrics of every
     step, its weights after the last (gathered; the resumed one's as ``resumed``) and every rank's
-    optimizer-state bytes (``state_bytes``: plain, distributed)."""
-    from vime.backends.megatron.distributed_optimizer import state_bytes
+    optimizer-state bytes (``state_bytes``: plain, distributed) and fp32 masters' bytes (``master_bytes``)."""
+    from vime.backends.megatron.distributed_optimizer import master_bytes, state_bytes
 
     def build(distributed_optimizer: bool) -> MegatronTrainEngine:
         return MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2,
@@ -165,9 +165,11 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     metrics["resumed"] = [resumed.train_step(batches[-1])]
     weights = {name: gathered_weights(engine, "cpu") for name, engine in {**engines, "resumed": resumed}.items()}
     sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, [state_bytes(engine.optimizer) for engine in engines.values()])
+    dist.all_gather_object(sizes, [[state_bytes(engine.optimizer) for engine in engines.values()],
+                                   [master_bytes(engine.masters) for engine in engines.values()]])
     if dist.get_rank() == 0:
-        torch.save({"metrics": metrics, "weights": weights, "state_bytes": sizes}, out)
+        torch.save({"metrics": metrics, "weights": weights, "state_bytes": [rank[0] for rank in sizes],
+                    "master_bytes": [rank[1] for rank in sizes]}, out)
     dist.destroy_process_group()
 
 

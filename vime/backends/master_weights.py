@@ -40,13 +40,20 @@ class MasterWeights:
         for module in modules:
             group = []
             trainable = [param for param in module.parameters() if param.requires_grad]
-            masters = [param.detach().to(torch.float32, copy=True) for param in trainable]
+            masters = [self._master(param) for param in trainable]
             to_bf16(module)
-            for param, master in zip(trainable, masters):
-                param.register_post_accumulate_grad_hook(_move_gradient(master))
+            for param, (master, gradient_holder) in zip(trainable, masters):
+                param.register_post_accumulate_grad_hook(_move_gradient(gradient_holder))
                 self._pairs.append((param, master))
-                group.append(master)
+                group.append(gradient_holder)
             self.groups.append(group)
+
+    def _master(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 master of ``param`` (called while it is still fp32) and the tensor of its shape whose
+        ``.grad`` accumulates ``param``'s gradient in fp32, which the optimizer takes: here the master itself;
+        a subclass that keeps part of each master (``distributed_optimizer``) answers otherwise."""
+        master = param.detach().to(torch.float32, copy=True)
+        return master, master
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -67,11 +74,11 @@ class MasterWeights:
         self.publish()
 
 
-def _move_gradient(master: torch.Tensor) -> Callable[[torch.nn.Parameter], None]:
+def _move_gradient(holder: torch.Tensor) -> Callable[[torch.nn.Parameter], None]:
     def move(param: torch.nn.Parameter) -> None:
-        if master.grad is None:
-            master.grad = param.grad.to(torch.float32)
+        if holder.grad is None:
+            holder.grad = param.grad.to(torch.float32)
         else:
-            master.grad.add_(param.grad)
+            holder.grad.add_(param.grad)
         param.grad = None
     return move

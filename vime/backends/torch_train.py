@@ -87,13 +87,18 @@ class TorchTrainEngine(TrainEngine):
             to_bf16(self.reference)  # as the policy's weights are: the KL starts at exactly 0
         self.critic = self._load_critic(critic_model_path or model_path).to(device) if algo == "ppo" else None
         trained = self._trained_models()
-        self.masters = MasterWeights(trained) if dtype == "bf16" else None
+        self.masters = self._master_weights(trained) if dtype == "bf16" else None
         params = self.masters.groups if self.masters else [
             [param for param in module.parameters() if param.requires_grad] for module in trained]
         self.optimizer = self._optimizer(
             [{"params": group, "lr": lr} for group, lr in zip(params, (optim.lr, optim.critic_lr))])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: optim.lr_factor(step, total_steps))
+
+    def _master_weights(self, trained: list[torch.nn.Module]) -> MasterWeights:
+        """fp32 masters of ``trained``'s parameters, which this turns into bf16 (``dtype="bf16"``): what another
+        backend overrides to keep only a part of each master."""
+        return MasterWeights(trained)
 
     def _optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """AdamW over ``groups`` (one per trained model: the tensors it steps, the masters in bf16, and its learning

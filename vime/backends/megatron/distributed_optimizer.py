@@ -25,56 +25,105 @@ How it matches megatron-core, and where it departs:
 - A tensor is divided among the ranks that hold copies of it: the data-parallel group for the dense tensors, the
   expert-data-parallel group for the experts (one rank when the copies divide the experts among themselves),
   which is megatron-core's split of its expert buffers.
-- What is sharded is the Adam moments (and step counts). The fp32 masters stay whole: in fp32 they are the
-  parameters themselves, which the forward needs whole; in bf16 (``vime.backends.master_weights``) they also
-  accumulate the fp32 gradient, where megatron-core has a separate gradient buffer and a sharded master. Each
-  rank's part is a view of the whole tensor, so the step writes the rank's part in place and the gather fills
-  in the others.
+- What is sharded is the Adam moments (and step counts) and, in bf16, the fp32 masters. In fp32 the masters are
+  the parameters themselves, which the forward needs whole: each rank's part is a view of the whole tensor, so
+  the step writes the rank's part in place and the gather fills in the others. In bf16
+  (:class:`ShardedMasterWeights`) each rank keeps the fp32 master of its part only; the fp32 gradient still
+  accumulates whole, as ``vime.backends.master_weights`` accumulates it (megatron-core's gradient buffer is whole
+  too), on a stand-in of the master's shape that holds no values, so that clipping sees the gradients it saw
+  before. After the step each rank rounds its part into its part of the bf16 parameter and the bf16 parts are
+  gathered: per parameter a rank holds 2 bytes of weights, 4 of gradient and 12 / copies of masters and moments,
+  megatron-core's figures.
 
-The optimizer the engine and its scheduler see (:class:`ShardedAdamW`) has the whole tensors as its parameter
-groups, so zeroing, clipping and the learning-rate schedule act on them as before. Its ``state_dict`` is the
-rank's parts: each rank saves its own, and a resume must be in the same layout (the engine refuses another,
-naming the flag).
+The optimizer the engine and its scheduler see (:class:`ShardedAdamW`) has the whole tensors (in bf16 the
+masters' stand-ins) as its parameter groups, so zeroing, clipping and the learning-rate schedule act on them as
+before. Its ``state_dict`` and the masters' are the rank's parts: each rank saves its own, and a resume must be
+in the same layout (the engine refuses another, naming the flag).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from vime.backends.master_weights import MasterWeights
 
-class _Part:
+
+class Part:
     """A whole tensor and the part of it, flattened, that this rank steps: ``size`` elements per rank (the
-    last rank's part may be shorter or empty), a view sharing the tensor's memory."""
+    last rank's part may be shorter or empty). ``view`` is what the optimizer steps, a view sharing the
+    tensor's memory, and ``holder`` the tensor whose ``.grad`` is the whole (summed) gradient, the tensor
+    itself; :class:`ShardedMasterWeights` makes them an fp32 master of the part and a stand-in."""
 
     def __init__(self, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
-        self.whole, self.group = whole, group
+        self.whole, self.holder, self.group = whole, whole, group
         ranks = dist.get_world_size(group)
         self.size = -(-whole.numel() // ranks)
         start = min(dist.get_rank(group) * self.size, whole.numel())
         self.span = slice(start, min(start + self.size, whole.numel()))
-        self.view = whole.detach().view(-1)[self.span]
+        self.view = self.own()
+
+    def own(self) -> torch.Tensor:
+        """This rank's part of the whole tensor, a view sharing its memory."""
+        return self.whole.detach().view(-1)[self.span]
+
+    def in_place(self) -> bool:
+        """Whether the step writes the whole tensor's part itself (not a master of it)."""
+        return self.holder is self.whole
 
     def take_gradient(self) -> None:
         """The view's gradient: its part of the whole (summed) gradient, or none where the whole has none."""
-        grad = self.whole.grad
+        grad = self.holder.grad
         self.view.grad = None if grad is None else grad.view(-1)[self.span]
+
+
+class ShardedMasterWeights(MasterWeights):
+    """fp32 masters of this rank's part of every parameter (``group_of(param)``: the process group of the ranks
+    that hold copies of ``param``, among which it is divided), which :class:`ShardedAdamW` steps; :attr:`groups`
+    are stand-ins of the parameters' shapes that hold no values, only the whole fp32 gradient (``.grad``)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module], group_of: Callable[[torch.Tensor], dist.ProcessGroup],
+                 bucket_bytes: int = 64 << 20) -> None:
+        self._group_of, self._bucket_bytes = group_of, bucket_bytes
+        self._parts: dict[int, Part] = {}  # by the stand-in's id, which the optimizer's groups hold
+        super().__init__(modules)
+
+    def _master(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        part = Part(param, self._group_of(param))
+        part.view = part.own().to(torch.float32, copy=True)  # a copy: the fp32 parameter is freed once bf16
+        part.holder = torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)  # 4 bytes
+        self._parts[id(part.holder)] = part
+        return part.view, part.holder
+
+    def part_of(self, holder: torch.Tensor) -> Part:
+        """The part whose gradient ``holder`` (one of :attr:`groups`) carries."""
+        return self._parts[id(holder)]
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Every rank rounds its masters into its part of each bf16 parameter and the parts are gathered (a
+        collective: every rank calls this, after each optimizer step and after a load)."""
+        parts = list(self._parts.values())
+        torch._foreach_copy_([part.own() for part in parts], [part.view for part in parts])
+        for bucket in _buckets(parts, self._bucket_bytes):
+            _gather(bucket)
 
 
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW over ``groups`` (parameter groups of whole tensors, as ``torch.optim.AdamW`` takes them) whose state
-    each rank keeps for its part of every tensor only; ``group_of(tensor)`` is the process group of the ranks
-    that hold copies of ``tensor`` (among which it is divided). ``step`` steps the parts, then gathers them back
-    into the whole tensors: every rank of a group must call it. ``adamw``: ``torch.optim.AdamW``'s keywords
+    each rank keeps for its part of every tensor only; ``part_of(tensor)`` is that part (a :class:`Part` divided
+    among the ranks that hold copies of ``tensor``, or :meth:`ShardedMasterWeights.part_of`). ``step`` steps the
+    parts, then gathers those that are the tensors' own back into the whole tensors (a master's part is gathered
+    by its masters' ``publish``): every rank of a group must call it. ``adamw``: ``torch.optim.AdamW``'s keywords
     other than the learning rate, which each group of ``groups`` gives."""
 
-    def __init__(self, groups: list[dict[str, Any]], group_of: Callable[[torch.Tensor], dist.ProcessGroup],
+    def __init__(self, groups: list[dict[str, Any]], part_of: Callable[[torch.Tensor], Part],
                  bucket_bytes: int = 64 << 20, **adamw: Any) -> None:
         super().__init__(groups, {})  # every group has its lr: the policy's, the value model's
-        self._parts = [[_Part(tensor, group_of(tensor)) for tensor in group["params"]] for group in self.param_groups]
+        self._parts = [[part_of(tensor) for tensor in group["params"]] for group in self.param_groups]
         self._bucket_bytes = bucket_bytes
         self._inner = torch.optim.AdamW([{"params": [part.view for part in parts], "lr": group["lr"]}
                                          for parts, group in zip(self._parts, self.param_groups, strict=True)],
@@ -84,7 +133,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """One AdamW step of this rank's parts at the groups' learning rates (set by the schedule on the whole
-        tensors' groups), then every part gathered into its tensor on every rank."""
+        tensors' groups), then every in-place part gathered into its tensor on every rank (the masters' parts
+        are rounded and gathered by :meth:`ShardedMasterWeights.publish`, which the trainer calls next)."""
         _copy_lr(self.param_groups, self._inner.param_groups)
         parts = [part for group in self._parts for part in group]
         for part in parts:
@@ -92,7 +142,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._inner.step()
         for part in parts:
             part.view.grad = None  # a view of the whole gradient: the next zero_grad frees that
-        for bucket in _buckets(parts, self._bucket_bytes):
+        for bucket in _buckets([part for part in parts if part.in_place()], self._bucket_bytes):
             _gather(bucket)
 
     def state_dict(self) -> dict[str, Any]:
@@ -112,10 +162,10 @@ def _copy_lr(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None
         taken["lr"] = given["lr"]
 
 
-def _buckets(parts: list[_Part], bucket_bytes: int) -> Iterator[list[_Part]]:
+def _buckets(parts: list[Part], bucket_bytes: int) -> Iterator[list[Part]]:
     """``parts`` in runs of one process group and dtype, each of about ``bucket_bytes`` per rank at most (a
     larger part alone): one gather each."""
-    bucket: list[_Part] = []
+    bucket: list[Part] = []
     size = 0
     for part in parts:
         if bucket and (size >= bucket_bytes or part.group is not bucket[0].group
@@ -128,8 +178,8 @@ def _buckets(parts: list[_Part], bucket_bytes: int) -> Iterator[list[_Part]]:
         yield bucket
 
 
-def _gather(bucket: list[_Part]) -> None:
-    """Every rank's parts of ``bucket``'s tensors into the whole tensors (a collective of the bucket's group):
+def _gather(bucket: list[Part]) -> None:
+    """Every rank's parts of ``bucket``'s whole tensors into those tensors (a collective of the bucket's group):
     each rank sends its parts, each padded to its tensor's part size, in one flat tensor."""
     group = bucket[0].group
     ranks = dist.get_world_size(group)
@@ -139,7 +189,7 @@ def _gather(bucket: list[_Part]) -> None:
     offsets = []
     offset = 0
     for part in bucket:
-        mine[offset:offset + part.view.numel()] = part.view
+        mine[offset:offset + part.view.numel()] = part.own()
         offsets.append(offset)
         offset += part.size
     pieces = [torch.empty_like(mine) for _ in range(ranks)]
@@ -153,3 +203,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer``'s state on this rank (Adam's moments and step counts)."""
     return sum(value.numel() * value.element_size() for state in optimizer.state.values()
                for value in state.values() if torch.is_tensor(value))
+
+
+def master_bytes(masters: MasterWeights | None) -> int:
+    """Bytes of the fp32 masters on this rank (none in fp32 training, where the parameters are the masters)."""
+    return 0 if masters is None else sum(master.numel() * master.element_size() for master in masters.state_dict())

@@ -21,7 +21,8 @@ from megatron.core.models.gpt import GPTModel
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.backends.base import TensorBatch
-from vime.backends.megatron.distributed_optimizer import ShardedAdamW
+from vime.backends.master_weights import MasterWeights
+from vime.backends.megatron.distributed_optimizer import Part, ShardedAdamW, ShardedMasterWeights
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
@@ -99,8 +100,9 @@ class MegatronTrainEngine(TorchTrainEngine):
     rank. Rank 0 writes the Hugging Face folder; each rank writes its own
     trainer state, which a trainer of another layout reshards on load
     (``resharding``). With ``distributed_optimizer`` each data-parallel copy
-    keeps Adam's state for its part of every tensor only
-    (``distributed_optimizer``); such a state resumes in its own layout.
+    keeps Adam's state, and in bf16 the fp32 masters, for its part of every
+    tensor only (``distributed_optimizer``); such a state resumes in its own
+    layout.
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
@@ -143,16 +145,31 @@ class MegatronTrainEngine(TorchTrainEngine):
                 for tensor, param in zip(group["params"], [p for p in model.parameters() if p.requires_grad],
                                          strict=True)]
 
+    def _master_weights(self, trained: list[torch.nn.Module]) -> MasterWeights:
+        """With ``distributed_optimizer`` and several data-parallel copies, each copy keeps the masters of its part
+        of every tensor (:class:`ShardedMasterWeights`), divided as the optimizer's state is."""
+        if not self.sharded_optimizer:
+            return super()._master_weights(trained)
+        return ShardedMasterWeights(trained, self._copies)
+
     def _optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """With ``distributed_optimizer`` and several data-parallel copies, AdamW whose state each copy keeps
-        for its part of every tensor (:class:`ShardedAdamW`): the dense tensors divided among the data-parallel
-        ranks, the experts among the ranks holding copies of them."""
+        for its part of every tensor (:class:`ShardedAdamW`): in bf16 the parts its masters keep, in fp32 the
+        parameters' own parts."""
         if not self.sharded_optimizer:
             return super()._optimizer(groups)
-        experts = {id(tensor) for tensor, param in self._optimized_pairs(groups) if hasattr(param, "expert_split")}
-        dense, expert = parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group()
-        return ShardedAdamW(groups, lambda tensor: expert if id(tensor) in experts else dense,
-                            **self._adamw_settings())
+        masters = self.masters
+        part_of = masters.part_of if isinstance(masters, ShardedMasterWeights) else (
+            lambda tensor: Part(tensor, self._copies(tensor)))
+        return ShardedAdamW(groups, part_of, **self._adamw_settings())
+
+    @staticmethod
+    def _copies(param: torch.Tensor) -> dist.ProcessGroup:
+        """The ranks among which the distributed optimizer divides ``param``, those that hold copies of it: the
+        data-parallel group for the dense tensors, the expert-data-parallel group for the experts."""
+        if hasattr(param, "expert_split"):
+            return parallel_state.get_expert_data_parallel_group()
+        return parallel_state.get_data_parallel_group()
 
     def _load_policy(self, model_path: str) -> _AsCausalLM:
         return self._policy(self._checkpoint)
