@@ -4,7 +4,6 @@ supervision, joining, and every kind of bad input."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -24,8 +23,8 @@ from conftest import make_tls_files, open_job
 from vime import PeerGone, RemoteError
 from vime.actor import _parser
 from vime.cluster import new_join_token
-from vime.messages.runtime import ErrorReply, Registered, StatusQuery
-from vime.runtime import Actor, ActorSettings
+from vime.messages.runtime import ErrorReply, StatusQuery
+from vime.runtime import Actor
 from vime.scenarios.selfcheck import ECHO, Blob, Count, CountQuery, Nap, Note, Ping, Pong
 from vime.transports.codec import Encoded, Envelope, decode_frame, encode_frame
 from vime.transports.sockets import Inbox
@@ -194,58 +193,6 @@ async def test_a_timeout_after_registering_is_not_reported_as_a_silent_driver(tm
                 await trio.sleep(0.1)
     said = log.read_text()
     assert "did not answer" not in said and "TimeoutError: waited for a peer that never answered" in said, said
-
-
-class LosesItsFirstAnswer(Actor):
-    """Drops the driver's first answer to its Register, as a connection that never came up once did in CI."""
-
-    role = "loses-first-answer"
-    register_retry_s = 2.0
-    _dropped = False
-
-    def _route(self, envelope: Envelope, arrived: float) -> None:
-        if isinstance(envelope.payload, Registered) and not self._dropped:
-            self._dropped = True
-            self.log.warning("dropped the driver's answer to Register (test)")
-            return
-        super()._route(envelope, arrived)
-
-
-@pytest.mark.parametrize("transport", ["ipc", "tls+tcp"])
-async def test_an_actor_that_never_gets_the_answer_to_its_register_asks_again_and_serves(tmp_path, monkeypatch,
-                                                                                         tls_files, transport):
-    """A TLS run's buffer in CI was counted in by the driver but never got the answer, waited out 300 s and took
-    the run down ('the driver did not answer'). Before the fix it waited so; asked again, the driver refused it
-    as a second actor of that name."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                      os.environ.get("PYTHONPATH")])))
-    tls = tls_files if transport == "tls+tcp" else None
-    async with open_job(tmp_path, transport, **({"tls": tls} if tls else {})) as job:
-        await job.spawn("test_runtime:LosesItsFirstAnswer", "slow-start", timeout=120)
-        with trio.fail_after(60):
-            while not (await job.ask("slow-start", StatusQuery(), timeout=30)).counters.get("received"):
-                await trio.sleep(0.1)
-        assert [e.what for e in job.events if e.name == "slow-start"].count("joined") == 1  # counted in once
-    log = (tmp_path / "logs" / "slow-start.log").read_text()
-    assert "dropped the driver's answer" in log and "asking again" in log and "did not answer" not in log, log
-
-
-async def test_redial_drops_only_an_outbox_whose_connection_never_came_up(tmp_path):
-    """The driver's remedy for a repeated Register: a connection that came up is kept (dropping it would lose
-    what is queued on it), one that never did is dropped so the next send dials afresh."""
-    actor = Actor(ActorSettings(name="dialer", listen=f"ipc://{tmp_path}/dialer"), {})
-    async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(actor.serve, handle_signals=False))
-        async with open_job(tmp_path / "job") as job:
-            live = actor._outbox(job.address)
-            nowhere = actor._outbox(f"ipc://{tmp_path}/nobody-listens")
-            with trio.fail_after(10):
-                while not live.connected:
-                    await trio.sleep(0.05)
-            assert not actor.redial(job.address) and actor._outboxes[job.address] is live
-            assert actor.redial(nowhere.address) and nowhere.address not in actor._outboxes
-            assert not actor.redial(nowhere.address)  # nothing left to drop
-        actor.stop()
 
 
 def _join(address: str, *extra: str) -> subprocess.Popen:

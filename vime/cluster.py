@@ -332,12 +332,9 @@ class Cluster:
     # ----------------------------------------------------------- membership
 
     def _register(self, msg: Register) -> Registered:
-        spawned = self._spawned.get(msg.name)
-        known = self.actors.get(msg.name)
-        if known is not None and (known.pid, known.address, known.host) == (msg.pid, msg.address, msg.host):
-            return self._registered_again(msg, spawned)
-        if known is not None:
+        if msg.name in self.actors:
             raise ValueError(f"an actor named {msg.name!r} is already registered; pick another --name")
+        spawned = self._spawned.get(msg.name)
         now = time.monotonic()
         self.actors[msg.name] = ActorInfo(msg.name, msg.role, msg.pid, msg.address, msg.host,
                                           joined=spawned is None, started_at=time.time(), last_heartbeat=now)
@@ -346,18 +343,6 @@ class Cluster:
         self._publish_directory()
         if spawned is not None:
             spawned.registered.set()
-        return self._registered(spawned)
-
-    def _registered_again(self, msg: Register, spawned: _Spawned | None) -> Registered:
-        """Answer a Register repeated by the process already counted in: our first answer did not reach it.
-        It is answered as before, over a fresh connection if the one to it never came up."""
-        redialled = self.driver.redial(msg.address)
-        self.driver.log.warning("Register repeated: the actor did not get our answer", peer=msg.name, pid=msg.pid,
-                                redialled=redialled)
-        return self._registered(spawned)
-
-    def _registered(self, spawned: _Spawned | None) -> Registered:
-        """The answer to a Register: the directory, and the job's settings for an actor joined by hand."""
         return Registered(run_id=self.run_id, directory=self._directory(), heartbeat_s=1.0,
                           config=self.job_config if spawned is None else None)
 

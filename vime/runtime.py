@@ -193,7 +193,6 @@ class Actor:
     """
 
     role: ClassVar[str] = "actor"
-    register_retry_s: ClassVar[float] = 20.0  # without the driver's answer to Register, ask again this often
     _handlers: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -488,37 +487,24 @@ class Actor:
                 return
 
     async def _register(self) -> None:
-        """Ask the driver to count this actor in, asking again every ``register_retry_s`` until the deadline.
-
-        A single ask once waited out 300 s in CI although the driver had counted the actor in: its answer, sent
-        over a fresh connection dialled back to this actor, never arrived. Asking again is safe (the driver
-        answers a repeated Register from the same process as it answered the first, and dials this actor
-        afresh if its connection here never came up), and a warning per retry says how long it has waited."""
         register = Register(name=self.name, role=self.role, address=self.address, pid=os.getpid(),
                             host=os.uname().nodename)
-        deadline = time.monotonic() + self._register_timeout_s()
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                reply = await self.ask("driver", register, timeout=min(self.register_retry_s, max(left, 0.0)))
-                break
-            except TimeoutError as err:
-                if deadline - time.monotonic() <= 0:
-                    raise DriverSilent(str(err)) from err
-                self.log.warning("no answer to Register yet; asking again", driver=self.settings.driver,
-                                 waited_s=round(self._register_timeout_s() - (deadline - time.monotonic()), 1),
-                                 connected=self._outbox(self._address_of("driver")).connected)
+        try:
+            reply = await self.ask("driver", register, timeout=self._register_timeout_s())
+        except TimeoutError as err:
+            raise DriverSilent(str(err)) from err
         self._set_directory(reply.directory)
         self.run_id = reply.run_id
         if not self.config and reply.config:  # joined by hand: the job's settings come from the driver
             self.config = dict(reply.config)
 
     def _register_timeout_s(self) -> float:
-        """How long to wait for the driver's answer to Register, asking again meanwhile. A hand-joined actor
-        may have the wrong address: 30 s, then it says so. One the driver spawned knows the driver is there (and
-        stops at once if it dies), so it waits out a slow answer: the driver counts it in as the Register
-        arrives, but the reply travels a connection dialled back to this actor (a TLS handshake, on a machine
-        busy starting five Pythons), and an actor that gives up leaves a job that had counted it in."""
+        """How long to wait for the driver's answer to Register. A hand-joined actor may have the wrong address:
+        30 s, then it says so. One the driver spawned knows the driver is there (and stops at once if it dies),
+        so it waits out a slow answer: the driver counts it in as the Register arrives, but the reply travels a
+        connection dialled back to this actor (a TLS handshake, on a machine busy starting five Pythons), and an
+        actor that gave up then left a job that had counted it in (the likely reading of a CI failure: the
+        buffer of a TLS run registered, then exited 2)."""
         return 30.0 if self.settings.parent_pid is None else 300.0
 
     async def _heartbeat_loop(self) -> None:
@@ -561,17 +547,6 @@ class Actor:
             self._outboxes.pop(address).close()
 
     # -------------------------------------------------------------- sending
-
-    def redial(self, address: str) -> bool:
-        """Drop the outbox to ``address`` if its connection never came up, so the next send dials afresh;
-        returns whether it did. For a peer that says it is still waiting for our answer (a repeated
-        Register): what was queued there never left and is dropped with it."""
-        outbox = self._outboxes.get(address)
-        if outbox is None or outbox.connected:
-            return False
-        self.log.warning("no connection to a peer that is waiting for us; dialling it again", address=address)
-        self._outboxes.pop(address).close()
-        return True
 
     def _address_of(self, name: str) -> str:
         if name == "driver" and self.settings.driver is not None:
