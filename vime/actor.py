@@ -48,7 +48,7 @@ from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, DriverSilent, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
 from vime.transports.shm import pid_alive, remove_left_by
-from vime.transports.sockets import Handshake, probe_handshake
+from vime.transports.sockets import Handshake, probe_handshake, rsa_key_problem
 
 DRIVER_GONE_GRACE_S = 15.0
 
@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     configure(launch.log_level)
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
+    problem = settings.tls_cert_key and rsa_key_problem(settings.tls_cert_key)
+    if problem:
+        print(f"vime.actor: --tls-cert-key: {problem}", file=sys.stderr)
+        return 2
     if parent_pid is None:  # joined by hand: the user's flags may not fit the job
         problem = join_problem(settings)
         if problem:

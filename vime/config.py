@@ -26,6 +26,7 @@ from typing import Any, Literal
 from vime import megatron_flags, slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
 from vime.settings import add_setting_flags, check_choices, flag_prefix, flag_values, given_settings, hints_of, setting
+from vime.transports.sockets import rsa_key_problem
 
 Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
@@ -515,11 +516,15 @@ class LaunchConfig:
         check_choices(self)
 
     def tls(self) -> dict[str, str] | None:
-        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
+        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing or the key is
+        one vime's TLS cannot use (RSA: ``rsa_key_problem``)."""
         if self.transport != "tls+tcp":
             return None
         if not (self.tls_cert_key and self.tls_ca):
             raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
+        problem = rsa_key_problem(self.tls_cert_key)
+        if problem:
+            raise ValueError(f"--tls-cert-key: {problem}")
         return {"cert_key": self.tls_cert_key, "ca": self.tls_ca}
 
 

@@ -503,8 +503,8 @@ class Actor:
         30 s, then it says so. One the driver spawned knows the driver is there (and stops at once if it dies),
         so it waits out a slow answer: the driver counts it in as the Register arrives, but the reply travels a
         connection dialled back to this actor (a TLS handshake, on a machine busy starting five Pythons), and an
-        actor that gave up then left a job that had counted it in (the likely reading of a CI failure: the
-        buffer of a TLS run registered, then exited 2)."""
+        actor that gave up then left a job that had counted it in. (A TLS run's buffer that waited out even
+        300 s had a listener broken by its RSA key, which ``TlsFiles`` now refuses.)"""
         return 30.0 if self.settings.parent_pid is None else 300.0
 
     async def _heartbeat_loop(self) -> None:
