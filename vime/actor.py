@@ -72,6 +72,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_command(role: str, name: str, driver: str, listen: str, *, parent_pid: int, run_dir: str,
+                   config: dict[str, Any] | str, settings: dict[str, Any] | str, seed: int, record: bool,
+                   tls: dict[str, str]) -> list[str]:
+    """The command that starts ``role`` as actor ``name`` joined to ``driver``, stopping when process
+    ``parent_pid`` (the driver, or the node agent that started it) is gone: the one way a driver or a node
+    starts an actor."""
+    as_json = [text if isinstance(text, str) else json.dumps(text) for text in (config, settings)]
+    command = [sys.executable, "-m", "vime.actor", role, "--name", name, "--join", driver,
+               "--exit-with-parent", str(parent_pid), "--run-dir", run_dir, "--config", as_json[0],
+               "--settings", as_json[1], "--seed", str(seed), "--listen", listen]
+    if record:
+        command.append("--record")
+    for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
+        if key in tls:
+            command += [flag, tls[key]]
+    return command
+
+
 def default_listen(join: str) -> str:
     """Listen on the interface this host uses to reach the driver, any free port."""
     url = urlsplit(join)
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if parent_pid is not None and os.getppid() != parent_pid:
             _remove_left_by_driver(parent_pid)
-    return 0
+    return actor.exit_code
 
 
 if __name__ == "__main__":

@@ -236,7 +236,8 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def join_command(address: str, token: str, tls: dict[str, str] | None, model_path: str) -> str:
-    """RUN_DIR/join: the command that adds a rollout worker from another host. The installed ``vime-actor``
+    """RUN_DIR/join: the command that adds a rollout worker from another host (and, commented, the one that
+    offers a whole host). The installed ``vime-actor``
     (a bare ``python`` may not be the one vime is installed in) and the token in the environment, since a
     command line is shown to every user of that host by ``ps``; the comment says how a host without the head's
     files gets the model (``vime.model_files``)."""
@@ -245,7 +246,9 @@ def join_command(address: str, token: str, tls: dict[str, str] | None, model_pat
             f"# a host without {Path(model_path).absolute()} fetches the model from this job\n"
             f"# into ~/.cache/vime/models, never evicted (--model-cache DIR to put it elsewhere),\n"
             f"# or add --model-path DIR to use its own copy (checked against this job's)\n"
-            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
+            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n"
+            f"# or offer the whole host, for the actors the driver places there (vime.node):\n"
+            f"# vime-node --join {address}{files} --name NODE\n")
 
 
 def _resume_point(run_dir: Path) -> Path:

@@ -193,6 +193,7 @@ class Actor:
     """
 
     role: ClassVar[str] = "actor"
+    exit_code: int = 0  # ``python -m vime.actor`` exits with it once the actor has stopped
     _handlers: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -1,0 +1,81 @@
+"""Hosts for tests: Linux network namespaces on one private subnet, made by the test and removed after it.
+
+A hub namespace holds a bridge; this process's namespace (the head, where the driver runs) and each host
+namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per test), so traffic
+stays on this machine and two tests never share a subnet. Needs root and the ``ip`` command; without them,
+or where namespaces cannot be made (a container without CAP_NET_ADMIN), the test is skipped saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import subprocess
+from typing import Iterator
+
+import pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosts:
+    head_ip: str  # this process's address on the subnet: where the driver listens
+    namespaces: dict[str, str]  # host name -> namespace
+    ips: dict[str, str]  # host name -> address
+
+    def command(self, host: str, *argv: str) -> list[str]:
+        """``argv`` run inside ``host``'s namespace (``ip netns exec`` execs it: the pid is the command's)."""
+        return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def cut(self, host: str) -> None:
+        """Cut ``host`` off the subnet (its link down), as a pulled cable or a dead switch port would."""
+        _ip("netns", "exec", self.namespaces[host], "ip", "link", "set", _veth(self, host), "down")
+
+
+def _veth(hosts: Hosts, host: str) -> str:
+    return f"vn{sorted(hosts.namespaces).index(host)}{hosts.namespaces[host][-6:]}"
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def make_hosts(*names: str) -> Iterator[Hosts]:
+    """Namespaces ``names`` beside this one, all on one bridge; removed on exit, whatever happened."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces as hosts need root and the ip command (iproute2)")
+    tag = os.urandom(3).hex()
+    subnet = f"10.213.{random.Random(tag).randrange(1, 250)}"
+    hub, head_veth = f"vime-hub-{tag}", f"vh{tag}"
+    hosts = Hosts(f"{subnet}.1", {name: f"vime-{i}-{tag}" for i, name in enumerate(names)},
+                  {name: f"{subnet}.{i + 2}" for i, name in enumerate(names)})
+    made: list[str] = []
+    try:
+        try:
+            _ip("netns", "add", hub)
+        except subprocess.CalledProcessError as err:
+            pytest.skip(f"cannot make a network namespace here ({err.stderr.strip()})")
+        made.append(hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        _ip("link", "add", head_veth, "type", "veth", "peer", "name", f"{head_veth}p", "netns", hub)
+        _ip("-n", hub, "link", "set", f"{head_veth}p", "master", "br0", "up")
+        _ip("addr", "add", f"{hosts.head_ip}/24", "dev", head_veth)
+        _ip("link", "set", head_veth, "up")
+        for name, namespace in hosts.namespaces.items():
+            _ip("netns", "add", namespace)
+            made.append(namespace)
+            veth = _veth(hosts, name)
+            _ip("link", "add", veth, "netns", namespace, "type", "veth", "peer", "name", f"{veth}p", "netns", hub)
+            _ip("-n", hub, "link", "set", f"{veth}p", "master", "br0", "up")
+            _ip("-n", namespace, "addr", "add", f"{hosts.ips[name]}/24", "dev", veth)
+            _ip("-n", namespace, "link", "set", veth, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        subprocess.run(["ip", "link", "del", head_veth], capture_output=True)
+        for namespace in reversed(made):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)

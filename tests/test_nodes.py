@@ -1,0 +1,135 @@
+"""Node agents (``python -m vime.node``) on other hosts, network namespaces standing in for the hosts
+(``tests/netns.py``): they join, the driver starts actors on them and supervises those as its own, a node
+killed or cut off is noticed and its actors counted dead, and a wrong token is refused on both sides."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from netns import make_hosts
+
+from conftest import open_job
+from vime.scenarios.selfcheck import ECHO, Ping, Pong
+from vime.transports.shm import pid_alive
+
+pytestmark = pytest.mark.slow
+JOIN_S = 120.0  # a loaded 2-core machine starts a Python with torch slowly
+
+
+async def _start_node(command: list[str], token: str, log: Path) -> trio.Process:
+    env = dict(os.environ, VIME_TOKEN=token, PYTHONUNBUFFERED="1")
+    with open(log, "ab") as out:
+        return await trio.lowlevel.open_process(command, env=env, stdout=out, stderr=out)
+
+
+def _node_command(hosts, host: str, address: str, run_dir: Path, *extra: str) -> list[str]:
+    return hosts.command(host, sys.executable, "-m", "vime.node", "--join", address, "--name", f"node-{host}",
+                         "--allow-role", ECHO, "--run-dir", str(run_dir), *extra)
+
+
+async def _gone_within(pid: int, seconds: float) -> None:
+    with trio.fail_after(seconds):
+        while pid_alive(pid):
+            await trio.sleep(0.2)
+
+
+async def test_nodes_on_two_hosts_run_supervised_actors_and_a_lost_node_is_noticed(tmp_path):
+    with make_hosts("b", "c") as hosts:
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job:
+            agents = {h: await _start_node(_node_command(hosts, h, job.address, tmp_path / h, "--driver-lost-s", "4"),
+                                           job.token, tmp_path / f"node-{h}.out") for h in ("b", "c")}
+            try:
+                for h in agents:
+                    await job.wait_event("node joined", f"node-{h}", timeout=JOIN_S)
+                assert {n: i.address_host for n, i in job.nodes.items()} == {
+                    "node-b": hosts.ips["b"], "node-c": hosts.ips["c"]}
+                listed = json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]
+                assert sorted(n["name"] for n in listed) == ["node-b", "node-c"]
+
+                # started there, reached there, supervised from here: a kill is seen and the actor restarted there
+                first = await job.spawn(ECHO, "echo-b", node="node-b", restart=True, timeout=JOIN_S)
+                echo_c = await job.spawn(ECHO, "echo-c", node="node-c", timeout=JOIN_S)
+                assert first.address.startswith(f"tcp://{hosts.ips['b']}:")
+                assert echo_c.address.startswith(f"tcp://{hosts.ips['c']}:")
+                assert await job.ask("echo-b", Ping(payload=b"b")) == Pong(payload=b"b")
+                killed_at = time.monotonic()
+                job.kill("echo-b")
+                await job.wait_event("died", "echo-b", timeout=5)
+                assert time.monotonic() - killed_at < 5
+                await job.wait_event("restarted", "echo-b", timeout=JOIN_S)
+                assert job.actors["echo-b"].pid != first.pid and not pid_alive(first.pid)
+                assert await job.ask("echo-b", Ping(payload=b"again")) == Pong(payload=b"again")
+
+                # an actor failing as it starts: the driver says why, from the log its node forwarded here
+                with pytest.raises(RuntimeError, match=r"exited during start-up(.|\n)*no_such_setting"):
+                    await job.spawn(ECHO, "broken-b", settings={"no_such_setting": 1}, node="node-b", timeout=JOIN_S)
+                forwarded = (tmp_path / "run" / "logs" / "broken-b.log").read_text()
+                assert "unknown field(s) ['no_such_setting']" in forwarded
+
+                # a role the node does not allow is refused, saying how to allow it
+                with pytest.raises(RuntimeError, match="--allow-role vime.scenarios.selfcheck:Tally"):
+                    await job.spawn("vime.scenarios.selfcheck:Tally", "tally-b", node="node-b")
+
+                # node c killed: its loss, and its actor's, within the heartbeat timeout; the actor exits
+                agents["c"].kill()
+                lost = await job.wait_event("node lost", "node-c", timeout=10)
+                assert "echo-c" in lost.detail
+                assert "node-c was lost" in (await job.wait_event("died", "echo-c", timeout=5)).detail
+                await _gone_within(echo_c.pid, 30)
+
+                # node b cut off: the driver counts it lost; the node, its driver silent, stops its actor, exits 3
+                echo_b = job.actors["echo-b"]
+                hosts.cut("b")
+                await job.wait_event("node lost", "node-b", timeout=10)
+                with trio.fail_after(30):
+                    assert await agents["b"].wait() == 3
+                await _gone_within(echo_b.pid, 15)
+                assert "has not answered" in (tmp_path / "node-b.out").read_text()
+                assert "node-b" not in job.nodes and "echo-b" not in job.actors
+            finally:
+                for agent in agents.values():
+                    if agent.returncode is None:
+                        agent.kill()
+                        await agent.wait()
+
+
+async def test_a_job_that_ends_stops_its_nodes_and_their_actors(tmp_path):
+    with make_hosts("b") as hosts:
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip) as job:
+            agent = await _start_node(_node_command(hosts, "b", job.address, tmp_path / "b"), job.token,
+                                      tmp_path / "node-b.out")
+            try:
+                await job.wait_event("node joined", "node-b", timeout=JOIN_S)
+                echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)
+            except BaseException:
+                agent.kill()
+                raise
+        with trio.fail_after(30):
+            assert await agent.wait() == 0
+        await _gone_within(echo.pid, 15)
+    assert (tmp_path / "b" / "logs" / "echo-b.log").exists()  # the node keeps its own copy of its actors' logs
+
+
+@pytest.mark.parametrize("token", ["not-the-token", ""], ids=["wrong", "missing"])
+async def test_a_node_with_a_wrong_token_is_refused_on_both_sides(tmp_path, token):
+    async with open_job(tmp_path / "run", "tcp") as job:
+        env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | ({"VIME_TOKEN": token} if token else {})
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "vime.node", "--join", job.address, "--name", "intruder"], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with trio.fail_after(JOIN_S):
+            said = b""
+            while chunk := await process.stderr.receive_some(1 << 16):
+                said += chunk
+            code = await process.wait()
+        assert code == 2 and b"token" in said, said
+        assert "intruder" not in job.actors and not job.nodes and job.driver.errors["unauthorized"] >= 1
+        with pytest.raises(ValueError, match="no node named 'intruder'"):
+            await job.spawn(ECHO, "echo-x", node="intruder")
