@@ -1,9 +1,11 @@
-"""Hosts for tests: Linux network namespaces on one private subnet, made by the test and removed after it.
+"""Hosts on one machine, for tests and benchmarks: Linux network namespaces on one private subnet, made by the
+caller and removed after it.
 
 A hub namespace holds a bridge; this process's namespace (the head, where the driver runs) and each host
-namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per test), so traffic
-stays on this machine and two tests never share a subnet. Needs root and the ``ip`` command; without them,
-or where namespaces cannot be made (a container without CAP_NET_ADMIN), the test is skipped saying so.
+namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per use), so traffic
+stays on this machine and two users never share a subnet. Needs root and the ``ip`` command; without them,
+or where namespaces cannot be made (a container without CAP_NET_ADMIN), :class:`NoNamespaces` says why
+(tests skip on it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import shutil
 import subprocess
 from typing import Iterator
 
-import pytest
+
+class NoNamespaces(RuntimeError):
+    """Network namespaces cannot be made here; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +50,7 @@ def _ip(*argv: str) -> None:
 def make_hosts(*names: str) -> Iterator[Hosts]:
     """Namespaces ``names`` beside this one, all on one bridge; removed on exit, whatever happened."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces as hosts need root and the ip command (iproute2)")
+        raise NoNamespaces("network namespaces as hosts need root and the ip command (iproute2)")
     tag = os.urandom(3).hex()
     subnet = f"10.213.{random.Random(tag).randrange(1, 250)}"
     hub, head_veth = f"vime-hub-{tag}", f"vh{tag}"
@@ -57,7 +61,7 @@ def make_hosts(*names: str) -> Iterator[Hosts]:
         try:
             _ip("netns", "add", hub)
         except subprocess.CalledProcessError as err:
-            pytest.skip(f"cannot make a network namespace here ({err.stderr.strip()})")
+            raise NoNamespaces(f"cannot make a network namespace here ({err.stderr.strip()})") from err
         made.append(hub)
         _ip("-n", hub, "link", "add", "br0", "type", "bridge")
         _ip("-n", hub, "link", "set", "br0", "up")
