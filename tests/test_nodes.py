@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Awaitable, Iterator
 
 import pytest
 import trio
@@ -35,8 +36,13 @@ def _hosts(*names: str) -> Iterator[Hosts]:
         pytest.skip(str(err))
 
 
-async def _start_node(command: list[str], token: str, log: Path) -> trio.Process:
-    env = dict(os.environ, VIME_TOKEN=token, PYTHONUNBUFFERED="1")
+async def _start_node(command: list[str], token: str, log: Path, *, token_flag: bool = False) -> trio.Process:
+    """A node agent as a user starts one: the token in the environment, or (``token_flag``) as ``--token``."""
+    env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
+    if token_flag:
+        command = [*command, "--token", token]
+    else:
+        env["VIME_TOKEN"] = token
     with open(log, "ab") as out:
         return await trio.lowlevel.open_process(command, env=env, stdout=out, stderr=out)
 
@@ -52,80 +58,119 @@ async def _gone_within(pid: int, seconds: float) -> None:
             await trio.sleep(0.2)
 
 
+@contextlib.asynccontextmanager
+async def _agents(*started: Awaitable[trio.Process]) -> AsyncIterator[list[trio.Process]]:
+    """Node agents killed at the end whatever happened, those that started before a failure included."""
+    agents: list[trio.Process] = []
+    try:
+        for start in started:
+            agents.append(await start)
+        yield agents
+    finally:
+        for agent in agents:
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+
+
 async def test_nodes_on_two_hosts_run_supervised_actors_and_a_lost_node_is_noticed(tmp_path):
     with _hosts("b", "c") as hosts:
-        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job:
-            agents = {h: await _start_node(_node_command(hosts, h, job.address, tmp_path / h, "--driver-lost-s", "4"),
-                                           job.token, tmp_path / f"node-{h}.out") for h in ("b", "c")}
-            try:
-                for h in agents:
-                    await job.wait_event("node joined", f"node-{h}", timeout=JOIN_S)
-                assert {n: i.address_host for n, i in job.nodes.items()} == {
-                    "node-b": hosts.ips["b"], "node-c": hosts.ips["c"]}
-                listed = json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]
-                assert sorted(n["name"] for n in listed) == ["node-b", "node-c"]
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job, _agents(*(
+                _start_node(_node_command(hosts, h, job.address, tmp_path / h, "--driver-lost-s", "10"), job.token,
+                            tmp_path / f"node-{h}.out") for h in ("b", "c"))) as (agent_b, agent_c):
+            for h in ("b", "c"):
+                await job.wait_event("node joined", f"node-{h}", timeout=JOIN_S)
+            assert {n: i.address_host for n, i in job.nodes.items()} == {
+                "node-b": hosts.ips["b"], "node-c": hosts.ips["c"]}
+            listed = json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]
+            assert sorted(n["name"] for n in listed) == ["node-b", "node-c"]
 
-                # started there, reached there, supervised from here: a kill is seen and the actor restarted there
-                first = await job.spawn(ECHO, "echo-b", node="node-b", restart=True, timeout=JOIN_S)
-                echo_c = await job.spawn(ECHO, "echo-c", node="node-c", timeout=JOIN_S)
-                assert first.address.startswith(f"tcp://{hosts.ips['b']}:")
-                assert echo_c.address.startswith(f"tcp://{hosts.ips['c']}:")
-                assert await job.ask("echo-b", Ping(payload=b"b")) == Pong(payload=b"b")
-                killed_at = time.monotonic()
-                job.kill("echo-b")
-                await job.wait_event("died", "echo-b", timeout=5)
-                assert time.monotonic() - killed_at < 5
-                await job.wait_event("restarted", "echo-b", timeout=JOIN_S)
-                assert job.actors["echo-b"].pid != first.pid and not pid_alive(first.pid)
-                assert await job.ask("echo-b", Ping(payload=b"again")) == Pong(payload=b"again")
+            # started there, reached there, supervised from here: a kill is seen and the actor restarted there
+            first = await job.spawn(ECHO, "echo-b", node="node-b", restart=True, timeout=JOIN_S)
+            echo_c = await job.spawn(ECHO, "echo-c", node="node-c", restart=True, timeout=JOIN_S)
+            assert first.address.startswith(f"tcp://{hosts.ips['b']}:")
+            assert echo_c.address.startswith(f"tcp://{hosts.ips['c']}:")
+            assert await job.ask("echo-b", Ping(payload=b"b")) == Pong(payload=b"b")
+            killed_at = time.monotonic()
+            job.kill("echo-b")
+            await job.wait_event("died", "echo-b", timeout=5)
+            assert time.monotonic() - killed_at < 5
+            await job.wait_event("restarted", "echo-b", timeout=JOIN_S)
+            second = job.actors["echo-b"]
+            assert second.pid != first.pid and not pid_alive(first.pid)
 
-                # an actor failing as it starts: the driver says why, from the log its node forwarded here
-                with pytest.raises(RuntimeError, match=r"exited during start-up(.|\n)*no_such_setting"):
-                    await job.spawn(ECHO, "broken-b", settings={"no_such_setting": 1}, node="node-b", timeout=JOIN_S)
-                forwarded = (tmp_path / "run" / "logs" / "broken-b.log").read_text()
-                assert "unknown field(s) ['no_such_setting']" in forwarded
+            # restarted on demand: the old process's exit, reported late, does not touch its successor
+            third = await job.restart("echo-b", timeout=JOIN_S)
+            assert third.pid != second.pid and not job.gone_for_good("echo-b")
+            await trio.sleep(2)  # time for the old exit's report to arrive
+            assert job.actors["echo-b"].pid == third.pid
+            assert await job.ask("echo-b", Ping(payload=b"again")) == Pong(payload=b"again")
 
-                # a role the node does not allow is refused, saying how to allow it
-                with pytest.raises(RuntimeError, match="--allow-role vime.scenarios.selfcheck:Tally"):
-                    await job.spawn("vime.scenarios.selfcheck:Tally", "tally-b", node="node-b")
+            # a frozen actor does not freeze its node: another starts there meanwhile, then it goes on
+            job.kill("echo-b", signal.SIGSTOP)
+            await job.spawn(ECHO, "echo-b2", node="node-b", timeout=JOIN_S)
+            job.kill("echo-b", signal.SIGCONT)
+            assert await job.ask("echo-b", Ping(payload=b"thawed")) == Pong(payload=b"thawed")
 
-                # node c killed: its loss, and its actor's, within the heartbeat timeout; the actor exits
-                agents["c"].kill()
-                lost = await job.wait_event("node lost", "node-c", timeout=10)
-                assert "echo-c" in lost.detail
-                assert "node-c was lost" in (await job.wait_event("died", "echo-c", timeout=5)).detail
-                await _gone_within(echo_c.pid, 30)
+            # an actor failing as it starts: the driver says why, from the log its node forwarded here
+            with pytest.raises(RuntimeError, match=r"exited during start-up(.|\n)*no_such_setting"):
+                await job.spawn(ECHO, "broken-b", settings={"no_such_setting": 1}, node="node-b", timeout=JOIN_S)
+            forwarded = (tmp_path / "run" / "logs" / "broken-b.log").read_text()
+            assert "unknown field(s) ['no_such_setting']" in forwarded
 
-                # node b cut off: the driver counts it lost; the node, its driver silent, stops its actor, exits 3
-                echo_b = job.actors["echo-b"]
-                hosts.cut("b")
-                await job.wait_event("node lost", "node-b", timeout=10)
-                with trio.fail_after(30):
-                    assert await agents["b"].wait() == 3
-                await _gone_within(echo_b.pid, 15)
-                assert "has not answered" in (tmp_path / "node-b.out").read_text()
-                assert "node-b" not in job.nodes and "echo-b" not in job.actors
-            finally:
-                for agent in agents.values():
-                    if agent.returncode is None:
-                        agent.kill()
-                        await agent.wait()
+            # a role the node does not allow is refused, saying how to allow it; the name stays free
+            with pytest.raises(RuntimeError, match="--allow-role vime.scenarios.selfcheck:Tally"):
+                await job.spawn("vime.scenarios.selfcheck:Tally", "extra-b", node="node-b")
+            await job.spawn(ECHO, "extra-b", node="node-b", timeout=JOIN_S)
+
+            # node c killed: its loss and its actor's within the heartbeat timeout; no restart on a lost node
+            agent_c.kill()
+            lost = await job.wait_event("node lost", "node-c", timeout=10)
+            assert "echo-c" in lost.detail
+            assert "node-c was lost" in (await job.wait_event("died", "echo-c", timeout=5)).detail
+            assert "node-c is not in the job" in (await job.wait_event("gave up", "echo-c", timeout=5)).detail
+            assert job.gone_for_good("echo-c")
+            await _gone_within(echo_c.pid, 30)
+            assert [n["name"] for n in json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]] == [
+                "node-b"]
+
+            # node b cut off: the driver counts it lost; the node, its driver silent, stops its actors, exits 3
+            hosts.cut("b")
+            await job.wait_event("node lost", "node-b", timeout=10)
+            with trio.fail_after(40):
+                assert await agent_b.wait() == 3
+            await _gone_within(third.pid, 15)
+            assert "has not answered" in (tmp_path / "node-b.out").read_text()
+            assert "node-b" not in job.nodes and "echo-b" not in job.actors
+
+
+async def test_a_node_cut_off_and_back_is_told_to_stop(tmp_path):
+    """Counted lost, a node whose link comes back would keep its actors (and GPUs) serving nobody."""
+    with _hosts("b") as hosts:
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job, _agents(
+                _start_node(_node_command(hosts, "b", job.address, tmp_path / "b", "--driver-lost-s", "60"),
+                            job.token, tmp_path / "node-b.out")) as (agent,):
+            await job.wait_event("node joined", "node-b", timeout=JOIN_S)
+            echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)
+            hosts.cut("b")
+            await job.wait_event("node lost", "node-b", timeout=10)
+            hosts.restore("b")
+            with trio.fail_after(30):
+                assert await agent.wait() == 0  # told to stop, well before its own 60 s
+            await _gone_within(echo.pid, 15)
 
 
 async def test_a_job_that_ends_stops_its_nodes_and_their_actors(tmp_path):
     with _hosts("b") as hosts:
-        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip) as job:
-            agent = await _start_node(_node_command(hosts, "b", job.address, tmp_path / "b"), job.token,
-                                      tmp_path / "node-b.out")
-            try:
+        async with _agents() as agents:
+            async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip) as job:
+                agents.append(await _start_node(_node_command(hosts, "b", job.address, tmp_path / "b"), job.token,
+                                                tmp_path / "node-b.out", token_flag=True))
                 await job.wait_event("node joined", "node-b", timeout=JOIN_S)
-                echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)
-            except BaseException:
-                agent.kill()
-                raise
-        with trio.fail_after(30):
-            assert await agent.wait() == 0
-        await _gone_within(echo.pid, 15)
+                echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)  # the agent's token passed on
+            with trio.fail_after(30):
+                assert await agents[0].wait() == 0
+            await _gone_within(echo.pid, 15)
     assert (tmp_path / "b" / "logs" / "echo-b.log").exists()  # the node keeps its own copy of its actors' logs
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import secrets
@@ -46,7 +47,7 @@ import trio
 from vime.actor import launch_command
 from vime.logs import configure
 from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
-from vime.messages.nodes import ActorExited, LogLines, NodeFacts, StartActor, StopActor
+from vime.messages.nodes import ActorExited, LogLines, NodeFacts, StartActor, StopActor, check_placeable
 from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
 from vime.model_files import CHUNK_NOT_LEFT, ModelServer
 from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
@@ -104,10 +105,14 @@ class _Spawned:
     env: dict[str, str]
     node: str | None = None  # the node agent that runs it (vime.node); None: this host, a child of the driver
     process: trio.Process | None = None  # on this host
-    remote_pid: int | None = None  # on a node, while it runs
+    remote_start: int | None = None  # on a node, while it runs: the number of its start (StartActor.start)
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
     started_at: float = 0.0  # time.monotonic() of the latest start
     quick_failures: int = 0  # failures in a row, each within QUICK_DEATH_S of its start
+
+
+class NodeRefused(RuntimeError):
+    """A node agent would not start an actor (a role it does not allow, say); nothing was started."""
 
 
 class _Driver(Actor):
@@ -156,7 +161,9 @@ class _Driver(Actor):
         if type(envelope.payload) is not Heartbeat:
             return False
         info = self.cluster.actors.get(envelope.payload.name)
-        if info is not None:
+        if info is None:
+            self.cluster._turn_away(envelope.payload.name)
+        else:
             info.last_heartbeat = time.monotonic()
             info.status = envelope.payload.status
         return True
@@ -186,6 +193,8 @@ class Cluster:
         self.run_id = uuid.uuid4().hex[:12]
         self.actors: dict[str, ActorInfo] = {}
         self.nodes: dict[str, NodeInfo] = {}
+        self._starts = itertools.count(1)  # numbers the starts on nodes (StartActor.start)
+        self._turned_away: set[str] = set()  # actors counted dead that still send heartbeats, told to stop
         self.events: list[ActorEvent] = []
         self._event_posted = trio.lowlevel.ParkingLot()
         self._spawned: dict[str, _Spawned] = {}
@@ -266,12 +275,18 @@ class Cluster:
         name = name or f"{role.rpartition(':')[2].lower()}-{len(self._spawned)}"
         if name in self._spawned or name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this job")
-        if node is not None and node not in self.nodes:
-            raise ValueError(f"no node named {node!r} has joined this job (joined: {sorted(self.nodes) or 'none'}); "
-                             "start one there with python -m vime.node --join ADDRESS --name NODE")
+        if node is not None:
+            if node not in self.nodes:
+                raise ValueError(f"no node named {node!r} has joined this job (joined: {sorted(self.nodes) or 'none'}"
+                                 "); start one there with python -m vime.node --join ADDRESS --name NODE")
+            check_placeable(name, env or {})
         entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart,
                                                    self.record if record is None else record, dict(env or {}), node)
-        await self._start_process(name, entry, timeout)
+        try:
+            await self._start_process(name, entry, timeout)
+        except NodeRefused:
+            del self._spawned[name]  # nothing started: the name is free for a corrected spawn
+            raise
         return self.actors[name]
 
     async def _start_process(self, name: str, entry: _Spawned, timeout: float) -> None:
@@ -286,7 +301,10 @@ class Cluster:
         with trio.move_on_after(timeout):
             await entry.registered.wait()
         if not entry.registered.is_set():
-            await self._signal(name, entry, signal.SIGKILL)
+            if entry.node is None:
+                entry.process.kill()
+            else:
+                await self._kill_on_node(entry)
             raise RuntimeError(f"actor {name} ({entry.role}) did not register within {timeout} s; "
                                f"its log {log_path} ends with:\n{_tail(log_path)}")
         if name not in self.actors:
@@ -308,25 +326,23 @@ class Cluster:
     async def _start_on_node(self, name: str, entry: _Spawned) -> None:
         """Have the actor's node agent start it; RuntimeError naming the node when it cannot."""
         if entry.node not in self.nodes:
-            raise RuntimeError(f"actor {name} ({entry.role}) cannot start: its node {entry.node!r} is not in the job "
-                               f"(nodes now: {sorted(self.nodes) or 'none'})")
-        order = StartActor(name=name, role=entry.role, config=json.dumps(entry.config),
+            raise NodeRefused(f"actor {name} ({entry.role}) cannot start: its node {entry.node!r} is not in the job "
+                              f"(nodes now: {sorted(self.nodes) or 'none'})")
+        start = next(self._starts)
+        order = StartActor(name=name, start=start, role=entry.role, config=json.dumps(entry.config),
                            settings=json.dumps(entry.settings), seed=entry.seed, record=entry.record, env=entry.env)
         try:
-            started = await self.driver.ask(entry.node, order, timeout=60.0)
+            await self.driver.ask(entry.node, order, timeout=60.0)
         except (RemoteError, PeerGone, TimeoutError) as err:
-            raise RuntimeError(f"node {entry.node} did not start actor {name} ({entry.role}): {err}") from err
-        entry.remote_pid = started.pid
+            raise NodeRefused(f"node {entry.node} did not start actor {name} ({entry.role}): {err}") from err
+        entry.remote_start = start
 
-    async def _signal(self, name: str, entry: _Spawned, sig: int) -> None:
-        """Send ``sig`` to the actor's process, here or through its node (which waits for it to exit)."""
-        if entry.node is None:
-            if entry.process is not None and entry.process.returncode is None:
-                entry.process.send_signal(sig)
-            return
-        if entry.remote_pid is not None:
-            with contextlib.suppress(RemoteError, PeerGone, TimeoutError, LookupError):
-                await self.driver.ask(entry.node, StopActor(name=name, signal=int(sig)), timeout=30.0)
+    async def _kill_on_node(self, entry: _Spawned) -> None:
+        """SIGKILL the node's process of ``entry``, forgetting it first: its exit, reported later, is not news
+        (a restart may be running its successor by then)."""
+        start, entry.remote_start = entry.remote_start, None
+        if start is not None:
+            await self._tell_quietly(entry.node, StopActor(start=start, signal=signal.SIGKILL))
 
     async def _watch_process(self, name: str, entry: _Spawned, process: trio.Process) -> None:
         code = await process.wait()
@@ -337,9 +353,9 @@ class Cluster:
     def _exited_on_node(self, node: str, msg: ActorExited) -> None:
         """A node reports an exit: that of the process it runs for us now, or news of one already replaced."""
         entry = self._spawned.get(msg.name)
-        if entry is None or entry.node != node or entry.remote_pid != msg.pid:
+        if entry is None or entry.node != node or entry.remote_start != msg.start:
             return
-        entry.remote_pid = None
+        entry.remote_start = None
         self._nursery.start_soon(self._exited, msg.name, entry, msg.code)
 
     async def _exited(self, name: str, entry: _Spawned, code: int, how: str | None = None) -> None:
@@ -353,15 +369,21 @@ class Cluster:
         if not (entry.restart and code != 0 and name in self._spawned):  # exit 0 is a deliberate leave (SIGTERM)
             self._gone.add(name)
             return
+        if entry.node is not None and entry.node not in self.nodes:
+            self._give_up(name, f"its node {entry.node} is not in the job; call restart({name!r}) once it has "
+                                "joined again")
+            return
         if entry.quick_failures >= GIVE_UP_AFTER:
             log_path = self.run_dir / "logs" / f"{name}.log"
-            detail = (f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of starting; "
-                      f"its log {log_path} ends with:\n{_tail(log_path)}")
-            self.driver.log.error("not restarting", name=name, failures=entry.quick_failures)
-            self._gone.add(name)
-            self._post(ActorEvent("gave up", name, detail, time.time()))
+            self._give_up(name, f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of "
+                                f"starting; its log {log_path} ends with:\n{_tail(log_path)}")
             return
         await self._restart(name)
+
+    def _give_up(self, name: str, detail: str) -> None:
+        self.driver.log.error("not restarting", name=name, why=detail.splitlines()[0])
+        self._gone.add(name)
+        self._post(ActorEvent("gave up", name, detail, time.time()))
 
     def gone_for_good(self, name: str) -> bool:
         """Whether the spawned actor ``name`` died and the driver will not restart it: it left cleanly, was
@@ -378,9 +400,8 @@ class Cluster:
             old.kill()
             await old.wait()
             self._declare_dead(name, "killed for restart")
-        elif entry.remote_pid is not None:
-            await self._signal(name, entry, signal.SIGKILL)
-            entry.remote_pid = None  # its exit, reported now or later, is not news
+        elif entry.remote_start is not None:
+            await self._kill_on_node(entry)
             self._declare_dead(name, "killed for restart")
         await self._start_process(name, entry, timeout)
         self._post(ActorEvent("restarted", name, f"pid {self.actors[name].pid}", time.time()))
@@ -393,8 +414,15 @@ class Cluster:
             self.driver.log.error("restart failed", name=name, error=str(err))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send a signal to a spawned actor's process, here or on its node (tests use SIGKILL)."""
-        self._nursery.start_soon(self._signal, name, self._spawned[name], sig)
+        """Send a signal to a spawned actor's process (tests use SIGKILL): here at once, so that signals sent one
+        after another arrive in order; on a node through its agent, in the order sent."""
+        entry = self._spawned[name]
+        if entry.node is None:
+            if entry.process is not None:
+                entry.process.send_signal(sig)
+        elif entry.remote_start is not None:
+            self._nursery.start_soon(self._tell_quietly, entry.node, StopActor(start=entry.remote_start,
+                                                                               signal=int(sig)))
 
     # ----------------------------------------------------------- membership
 
@@ -403,6 +431,7 @@ class Cluster:
             raise ValueError(f"an actor named {msg.name!r} is already registered; pick another --name")
         spawned = self._spawned.get(msg.name)
         now = time.monotonic()
+        self._turned_away.discard(msg.name)
         self.actors[msg.name] = ActorInfo(msg.name, msg.role, msg.pid, msg.address, msg.host,
                                           joined=spawned is None, started_at=time.time(), last_heartbeat=now)
         self.driver.log.info("actor registered", peer=msg.name, peer_role=msg.role, pid=msg.pid, address=msg.address)
@@ -423,9 +452,21 @@ class Cluster:
         else:
             self.driver.log.error("actor died", peer=name, peer_role=info.role, pid=info.pid, how=how)
         self._post(ActorEvent("died", name, how, time.time()))
+        node_lost = self.nodes.pop(name, None) is not None
         self._publish_directory()
-        if self.nodes.pop(name, None) is not None:
+        if node_lost:
             self._node_lost(name, how)
+
+    def _turn_away(self, name: str) -> None:
+        """An actor counted dead (its heartbeats stopped: a node cut off, a process frozen) that speaks again
+        is told to stop, once: the job went on without it, and it would serve nobody (a node would hold its
+        GPUs). Started again, it joins afresh."""
+        if self._closing or name in self._turned_away:
+            return
+        self._turned_away.add(name)
+        self.driver.log.warning("an actor counted dead sends heartbeats; telling it to stop", peer=name)
+        self._nursery.start_soon(self._tell_quietly, name, Shutdown(
+            reason="the driver counted this actor dead when its heartbeats stopped; start it again to rejoin"))
 
     def _node_joined(self, name: str, facts: NodeFacts) -> None:
         info = self.actors.get(name)
@@ -442,13 +483,13 @@ class Cluster:
     def _node_lost(self, node: str, how: str) -> None:
         """A node's agent died or went silent: so did every actor it ran for us, as far as the job knows (each
         runs with --exit-with-parent its agent; one cut off with it is stopped by its agent's driver watch)."""
-        lost = [n for n, e in self._spawned.items() if e.node == node and e.remote_pid is not None]
+        lost = [n for n, e in self._spawned.items() if e.node == node and e.remote_start is not None]
         (self.driver.log.info if self._closing else self.driver.log.error)("node lost", node=node, how=how,
                                                                           actors=lost)
         self._post(ActorEvent("node lost", node, f"{how}; its actors: {', '.join(lost) or 'none'}", time.time()))
         for name in lost:
             entry = self._spawned[name]
-            entry.remote_pid = None
+            entry.remote_start = None
             self._nursery.start_soon(self._exited, name, entry, -signal.SIGKILL, f"its node {node} was lost ({how})")
 
     def _log_from_node(self, node: str, msg: LogLines) -> None:

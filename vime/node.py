@@ -11,20 +11,24 @@ supervises them as the driver supervises its own spawns:
 
 * every exit is reported at once (ActorExited); the driver decides what follows (a restart is started here
   again, through this agent);
-* what they write (stdout, stderr) goes to the driver's ``RUN_DIR/logs/NAME.log``, and to this host's
-  ``--run-dir``/logs too;
-* they stop when the job ends (Shutdown), when this agent is stopped (SIGTERM: they get SIGTERM, then
-  SIGKILL after ``STOP_GRACE_S``) or killed (each runs with ``--exit-with-parent`` this agent), and when the
-  driver stops answering for ``--driver-lost-s`` (the agent then exits 3 saying so).
+* they write their logs to this host's ``--run-dir``/logs, which the agent forwards to the driver's
+  ``RUN_DIR/logs/NAME.log`` as they grow (never blocking them: a slow driver only delays the copy);
+* they stop when the job ends (Shutdown), when this agent is stopped (SIGTERM to each and what it started:
+  each runs in a session of its own; SIGKILL after ``STOP_GRACE_S``) or killed (each runs with
+  ``--exit-with-parent`` this agent), and when the driver stops answering for ``--driver-lost-s`` (the agent
+  then exits 3 saying so).
 
 What the driver may ask is narrow: only roles this agent allows (the built-in ones, and those its own
-``--allow-role`` names) and only the environment in ``PLACEABLE_ENV``, since received data never decides
-what code runs here.
+``--allow-role`` names) and only the environment in ``PLACEABLE_ENV``. The trust boundary is the job's token,
+though: a built-in role's settings may name code to load (a custom reward or rollout function, vLLM engine
+arguments), so whoever holds the token can run code on every node. It travels in the environment, never on a
+command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,33 +42,29 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
+import structlog
 import trio
 
 from vime import actor as actor_cli
-from vime.messages.nodes import (
-    ActorExited,
-    ActorStarted,
-    ActorStopped,
-    LogLines,
-    NodeFacts,
-    StartActor,
-    StopActor,
-)
+from vime.messages.nodes import ActorExited, ActorStarted, LogLines, NodeFacts, StartActor, StopActor
 from vime.messages.runtime import StatusQuery
 from vime.roles import ROLES
-from vime.runtime import Actor, PeerGone, handles
+from vime.runtime import Actor, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL, for the actors of a stopping node
 EXIT_LOST_DRIVER = 3
-_LOG_CHUNK = 64 << 10
+LOG_POLL_S = 0.5  # how often an actor's log is read for what is new
+LOG_READ = 1 << 20  # at most this much of one log per read, and per message to the driver
+LOG_BACKLOG = 8  # log messages for the driver not yet sent: more, and forwarding waits (the file keeps it all)
 
 
 @dataclasses.dataclass
 class _Child:
+    name: str
     process: trio.Process
-    log: BinaryIO
-    drained: trio.Event = dataclasses.field(default_factory=trio.Event)  # its output reached EOF
+    log_path: Path
+    log_from: int  # where this process's part of the log starts (a restart appends to its predecessor's)
 
 
 class NodeAgent(Actor):
@@ -76,13 +76,14 @@ class NodeAgent(Actor):
         super().__init__(settings, config)
         self.allowed_roles = (frozenset(ROLES) - {self.role}) | frozenset(config.get("allow_roles", ()))
         self.driver_lost_s = float(config.get("driver_lost_s", 15.0))
-        self.children: dict[str, _Child] = {}
+        self.children: dict[int, _Child] = {}  # by the driver's number for each start
         self.run_dir = Path(settings.run_dir or tempfile.mkdtemp(prefix=f"vime-node-{settings.name}-"))
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     async def on_start(self) -> None:
-        await self.tell("driver", NodeFacts(host=os.uname().nodename, address_host=self._address_host(),
-                                            gpus=count_gpus(), cpus=os.cpu_count() or 1))
+        gpus = await trio.to_thread.run_sync(count_gpus)  # nvidia-smi may take seconds: heartbeats go on
+        await self.tell("driver", NodeFacts(host=os.uname().nodename, address_host=self._address_host(), gpus=gpus,
+                                            cpus=len(os.sched_getaffinity(0))))
         self.start_soon(self._watch_driver)
 
     def _address_host(self) -> str:
@@ -93,20 +94,20 @@ class NodeAgent(Actor):
         if msg.role not in self.allowed_roles:
             raise ValueError(f"role {msg.role!r} is not allowed on node {self.name}: built-in roles are, and those "
                              f"it was started with --allow-role for (restart it with --allow-role {msg.role})")
-        if msg.name in self.children:
-            raise ValueError(f"actor {msg.name!r} is already running on node {self.name}")
         scheme = urlsplit(self.address).scheme
         command = actor_cli.launch_command(
             msg.role, msg.name, self.settings.driver, f"{scheme}://{self._address_host()}:0",
             parent_pid=os.getpid(), run_dir=str(self.run_dir), config=msg.config, settings=msg.settings,
             seed=msg.seed, record=msg.record, tls=self._tls_files())
-        env = dict(os.environ, **msg.env, PYTHONUNBUFFERED="1")
-        process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                   env=env)
-        child = self.children[msg.name] = _Child(process, open(self.run_dir / "logs" / f"{msg.name}.log", "ab"))
-        self.log.info("started an actor", peer=msg.name, role=msg.role, pid=process.pid)
-        self.start_soon(self._forward_output, msg.name, child)
-        self.start_soon(self._watch_child, msg.name, child)
+        env = dict(os.environ, **msg.env, VIME_TOKEN=self.settings.token or "", PYTHONUNBUFFERED="1")
+        log_path = self.run_dir / "logs" / f"{msg.name}.log"
+        with open(log_path, "ab") as log:  # the actor writes its log here itself: no pipe through this agent
+            log_from = log.tell()
+            process = await trio.lowlevel.open_process(command, stdout=log, stderr=log, env=env,
+                                                       start_new_session=True)
+        child = self.children[msg.start] = _Child(msg.name, process, log_path, log_from)
+        self.log.info("started an actor", peer=msg.name, role=msg.role, pid=process.pid, start=msg.start)
+        self.start_soon(self._supervise, msg.start, child)
         return ActorStarted(pid=process.pid)
 
     def _tls_files(self) -> dict[str, str]:
@@ -114,40 +115,42 @@ class NodeAgent(Actor):
         return {} if tls is None else {"cert_key": tls.cert_key_file, "ca": tls.ca_file}
 
     @handles(StopActor)
-    async def _on_stop_actor(self, msg: StopActor, envelope: Envelope) -> ActorStopped:
-        child = self.children.get(msg.name)
-        if child is None:
-            raise ValueError(f"no actor {msg.name!r} is running on node {self.name}")
-        child.process.send_signal(msg.signal)
-        return ActorStopped(code=await child.process.wait())
+    async def _on_stop_actor(self, msg: StopActor, envelope: Envelope) -> None:
+        """Signal at once and answer nothing: a stopped (SIGSTOP) or slow-to-stop actor must not hold this
+        agent's handlers; its exit, when it comes, is reported by :meth:`_supervise`."""
+        child = self.children.get(msg.start)
+        if child is not None:
+            _signal_group(child.process, msg.signal)
 
-    async def _forward_output(self, name: str, child: _Child) -> None:
-        """Copy what the actor writes to this host's log and to the driver's, until its output closes."""
-        assert child.process.stdout is not None
-        try:
-            while data := await child.process.stdout.receive_some(_LOG_CHUNK):
-                child.log.write(data)
-                child.log.flush()
-                try:
-                    await self.tell("driver", LogLines(name=name, data=bytes(data)))
-                except (LookupError, PeerGone):
-                    pass  # the driver is gone: this host's copy is all there is
-        finally:
-            child.log.close()
-            child.drained.set()
+    async def _supervise(self, start: int, child: _Child) -> None:
+        """Forward the actor's log as it grows; once it exits, the rest of it, then the exit (its last words,
+        a traceback say, reach the driver's log before the news of its death)."""
+        with open(child.log_path, "rb") as log:
+            log.seek(child.log_from)
+            while True:
+                exited = child.process.poll() is not None
+                while await self._forward(child.name, log, waiting_ok=exited):
+                    pass
+                if exited:
+                    break
+                with trio.move_on_after(LOG_POLL_S):
+                    await child.process.wait()
+        del self.children[start]
+        code = child.process.returncode
+        self.log.info("an actor exited", peer=child.name, pid=child.process.pid, code=code)
+        with contextlib.suppress(LookupError, PeerGone):
+            await self.tell("driver", ActorExited(name=child.name, start=start, code=code))
 
-    async def _watch_child(self, name: str, child: _Child) -> None:
-        """Report the actor's exit, after its last words (a traceback) have gone to the driver's log."""
-        code = await child.process.wait()
-        with trio.move_on_after(2.0):  # a process it started may hold its output open
-            await child.drained.wait()
-        if self.children.get(name) is child:
-            del self.children[name]
-        self.log.info("an actor exited", peer=name, pid=child.process.pid, code=code)
-        try:
-            await self.tell("driver", ActorExited(name=name, pid=child.process.pid, code=code))
-        except (LookupError, PeerGone):
-            pass
+    async def _forward(self, name: str, log: BinaryIO, *, waiting_ok: bool) -> bool:
+        """Send the driver the next part of a log; whether there was any. While the actor runs, nothing is
+        read when the driver is behind (``LOG_BACKLOG``): the file keeps it for the next read."""
+        if not waiting_ok and self.unsent_to("driver") > LOG_BACKLOG:
+            return False
+        data = log.read(LOG_READ)
+        if data:
+            with contextlib.suppress(LookupError, PeerGone):  # the driver is gone: this host's copy is all there is
+                await self.tell("driver", LogLines(name=name, data=data))
+        return bool(data)
 
     async def _watch_driver(self) -> None:
         """A node whose driver is gone (killed, or the link cut) must not keep its actors running: the driver
@@ -158,41 +161,52 @@ class NodeAgent(Actor):
             try:
                 await self.ask("driver", StatusQuery(), timeout=min(5.0, self.driver_lost_s))
                 answered = time.monotonic()
-            except (TimeoutError, PeerGone):
+            except (TimeoutError, PeerGone, RemoteError):
                 if time.monotonic() - answered >= self.driver_lost_s:
-                    self.log.error("the driver stopped answering; stopping this node's actors",
-                                   driver=self.settings.driver, silent_s=round(time.monotonic() - answered, 1))
-                    print(f"vime.node: the driver at {self.settings.driver} has not answered for "
-                          f"{self.driver_lost_s:.0f} s; stopped the {len(self.children)} actor(s) started here",
-                          file=sys.stderr, flush=True)
-                    self.exit_code = EXIT_LOST_DRIVER
-                    self.stop()
+                    self._lose_driver()
                     return
 
+    def _lose_driver(self) -> None:
+        self.log.error("the driver stopped answering; stopping this node's actors", driver=self.settings.driver)
+        print(f"vime.node: the driver at {self.settings.driver} has not answered for {self.driver_lost_s:.0f} s; "
+              f"stopping the {len(self.children)} actor(s) started here", file=sys.stderr, flush=True)
+        self.exit_code = EXIT_LOST_DRIVER
+        self.stop()
+
     async def on_stop(self) -> None:
-        """SIGTERM to every actor started here, SIGKILL to those still running ``STOP_GRACE_S`` later."""
+        """SIGTERM to every actor started here (and what each started), SIGKILL to what still runs
+        ``STOP_GRACE_S`` later."""
         children = list(self.children.values())
         for child in children:
-            if child.process.returncode is None:
-                child.process.send_signal(signal.SIGTERM)
+            _signal_group(child.process, signal.SIGTERM)
         with trio.move_on_after(STOP_GRACE_S):
             for child in children:
                 await child.process.wait()
         for child in children:
-            if child.process.returncode is None:
-                child.process.kill()
-                await child.process.wait()
+            _signal_group(child.process, signal.SIGKILL)
+            await child.process.wait()
+
+
+def _signal_group(process: trio.Process, sig: int) -> None:
+    """Signal an actor and the processes it started (a vLLM engine core): each runs in its own session."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
 
 
 def count_gpus() -> int:
     """The GPUs this host offers: those ``CUDA_VISIBLE_DEVICES`` names when set, else those ``nvidia-smi -L``
-    lists (no torch import for this: the agent stays light)."""
+    lists (no torch import for this: the agent stays light); 0 when nvidia-smi fails, with a warning."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     if shutil.which("nvidia-smi") is None:
         return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        structlog.get_logger().warning("nvidia-smi -L failed; this node offers no GPUs", error=str(err))
+        return 0
     return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
 

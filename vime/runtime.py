@@ -348,8 +348,10 @@ class Actor:
     def unsent_to(self, name: str) -> int:
         """Messages queued for ``name`` that have not been handed to its socket yet (0 when we have none for it):
         how far behind the peer is in taking what we send it."""
-        address = self.directory.get(name) or self._learned.get(name)
-        outbox = self._outboxes.get(address) if address is not None else None
+        try:
+            outbox = self._outboxes.get(self._address_of(name))
+        except LookupError:
+            return 0
         return outbox.queued if outbox is not None else 0
 
     def on_arrival(self, envelope: Envelope) -> bool:

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import random
 import shutil
+import signal
 import subprocess
 from typing import Iterator
 
@@ -35,7 +36,11 @@ class Hosts:
 
     def cut(self, host: str) -> None:
         """Cut ``host`` off the subnet (its link down), as a pulled cable or a dead switch port would."""
-        _ip("netns", "exec", self.namespaces[host], "ip", "link", "set", _veth(self, host), "down")
+        _ip("-n", self.namespaces[host], "link", "set", _veth(self, host), "down")
+
+    def restore(self, host: str) -> None:
+        """Put ``host`` back on the subnet."""
+        _ip("-n", self.namespaces[host], "link", "set", _veth(self, host), "up")
 
 
 def _veth(hosts: Hosts, host: str) -> str:
@@ -82,4 +87,13 @@ def make_hosts(*names: str) -> Iterator[Hosts]:
     finally:
         subprocess.run(["ip", "link", "del", head_veth], capture_output=True)
         for namespace in reversed(made):
+            _kill_inside(namespace)
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def _kill_inside(namespace: str) -> None:
+    """SIGKILL what still runs in ``namespace``: a process left there would keep it (and its addresses) alive."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+    for pid in listed.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)

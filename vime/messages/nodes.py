@@ -5,9 +5,11 @@ The flow::
     node --Register--> driver (as any actor joining), then node --NodeFacts--> driver
     driver --StartActor--> node --ActorStarted--> driver; the actor then registers with the driver itself
     node --LogLines--> driver (what its actors write), node --ActorExited--> driver (one of them exited)
-    driver --StopActor--> node --ActorStopped--> driver (a kill or a restart)
+    driver --StopActor--> node (a signal: a kill, a restart, SIGSTOP/SIGCONT; its exit comes as ActorExited)
 
-A node agent's death (its heartbeats stop) is the death of every actor it started.
+Each start carries the driver's number for it (``start``), echoed in ActorExited and required by StopActor:
+the exit of a process already replaced, or a signal meant for it, never touches its successor. A node agent's
+death (its heartbeats stop) is the death of every actor it started.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import re
 from vime.transports.records import message
 
 # Environment a driver may set for an actor it starts on a node: which GPUs and how many threads, nothing that
-# decides what code runs (PYTHONPATH, LD_PRELOAD...). Received data never chooses what is imported.
+# decides what code runs (PYTHONPATH, LD_PRELOAD, NCCL_NET_PLUGIN...).
 PLACEABLE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"})
 _ACTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
-def _check_name(name: str) -> None:
-    """An actor's name becomes a log file's name on both hosts: nothing that climbs out of the logs folder."""
+def check_placeable(name: str, env: dict[str, str]) -> None:
+    """What an actor started on a node may be called and given: its name becomes a log file's name on both hosts
+    (nothing that climbs out of the logs folder), its environment only ``PLACEABLE_ENV``."""
     if not _ACTOR_NAME.fullmatch(name):
         raise ValueError(f"actor name {name[:100]!r}: use letters, digits, '.', '_' and '-' (at most 100)")
+    unknown = set(env) - PLACEABLE_ENV
+    if unknown:
+        raise ValueError(f"an actor on a node may be given only {sorted(PLACEABLE_ENV)} from the driver, not "
+                         f"{sorted(unknown)}; set the others in the node agent's own environment")
 
 
 @message
@@ -42,10 +49,12 @@ class NodeFacts:
 @message
 class StartActor:
     """driver -> node (ask, answered with ActorStarted): start ``role`` here as actor ``name``, joined to the
-    job, and supervise it. ``config`` and ``settings`` are JSON objects as ``python -m vime.actor`` takes them;
-    the node starts only roles it allows (built-in ones, and those its ``--allow-role`` names)."""
+    job, and supervise it; ``start`` numbers this start. ``config`` and ``settings`` are JSON objects as
+    ``python -m vime.actor`` takes them; the node starts only roles it allows (built-in ones, and those its
+    ``--allow-role`` names)."""
 
     name: str
+    start: int
     role: str
     config: str
     settings: str
@@ -54,10 +63,7 @@ class StartActor:
     env: dict[str, str]
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
-        unknown = set(self.env) - PLACEABLE_ENV
-        if unknown:
-            raise ValueError(f"StartActor.env may set only {sorted(PLACEABLE_ENV)}, not {sorted(unknown)}")
+        check_placeable(self.name, self.env)
 
 
 @message
@@ -69,18 +75,11 @@ class ActorStarted:
 
 @message
 class StopActor:
-    """driver -> node (ask, answered with ActorStopped): send ``signal`` to actor ``name``'s process and wait
-    for it to exit."""
+    """driver -> node (tell): send ``signal`` to the processes of start ``start`` (the actor and what it
+    started), if they still run. An exit that follows comes as ActorExited."""
 
-    name: str
+    start: int
     signal: int
-
-
-@message
-class ActorStopped:
-    """node -> driver, the answer to StopActor: how the process ended (a negative code: the signal)."""
-
-    code: int
 
 
 @message
@@ -89,7 +88,7 @@ class ActorExited:
     signal). Sent for every exit, asked for or not: the driver's supervision decides what follows."""
 
     name: str
-    pid: int
+    start: int
     code: int
 
 
@@ -102,4 +101,4 @@ class LogLines:
     data: bytes
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        check_placeable(self.name, {})
