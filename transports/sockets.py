@@ -50,24 +50,40 @@ _RSA_KEY_OID = bytes.fromhex("06092a864886f70d010101")  # rsaEncryption, as a ke
 _PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z ]+)-----(.*?)-----END \1-----", re.S)
 
 
-@functools.lru_cache(maxsize=16)
 def rsa_key_problem(cert_key_file: str) -> str | None:
-    """Why the key in ``cert_key_file`` cannot serve a listener: nng's TLS (mbedtls, as pynng builds it) corrupts
-    an RSA private key when several peers connect at once -- every actor is dialled by all its peers as a job
-    starts -- and the listener then fails every later handshake (BAD_SIGNATURE). Measured here: a listener
-    dialled by 16 peers at once broke in 3 of 10 tries with a 2048-bit RSA key and in none of 40 with ECDSA P-256.
-    None when the key is not RSA (or the file cannot be read: pynng then says what is wrong with it)."""
+    """Why the key in ``cert_key_file`` cannot serve a listener: the mbedtls that pynng builds has no
+    threading support (MBEDTLS_THREADING_C), and an RSA signature updates blinding values kept in the key,
+    which nng shares across the handshakes it runs at once -- every actor is dialled by all its peers as a job
+    starts. Once they are corrupted, every later handshake of that listener fails (BAD_SIGNATURE). Measured
+    here: a listener dialled by 16 peers at once broke in 3 of 10 tries with a 2048-bit RSA key, in none of 40
+    with ECDSA P-256 (which keeps no such state). An encrypted key is refused too: nothing here passes its
+    password. None when the key is neither (or the file cannot be read: pynng then says what is wrong)."""
     try:
-        text = open(cert_key_file).read()
+        stat = os.stat(cert_key_file)
+    except OSError:
+        return None
+    return _key_problem(cert_key_file, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _key_problem(cert_key_file: str, mtime_ns: int, size: int) -> str | None:
+    """:func:`rsa_key_problem` for one version of the file (a file replaced in place is read again)."""
+    try:
+        with open(cert_key_file, "rb") as pem:
+            text = pem.read().decode("latin-1")
     except OSError:
         return None
     for label, body in _PEM_BLOCK.findall(text):
+        if label == "ENCRYPTED PRIVATE KEY":
+            return (f"{cert_key_file} holds an encrypted key, which vime cannot open (it takes no password): "
+                    "write it without one (openssl pkey -in KEY -out PLAIN) and keep the file readable by you only")
         der = base64.b64decode("".join(body.split()), validate=False) if label == "PRIVATE KEY" else b""
         if label == "RSA PRIVATE KEY" or _RSA_KEY_OID in der[:32]:
             return (f"{cert_key_file} holds an RSA key, which vime's TLS (nng with mbedtls) corrupts when several "
-                    "peers connect at once; make an ECDSA P-256 key and certificate instead, e.g. "
-                    "'openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout node.key -out "
-                    "node.csr' and sign node.csr with the job's CA (vime.devtools.certificates makes a test set)")
+                    "peers connect at once; make an ECDSA P-256 key, have the job's CA sign it, and pass the "
+                    "certificate and key in one PEM: 'openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 "
+                    "-nodes -keyout node.key -out node.csr -subj /CN=HOST', sign node.csr, then "
+                    "'cat node.pem node.key > bundle.pem' (python -m vime.devtools.certificates DIR makes a test set)")
     return None
 
 

@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_parent_hard, args=(parent_pid,), daemon=True,
                          name="driver-watchdog").start()
     configure(launch.log_level)
+    tls_problem = args.tls_cert_key and rsa_key_problem(args.tls_cert_key)  # before the role's slow imports
+    if tls_problem:
+        print(f"vime.actor: --tls-cert-key: {tls_problem}", file=sys.stderr)
+        return 2
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
-    problem = settings.tls_cert_key and rsa_key_problem(settings.tls_cert_key)
-    if problem:
-        print(f"vime.actor: --tls-cert-key: {problem}", file=sys.stderr)
-        return 2
     if parent_pid is None:  # joined by hand: the user's flags may not fit the job
         problem = join_problem(settings)
         if problem:

@@ -34,3 +34,12 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     for secret in ("ca.key", "node.key", "bundle.pem"):
         (folder / secret).chmod(0o600)
     return {"cert_key": str(folder / "bundle.pem"), "ca": str(folder / "ca.pem")}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m vime.devtools.certificates DIR  (writes a test CA and a certificate there)")
+    print(json.dumps(make_tls_files(Path(sys.argv[1])), indent=2))
