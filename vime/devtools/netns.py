@@ -34,6 +34,10 @@ class Hosts:
         """``argv`` run inside ``host``'s namespace (``ip netns exec`` execs it: the pid is the command's)."""
         return ["ip", "netns", "exec", self.namespaces[host], *argv]
 
+    def interface(self, host: str) -> str:
+        """``host``'s link to the subnet, inside its namespace (what GLOO_SOCKET_IFNAME names)."""
+        return _veth(self, host)
+
     def cut(self, host: str) -> None:
         """Cut ``host`` off the subnet (its link down), as a pulled cable or a dead switch port would."""
         _ip("-n", self.namespaces[host], "link", "set", _veth(self, host), "down")
