@@ -19,6 +19,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vime.backends.packing import document_mask
+
+try:  # in torch 2.13, which install.sh pins; a torch without it packs through the mask alone
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN
+except ImportError:
+    _VARLEN = None
+
 
 class SDPAttention(MegatronModule):
     """Megatron core attention on ``torch.nn.functional.scaled_dot_product_attention``.
@@ -29,8 +36,10 @@ class SDPAttention(MegatronModule):
     repeating the key/value heads. It replaces the local core attention on CPU
     and GPU alike, so tests and training run the same code.
 
-    Only causal self-attention over unpacked sequences is supported: that is
-    all a decoder-only policy needs when batches are right-padded.
+    Causal self-attention only, over right-padded rows, or over one packed
+    row whose samples ``packed_seq_params`` bounds (``model.forward``): each
+    token then attends to the earlier tokens of its own sample only
+    (:func:`document_attention`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -45,16 +54,44 @@ class SDPAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        """``query [s, b, heads, d]``, ``key``/``value [s, b, groups, d]`` -> ``[s, b, heads * d]``."""
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention takes neither masks, biases nor packed sequences: "
-                                      "right-pad the batch and rely on the causal mask")
+        """``query [s, b, heads, d]``, ``key``/``value [s, b, groups, d]`` -> ``[s, b, heads * d]``; packed
+        (``packed_seq_params``), ``b`` is 1."""
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention takes neither masks nor biases: right-pad the batch and rely "
+                                      "on the causal mask, or pack it (vime.backends.packing)")
+        dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is not None:
+            context = document_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+                                         packed_seq_params.max_seqlen_q, self.softmax_scale, dropout)
+            return context.reshape(context.shape[0], 1, -1)
         query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
         context = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=query.shape[1] != key.shape[1])
+            dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
         seq, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                       longest: int, scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention within each sample of a packed row: ``query [tokens, heads, d]``, ``key``/``value
+    [tokens, groups, d]``, the samples starting at ``cu_seqlens`` (int32 ``[samples + 1]``, the last the row's
+    end), the longest ``longest`` tokens -> ``[tokens, heads, d]``.
+
+    The one place the kernel is chosen. On a GPU in bf16/fp16 without dropout, torch's variable-length flash
+    attention (``torch.nn.attention.varlen``), which computes each sample's own triangle and nothing across
+    samples. Otherwise (the CPU, fp32, attention dropout, which that kernel lacks) SDPA under a block-diagonal
+    causal mask (``vime.backends.packing.document_mask``): ``tokens x tokens`` booleans, and the kernel works
+    through the masked blocks too, so it costs what one padded row as long as the packed one would."""
+    groups_differ = query.shape[1] != key.shape[1]
+    if _VARLEN is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout:
+        return _VARLEN(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale,
+                       window_size=(-1, 0), enable_gqa=groups_differ)
+    mask = document_mask(cu_seqlens, query.shape[0])
+    query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, dropout_p=dropout,
+                                             enable_gqa=groups_differ)
+    return context[0].transpose(0, 1)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
