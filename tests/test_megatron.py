@@ -392,22 +392,28 @@ def test_train_step_matches_the_reference_trainer(hf_models, case):
 
 def test_token_budget_micro_batches_take_the_step_sample_count_ones_do(hf_models):
     """--use-dynamic-batch-size --max-tokens-per-gpu 28 on Megatron: the batch's samples (15, 14, 12, 11, 10 and 8
-    tokens) in micro-batches of 1 or 2 (15 alone: 2 x 15 is over 28) take the step that micro-batches of 2
+    tokens) in micro-batches of 1 or 2 (15 alone: 15 + 14 is over 28) take the step that micro-batches of 2
     samples take: the same metrics, the same weights after it."""
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=3)
     counted, budgeted = (_engine(megatron.MegatronTrainEngine, folder, max_tokens=tokens) for tokens in (0, 28))
     rows, lengths = torch.arange(6), batch.attention_mask.sum(-1)
     assert [len(chunk) for chunk, _ in budgeted._micro_batches(rows, lengths)] == [1, 2, 2, 1]
-    for trainer in (counted, budgeted):
-        plain_sgd(trainer)
-    initial = {name: tensor.clone() for name, tensor in counted.named_weights().items()}
-    expected, got = counted.train_step(batch), budgeted.train_step(batch)
+    _assert_same_step(counted, budgeted, batch)
+
+
+def _assert_same_step(expected_trainer, trainer, batch: TensorBatch) -> None:
+    """Under plain SGD (an update proportional to the gradient), ``trainer`` takes ``expected_trainer``'s step on
+    ``batch``: the same metrics, the same weights after it, which moved."""
+    for engine in (expected_trainer, trainer):
+        plain_sgd(engine)
+    initial = {name: tensor.clone() for name, tensor in expected_trainer.named_weights().items()}
+    expected, got = expected_trainer.train_step(batch), trainer.train_step(batch)
     assert sorted(got) == sorted(expected)
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
-    ours = budgeted.named_weights()
-    for name, tensor in counted.named_weights().items():
+    ours = trainer.named_weights()
+    for name, tensor in expected_trainer.named_weights().items():
         assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -434,22 +440,12 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
     assert [len(chunk) for chunk, _ in packed._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))] == [
         1, 1, 3, 1]
     assert packed._inputs(batch.to(packed.device), torch.tensor([2, 3, 5])).input_ids.shape == (1, 43)
-    for trainer in (padded, packed):
-        plain_sgd(trainer)
     expected, got = padded.score(batch), packed.score(batch)
     assert sorted(got) == sorted(expected)
     for key in expected:
         assert (got[key] - expected[key]).abs().max() <= 1e-5, key
-    initial = {name: tensor.clone() for name, tensor in padded.named_weights().items()}
-    expected, got = padded.train_step(batch), packed.train_step(batch)
-    assert sorted(got) == sorted(expected)
-    for key in expected:
-        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
-    ours = packed.named_weights()
-    for name, tensor in padded.named_weights().items():
-        assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    if algo == "ppo":
+    _assert_same_step(padded, packed, batch)
+    if algo == "ppo":  # the value models trained alike
         assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
 
 
@@ -717,6 +713,34 @@ def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models, case
     for name in ours:
         gap = (ours[name].cpu() - theirs[name]).abs()
         assert gap.max() <= 2.1e-3 and (gap > 1e-5).float().mean() < 1e-3, name
+
+
+@pytest.mark.gpu
+def test_variable_length_attention_on_cuda_keeps_each_token_to_its_sample():
+    """On a GPU in bf16 a packed row's attention runs torch's variable-length flash kernel (grouped key/value
+    heads, a causal window): its output and gradients are those of each sample's own causal attention, within
+    bf16's rounding."""
+    from vime.backends.megatron.modules import _varlen_attention, document_attention
+
+    if _varlen_attention() is None:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn lacks window_size or enable_gqa: packing uses the mask")
+    generator = torch.Generator().manual_seed(0)
+    lengths = [37, 5, 120, 1, 64]
+    tensors = [torch.randn(sum(lengths), heads, 64, generator=generator).cuda().bfloat16().requires_grad_()
+               for heads in (8, 2, 2)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    packed = document_attention(*tensors, cu_seqlens, max(lengths))
+    packed.float().square().sum().backward()
+    grads = [tensor.grad.clone() for tensor in tensors]
+    for tensor in tensors:
+        tensor.grad = None
+    alone = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(tensor[start:start + length].transpose(0, 1) for tensor in tensors), is_causal=True,
+        enable_gqa=True).transpose(0, 1) for start, length in zip(cu_seqlens.tolist(), lengths)])
+    alone.float().square().sum().backward()
+    assert (packed.float() - alone.float()).abs().max() <= 2e-2
+    for got, tensor in zip(grads, tensors):
+        assert (got.float() - tensor.grad.float()).abs().max() <= 2e-2 * tensor.grad.float().abs().max()
 
 
 @pytest.mark.gpu

@@ -49,8 +49,8 @@ from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_norma
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.backends.hf import load_causal_lm, token_stats
-from vime.backends.packing import ModelInputs, packed_inputs, padded_inputs
 from vime.backends.master_weights import MasterWeights, to_bf16
+from vime.backends.packing import ModelInputs, packed_inputs, padded_inputs
 from vime.config import OptimConfig
 
 

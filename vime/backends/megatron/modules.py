@@ -1,7 +1,8 @@
 """The layers vime puts in megatron-core's layer spec in place of its own (no Transformer Engine).
 
 A core attention on ``torch.nn.functional.scaled_dot_product_attention``, the one attention path on CPU
-and GPU; torch's RMSNorm, allowed under sequence parallelism; an MoE layer's routed experts as two
+and GPU for right-padded rows (a packed row's, :func:`document_attention`, takes torch's variable-length flash
+kernel on a GPU where it can); torch's RMSNorm, allowed under sequence parallelism; an MoE layer's routed experts as two
 stacked weights in grouped matmuls (:class:`GroupedExperts`, in place of megatron-core's one-by-one
 ``SequentialMLP``; ``bench/experts.py``); and PPO's scalar value head in place of the output layer
 (:class:`ValueHead`). Where they go in the spec is ``model.build_model``'s business;
@@ -10,6 +11,9 @@ how their weights map to a Hugging Face checkpoint is ``conversion``'s.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,11 +24,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vime.backends.packing import document_mask
-
-try:  # in torch 2.13, which install.sh pins; a torch without it packs through the mask alone
-    from torch.nn.attention.varlen import varlen_attn as _VARLEN
-except ImportError:
-    _VARLEN = None
 
 
 class SDPAttention(MegatronModule):
@@ -84,14 +83,28 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     causal mask (``vime.backends.packing.document_mask``): ``tokens x tokens`` booleans, and the kernel works
     through the masked blocks too, so it costs what one padded row as long as the packed one would."""
     groups_differ = query.shape[1] != key.shape[1]
-    if _VARLEN is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout:
-        return _VARLEN(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale,
-                       window_size=(-1, 0), enable_gqa=groups_differ)
+    varlen = _varlen_attention()
+    if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout:
+        return varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale,
+                      window_size=(-1, 0), enable_gqa=groups_differ)
     mask = document_mask(cu_seqlens, query.shape[0])
     query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
     context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, dropout_p=dropout,
                                              enable_gqa=groups_differ)
     return context[0].transpose(0, 1)
+
+
+@functools.cache
+def _varlen_attention() -> Callable[..., torch.Tensor] | None:
+    """``torch.nn.attention.varlen.varlen_attn`` where it takes both a causal window and grouped key/value heads
+    (``window_size``, ``enable_gqa``: torch 2.12 on, and 2.13, which install.sh installs), else None: earlier
+    releases took ``is_causal`` and no grouped heads, or a window without them, and such a torch packs through
+    :func:`document_attention`'s mask instead."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
