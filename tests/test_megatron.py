@@ -449,6 +449,17 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
         assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
 
 
+def test_packed_rows_recompute_as_padded_rows_run(hf_models):
+    """A recomputing Megatron trainer packs too: each layer's recomputation in the backward pass gets the packed
+    row's sample bounds and rotary rows again (from its checkpoint) and replays the same experts, so it takes
+    the step of a plain trainer on padded rows."""
+    model, _, folder = hf_models["qwen3_moe"]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
+    padded = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
+    packed = _engine(megatron.MegatronTrainEngine, folder, recompute=True, max_tokens=PACKING_BUDGET, kl_loss_coef=0.1)
+    _assert_same_step(padded, packed, batch)
+
+
 def _packed_row(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens of samples of ``lengths`` end to end, ``[1, tokens]``, and their positions (0 at each start)."""
     generator = torch.Generator().manual_seed(seed)
@@ -901,14 +912,16 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     assert all(gap <= 1e-5 for gap in ranks["vocabulary_gaps"]), ranks["vocabulary_gaps"]
 
 
-@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1)),  # CI time: 10 s; the MoE layout slow
-                                         pytest.param("qwen3_moe", (2, 2, 1), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1)),  # CI time: 10-25 s each; MoE, DP2 slow
+                                         pytest.param("qwen3_moe", (2, 2, 1), marks=pytest.mark.slow),
+                                         pytest.param("qwen3", (1, 1, 2), marks=pytest.mark.slow)])
 def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_path, case, layout):
-    """Packed micro-batches under tensor (and expert) parallelism: sequence parallelism cuts a packed row's
-    tokens among the ranks (a row of an odd count is padded with a sample of its own), each rank's attention
-    sees the whole row and keeps every token to its sample; the scored log-probs and entropies, the step's
-    metrics and the weights after a plain-SGD step are those the same ranks give with padded micro-batches. The
-    MoE replays random experts (R3), each rank routing its share of the row's tokens."""
+    """Packed micro-batches under tensor (and expert, or data) parallelism: sequence parallelism cuts a packed
+    row's tokens among the ranks (a row of an odd count is padded with a sample of its own), each rank's
+    attention sees the whole row and keeps every token to its sample; the scored log-probs and entropies, the
+    step's metrics and the weights after a plain-SGD step are those the same ranks give with padded
+    micro-batches. The MoE replays random experts (R3), each rank routing its share of the row's tokens; two
+    data-parallel copies each pack their own share of the samples."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
     torch.save(_fields(batch), tmp_path / "batch.pt")
