@@ -41,9 +41,12 @@ class ModelInputs:
     index: torch.Tensor  # [samples, max_response]: the column, from ``first``, predicting each response token
     response_mask: torch.Tensor  # [samples, max_response]
 
-    def model_kwargs(self) -> dict[str, torch.Tensor | None]:
-        """What a causal LM (or value model) is called with: ``input_ids``, ``attention_mask``, ``position_ids``."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+    def model_kwargs(self) -> dict[str, torch.Tensor | bool | None]:
+        """What a causal LM (or value model) is called with: ``input_ids``, ``attention_mask``, ``position_ids``, and
+        ``use_cache=False``: a trainer never decodes, and transformers reads a packed row's samples from its
+        positions only when no key/value cache is made (else each token would attend to the samples before it)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids,
+                "use_cache": False}
 
     def next_tokens(self) -> torch.Tensor:
         """The token each column from ``first`` predicts. A sample's last column predicts what follows it (padding,

@@ -64,12 +64,12 @@ class _ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                use_cache: bool = False) -> torch.Tensor:
         """Called as the policy is (``attention_mask`` None: a packed row, its samples told apart by their
         positions)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=use_cache).last_hidden_state
         return self.head(hidden).squeeze(-1).to(torch.float32)
 
 
@@ -119,17 +119,18 @@ class TorchTrainEngine(TrainEngine):
                 "fused": torch.device(self.device).type == "cuda"}
 
     def _load_policy(self, model_path: str) -> torch.nn.Module:
-        """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=,
-        position_ids=).logits`` for right-padded rows, or with ``attention_mask=None`` for one packed row whose
-        position ids restart at each sample (``vime.backends.packing``): what another backend overrides to
-        reuse this step, with :meth:`_load_critic` (called again for the frozen KL reference)."""
-        return _without_cache(load_causal_lm(model_path, "fp32"))
+        """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=, position_ids=,
+        use_cache=False).logits`` for right-padded rows, or with ``attention_mask=None`` for one packed row whose
+        position ids restart at each sample (``vime.backends.packing``): what another backend overrides to reuse
+        this step, with :meth:`_load_critic` (called again for the frozen KL reference)."""
+        return load_causal_lm(model_path, "fp32")
 
     def _load_critic(self, model_path: str) -> torch.nn.Module:
         """PPO's value model from the Hugging Face folder ``model_path``: its backbone, a zero-initialised scalar
-        head, in fp32, answering ``critic(input_ids=, attention_mask=, position_ids=)`` (as the policy) with the
-        values of every position ``[rows, width]`` in fp32 (another backend overrides this with its own model)."""
-        return _ValueModel(_without_cache(load_causal_lm(model_path, "fp32"))).eval()
+        head, in fp32, answering ``critic(input_ids=, attention_mask=, position_ids=, use_cache=)`` (as the policy)
+        with the values of every position ``[rows, width]`` in fp32 (another backend overrides this with its own
+        model)."""
+        return _ValueModel(load_causal_lm(model_path, "fp32")).eval()
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
         return {name: param.detach().to(device) for name, param in self.policy.named_parameters()}
@@ -372,13 +373,6 @@ class TorchTrainEngine(TrainEngine):
             loss, stats = loss * 0, {key: value * 0 for key, value in stats.items()}
         loss.backward()
         return stats
-
-
-def _without_cache(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with its key/value cache off: a trainer never decodes, and transformers tells a packed row's samples
-    apart by their positions only when no cache is passed (else each token would attend to the samples before it)."""
-    model.config.use_cache = False
-    return model
 
 
 def refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:

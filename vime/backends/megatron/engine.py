@@ -62,21 +62,21 @@ class _AsCausalLM(torch.nn.Module):
         self.config = config  # the Hugging Face config, as a transformers model carries it
         self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                use_cache: bool = False) -> ForwardOutput:
         """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
-        the ranks."""
+        the ranks. ``use_cache`` is taken as a transformers model takes it; a GPTModel keeps no cache here."""
         return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
                        replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
 class _AsValueModel(_AsCausalLM):
     """A GPTModel with a :class:`~vime.backends.megatron.modules.ValueHead` called the way the reference
-    trainer calls its value model: ``critic(input_ids=, attention_mask=, position_ids=)`` -> the values of
-    every position, ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
+    trainer calls its value model: ``critic(input_ids=, attention_mask=, position_ids=, use_cache=)`` -> the
+    values of every position, ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,  # type: ignore[override]
-                position_ids: torch.Tensor) -> torch.Tensor:
+                position_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
         return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
                        replay_experts=self.replay_experts).logits.squeeze(-1).float()
 
