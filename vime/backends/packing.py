@@ -99,11 +99,12 @@ def packed_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
 def documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The samples of a packed row, from its ``position_ids [1, tokens]`` (a sample starts where they are 0):
     ``cu_seqlens`` (int32 ``[samples + 1]``, where each starts and the row's end) and the longest sample's
-    length, as variable-length attention kernels take them. One host read."""
-    positions = position_ids.reshape(-1)
+    length, as variable-length attention kernels take them. One host read: the positions are worked through on
+    the host, which needs the longest length as a number anyway, and ``cu_seqlens`` goes back to their device."""
+    positions = position_ids.reshape(-1).cpu()
     starts = torch.nonzero(positions == 0).reshape(-1)
     cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return cu_seqlens.to(position_ids.device), int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
 def document_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
