@@ -912,9 +912,8 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     assert all(gap <= 1e-5 for gap in ranks["vocabulary_gaps"]), ranks["vocabulary_gaps"]
 
 
-@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1)),  # CI time: 10-25 s each; MoE, DP2 slow
-                                         pytest.param("qwen3_moe", (2, 2, 1), marks=pytest.mark.slow),
-                                         pytest.param("qwen3", (1, 1, 2), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1)), ("qwen3_moe", (2, 2, 1)),  # CI time: 9-25 s each
+                                         ("qwen3", (1, 1, 2))])
 def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_path, case, layout):
     """Packed micro-batches under tensor (and expert, or data) parallelism: sequence parallelism cuts a packed
     row's tokens among the ranks (a row of an odd count is padded with a sample of its own), each rank's
