@@ -33,7 +33,10 @@ class SDPAttention(MegatronModule):
     score matrix; SDPA picks a fused kernel instead (flash attention on the
     GPU, a blocked kernel on CPU) and handles grouped-query attention without
     repeating the key/value heads. It replaces the local core attention on CPU
-    and GPU alike, so tests and training run the same code.
+    and GPU alike, so tests and training run the same code; a packed row in
+    bf16 on a GPU is the exception (:func:`document_attention` takes torch's
+    variable-length kernel there, which a GPU test holds to each sample's own
+    attention).
 
     Causal self-attention only, over right-padded rows, or over one packed
     row whose samples ``packed_seq_params`` bounds (``model.forward``): each
