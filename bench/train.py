@@ -34,9 +34,9 @@ responses of 1k-8k tokens (mean ~4.6k) or GSM8K-like ones of 100-500, about four
 budgets of them a step, each in two layouts: ``padded`` (micro-batches of at most T tokens counted padded,
 samples x the longest, every row padded to it: vime before packing) and ``packed`` (at most T real tokens, the
 samples end to end in one row, attention within each: ``--use-dynamic-batch-size``). Tokens/s and MFU count
-real tokens only. A packed row's attention is torch's variable-length flash kernel only where torch has it with
-a causal window and grouped key/value heads (2.12 on: ``megatron.modules.document_attention``); an older torch
-attends through a mask as wide as the whole row, which such a measurement would charge to packing.
+real tokens only. A packed row's attention is torch's variable-length flash kernel only where torch's takes a
+causal window (``megatron.modules.document_attention``); an older torch attends through a mask as wide as the
+whole row, which such a measurement would charge to packing: check ``_varlen_attention()`` on the machine first.
 
 Usage::
 

@@ -728,13 +728,13 @@ def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models, case
 
 @pytest.mark.gpu
 def test_variable_length_attention_on_cuda_keeps_each_token_to_its_sample():
-    """On a GPU in bf16 a packed row's attention runs torch's variable-length flash kernel (grouped key/value
-    heads, a causal window): its output and gradients are those of each sample's own causal attention, within
-    bf16's rounding."""
+    """On a GPU in bf16 a packed row's attention runs torch's variable-length flash kernel (a causal window; grouped
+    key/value heads, passed as such or repeated where the kernel takes none): its output and gradients are those
+    of each sample's own causal attention, within bf16's rounding."""
     from vime.backends.megatron.modules import _varlen_attention, document_attention
 
     if _varlen_attention() is None:
-        pytest.skip(f"torch {torch.__version__}'s varlen_attn lacks window_size or enable_gqa: packing uses the mask")
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no causal window: packing uses the mask")
     generator = torch.Generator().manual_seed(0)
     lengths = [37, 5, 120, 1, 64]
     tensors = [torch.randn(sum(lengths), heads, 64, generator=generator).cuda().bfloat16().requires_grad_()

@@ -88,8 +88,14 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     groups_differ = query.shape[1] != key.shape[1]
     varlen = _varlen_attention()
     if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout:
-        return varlen(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale,
-                      window_size=(-1, 0), enable_gqa=groups_differ)
+        kernel, takes_groups = varlen
+        grouped = {}
+        if groups_differ and takes_groups:
+            grouped = {"enable_gqa": True}
+        elif groups_differ:  # each query head's key/value group, as SDPA's enable_gqa reads it
+            key, value = (tensor.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for tensor in (key, value))
+        return kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale, window_size=(-1, 0),
+                      **grouped)
     mask = document_mask(cu_seqlens, query.shape[0])
     query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
     context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, dropout_p=dropout,
@@ -98,16 +104,17 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @functools.cache
-def _varlen_attention() -> Callable[..., torch.Tensor] | None:
-    """``torch.nn.attention.varlen.varlen_attn`` where it takes both a causal window and grouped key/value heads
-    (``window_size``, ``enable_gqa``: torch 2.12 on, and 2.13, which install.sh installs), else None: earlier
-    releases took ``is_causal`` and no grouped heads, or a window without them, and such a torch packs through
-    :func:`document_attention`'s mask instead."""
+def _varlen_attention() -> tuple[Callable[..., torch.Tensor], bool] | None:
+    """``torch.nn.attention.varlen.varlen_attn``, and whether it takes grouped key/value heads (``enable_gqa``, as
+    2.12 and 2.13 do; without, :func:`document_attention` repeats them for each query head), where it takes a
+    causal window (``window_size``); else None, and :func:`document_attention` masks: the first releases of it
+    took ``is_causal`` and no ``scale``."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+    parameters = inspect.signature(varlen_attn).parameters
+    return (varlen_attn, "enable_gqa" in parameters) if "window_size" in parameters else None
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
