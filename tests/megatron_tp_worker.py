@@ -4,8 +4,8 @@ and data parallel), a leader
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
 value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
-(``distributed-optimizer``); or one side of a checkpoint saved in one layout and
-resumed in another (``layouts``).
+(``distributed-optimizer``); padded rows and packed ones side by side (``packed``); or one side of a
+checkpoint saved in one layout and resumed in another (``layouts``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -173,6 +173,34 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     dist.destroy_process_group()
 
 
+def train_packed_and_padded(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
+                            data_parallel: int, max_tokens: int) -> None:
+    """Two trainers on the same ranks, plain SGD: right-padded micro-batches of 2 samples (``padded``), and
+    micro-batches of ``max_tokens`` packed into one row each (``packed``). Rank 0 writes each one's scored
+    log-probs and entropies, its step's metrics and its weights after the step (gathered)."""
+    def build(max_tokens: int) -> MegatronTrainEngine:
+        optim = OptimConfig(updates_per_step=2, micro_batch_size=2, use_dynamic_batch_size=bool(max_tokens),
+                            max_tokens_per_gpu=max_tokens)
+        engine = MegatronTrainEngine(folder, algo="grpo", optim=optim, loss=PolicyLossConfig(kl_loss_coef=0.1),
+                                     grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=0.7,
+                                     total_steps=4, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                     data_parallel=data_parallel)
+        plain_sgd(engine)
+        return engine
+
+    batch = TensorBatch(**torch.load(batch_file, weights_only=True))
+    results = {}
+    for name, tokens in (("padded", 0), ("packed", max_tokens)):
+        engine = build(tokens)
+        scores = engine.score(batch)
+        metrics = engine.train_step(batch)
+        results[name] = {"logprobs": scores["old_logprobs"], "entropy": scores["entropy"], "metrics": metrics,
+                         "weights": gathered_weights(engine, "cpu")}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
 def vocab_parallel_gaps() -> list[float]:
     """Largest differences, over every rank, of ``vocab_parallel_token_stats`` on the rank's share of random
     logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
@@ -311,6 +339,8 @@ if __name__ == "__main__":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
+    elif sys.argv[1] == "packed":
+        train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:9]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

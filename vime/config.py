@@ -179,14 +179,14 @@ class OptimConfig:
                                     flags=("--updates-per-step", "--num-steps-per-rollout"))
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
     use_dynamic_batch_size: bool = setting(False, "slime's token-budget micro-batches, in place of --micro-batch-size "
-                                                  "samples each: a mini-batch's samples, longest first, grouped so "
-                                                  "that each micro-batch's padded size (samples x its longest "
-                                                  "sample's prompt + response tokens) is at most "
-                                                  "--max-tokens-per-gpu on each data-parallel rank; a longer sample "
-                                                  "runs alone. Rows are still padded (no packing); the update is "
-                                                  "the same")
-    max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the tokens one micro-batch holds on each "
-                                         "data-parallel rank, counted padded (samples x the longest)",
+                                                  "samples each: a mini-batch's samples, longest first, grouped while "
+                                                  "their prompt + response tokens add up to at most "
+                                                  "--max-tokens-per-gpu on each data-parallel rank (a longer sample "
+                                                  "runs alone), and packed end to end into one row without padding, "
+                                                  "attention kept within each sample; the log-probs and the update "
+                                                  "are those of padded rows")
+    max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the real (packed) tokens one micro-batch "
+                                         "holds on each data-parallel rank",
                                       metavar="T")
     lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps",
                                       flags=("--lr-schedule", "--lr-decay-style"))

@@ -49,7 +49,9 @@ class _AsCausalLM(torch.nn.Module):
     ``model(input_ids=, attention_mask=, position_ids=).logits``; answering
     that call lets :class:`MegatronTrainEngine` run the very same step. The
     trainer's batches are right-padded and trimmed, so the mask and positions
-    it passes are those the causal GPTModel assumes anyway. Under tensor
+    it passes are those the causal GPTModel assumes anyway; or packed into one
+    row (``attention_mask`` None), whose positions restart at each sample and
+    tell the model where the samples are (``model.forward``). Under tensor
     parallelism its logits are this rank's share of the vocabulary, which the
     engine's ``_token_stats`` takes as they are; anything else must gather them.
     """
@@ -60,20 +62,29 @@ class _AsCausalLM(torch.nn.Module):
         self.config = config  # the Hugging Face config, as a transformers model carries it
         self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                use_cache: bool = False) -> ForwardOutput:
         """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
-        the ranks."""
-        return forward(self.model, input_ids, replay_experts=self.replay_experts, whole_vocabulary=False)
+        the ranks. ``use_cache`` is taken as a transformers model takes it; a GPTModel keeps no cache here."""
+        return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
+                       replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
 class _AsValueModel(_AsCausalLM):
     """A GPTModel with a :class:`~vime.backends.megatron.modules.ValueHead` called the way the reference
-    trainer calls its value model: ``critic(input_ids, attention_mask)`` -> the values of every position,
-    ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
+    trainer calls its value model: ``critic(input_ids=, attention_mask=, position_ids=, use_cache=)`` -> the
+    values of every position, ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return forward(self.model, input_ids, replay_experts=self.replay_experts).logits.squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,  # type: ignore[override]
+                position_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
+                       replay_experts=self.replay_experts).logits.squeeze(-1).float()
+
+
+def _packed_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The positions ``model.forward`` needs: a packed row's (no mask), which mark its samples; none for right-padded
+    rows, whose positions are ``0..width-1`` as the GPTModel takes them anyway."""
+    return position_ids if attention_mask is None else None
 
 
 class MegatronTrainEngine(TorchTrainEngine):
