@@ -34,6 +34,7 @@ from vime.algorithms.ppo import PPOConfig  # noqa: E402
 from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
+from vime.backends.packing import packed_inputs  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
@@ -449,6 +450,16 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
         assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
 
 
+@pytest.mark.gpu
+def test_a_packed_row_is_laid_out_on_the_gpu_from_a_shuffle_on_the_host(hf_models):
+    """A step's shuffle (``randperm``) and the scoring pass's rows are host tensors, the batch is on the GPU:
+    the packed layout indexed one by the other and failed on every GPU (CPU tests cannot see it)."""
+    model, _, _ = hf_models["qwen3"]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN).to("cuda")
+    inputs = packed_inputs(batch, torch.tensor([2, 3, 5]))
+    assert inputs.input_ids.shape == (1, 43) and inputs.input_ids.device.type == "cuda"
+
+
 def test_packed_rows_recompute_as_padded_rows_run(hf_models):
     """A recomputing Megatron trainer packs too: each layer's recomputation in the backward pass gets the packed
     row's sample bounds and rotary rows again (from its checkpoint) and replays the same experts, so it takes
@@ -487,8 +498,6 @@ def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
 def test_positions_restart_in_every_packed_sample(hf_models):
     """A packed row's positions start at 0 in each sample (``packed_inputs``), and the GPTModel's layers get the
     rotary embedding of each token's position in its own sample, not in the row."""
-    from vime.backends.packing import packed_inputs
-
     batch = _batch(seed=0)
     inputs = packed_inputs(batch, torch.tensor([4, 1, 2]))
     lengths = batch.attention_mask[[4, 1, 2]].sum(-1).tolist()

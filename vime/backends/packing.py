@@ -78,7 +78,9 @@ def padded_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
 def packed_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
     """``rows`` of ``batch`` end to end in one row, each sample's prompt and response tokens and no padding, its
     positions from 0 (the model tells the samples apart by them), the replayed experts of each token with it.
-    One host read (the samples' lengths), to lay the row out."""
+    One host read (the samples' lengths), to lay the row out. ``rows`` may be on the host (a step's shuffle is):
+    it joins the batch's device first, since it is indexed by a tensor there."""
+    rows = rows.to(batch.input_ids.device)
     lengths = batch.attention_mask[rows].sum(-1)
     total = int(lengths.sum())
     offsets = lengths.cumsum(0) - lengths  # where each sample starts in the row
@@ -102,6 +104,9 @@ def documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     length, as variable-length attention kernels take them. One host read: the positions are worked through on
     the host, which needs the longest length as a number anyway, and ``cu_seqlens`` goes back to their device."""
     positions = position_ids.reshape(-1).cpu()
+    if positions.numel() and positions[0] != 0:
+        raise ValueError(f"a packed row starts at position {int(positions[0])}, not 0: its first tokens would "
+                         "belong to no sample; build it with vime.backends.packing.packed_inputs")
     starts = torch.nonzero(positions == 0).reshape(-1)
     cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
     return cu_seqlens.to(position_ids.device), int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
