@@ -34,8 +34,8 @@ from vime.algorithms.ppo import PPOConfig  # noqa: E402
 from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
-from vime.backends.packing import packed_inputs  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
+from vime.backends.packing import packed_inputs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
