@@ -74,16 +74,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def launch_command(role: str, name: str, driver: str, listen: str, *, parent_pid: int, run_dir: str,
                    config: dict[str, Any] | str, settings: dict[str, Any] | str, seed: int, record: bool,
-                   tls: dict[str, str]) -> list[str]:
+                   tls: dict[str, str], node: str | None = None) -> list[str]:
     """The command that starts ``role`` as actor ``name`` joined to ``driver``, stopping when process
-    ``parent_pid`` (the driver, or the node agent that started it) is gone: the one way a driver or a node
-    starts an actor."""
+    ``parent_pid`` (the driver, or the node agent ``node`` that started it) is gone: the one way a driver or a
+    node starts an actor."""
     as_json = [text if isinstance(text, str) else json.dumps(text) for text in (config, settings)]
     command = [sys.executable, "-m", "vime.actor", role, "--name", name, "--join", driver,
                "--exit-with-parent", str(parent_pid), "--run-dir", run_dir, "--config", as_json[0],
                "--settings", as_json[1], "--seed", str(seed), "--listen", listen]
     if record:
         command.append("--record")
+    if node is not None:
+        command += ["--node", node]
     for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
         if key in tls:
             command += [flag, tls[key]]

@@ -98,7 +98,7 @@ class NodeAgent(Actor):
         command = actor_cli.launch_command(
             msg.role, msg.name, self.settings.driver, f"{scheme}://{self._address_host()}:0",
             parent_pid=os.getpid(), run_dir=str(self.run_dir), config=msg.config, settings=msg.settings,
-            seed=msg.seed, record=msg.record, tls=self._tls_files())
+            seed=msg.seed, record=msg.record, tls=self._tls_files(), node=self.name)
         env = dict(os.environ, **msg.env, VIME_TOKEN=self.settings.token or "", PYTHONUNBUFFERED="1")
         log_path = self.run_dir / "logs" / f"{msg.name}.log"
         with open(log_path, "ab") as log:  # the actor writes its log here itself: no pipe through this agent

@@ -138,6 +138,8 @@ class ActorSettings:
                                             "~/.cache/vime/models", metavar="DIR")
     model_fetch_timeout_s: float = setting(60.0, "a joined actor fetching the model: seconds to wait for each chunk "
                                                  "(16 MiB) before giving up on the driver")
+    node: str | None = setting(None, "set by the node agent (vime.node) that started this actor: it runs on that "
+                                     "node, not on the driver's host (its model folder is checked, or fetched)")
     parent_pid: int | None = setting(None, "shut down when the driver that spawned us (process PID; 0 or no PID: "
                                            "our parent at start) is gone; a driver that dies before we start is "
                                            "noticed too when PID is given", flags=("--exit-with-parent",),
