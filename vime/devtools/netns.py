@@ -2,8 +2,8 @@
 caller and removed after it.
 
 A hub namespace holds a bridge; this process's namespace (the head, where the driver runs) and each host
-namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per use), so traffic
-stays on this machine and two users never share a subnet. Needs root and the ``ip`` command; without them,
+namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per use among those no
+route of this host covers yet), so traffic stays on this machine and two users at once do not share a subnet. Needs root and the ``ip`` command; without them,
 or where namespaces cannot be made (a container without CAP_NET_ADMIN), :class:`NoNamespaces` says why
 (tests skip on it).
 """
@@ -61,7 +61,7 @@ def make_hosts(*names: str) -> Iterator[Hosts]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         raise NoNamespaces("network namespaces as hosts need root and the ip command (iproute2)")
     tag = os.urandom(3).hex()
-    subnet = f"10.213.{random.Random(tag).randrange(1, 250)}"
+    subnet = _free_subnet(random.Random(tag))
     hub, head_veth = f"vime-hub-{tag}", f"vh{tag}"
     hosts = Hosts(f"{subnet}.1", {name: f"vime-{i}-{tag}" for i, name in enumerate(names)},
                   {name: f"{subnet}.{i + 2}" for i, name in enumerate(names)})
@@ -93,6 +93,15 @@ def make_hosts(*names: str) -> Iterator[Hosts]:
         for namespace in reversed(made):
             _kill_inside(namespace)
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def _free_subnet(draw: random.Random) -> str:
+    """A 10.213.K prefix that no route of this host covers (another user's hosts, or a real network)."""
+    routes = subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout
+    free = [k for k in range(1, 250) if f"10.213.{k}." not in routes]
+    if not free:
+        raise NoNamespaces("every 10.213.K.0/24 subnet is in use on this host")
+    return f"10.213.{draw.choice(free)}"
 
 
 def _kill_inside(namespace: str) -> None:
