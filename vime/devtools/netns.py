@@ -3,9 +3,9 @@ caller and removed after it.
 
 A hub namespace holds a bridge; this process's namespace (the head, where the driver runs) and each host
 namespace join it through a veth pair. Every address is in 10.213.K.0/24 (K drawn per use among those no
-route of this host covers yet), so traffic stays on this machine and two users at once do not share a subnet. Needs root and the ``ip`` command; without them,
-or where namespaces cannot be made (a container without CAP_NET_ADMIN), :class:`NoNamespaces` says why
-(tests skip on it).
+route of this host covers yet), so traffic stays on this machine and two users at once do not share a subnet.
+Needs root and the ``ip`` command; without them, or where namespaces cannot be made (a container without
+CAP_NET_ADMIN), :class:`NoNamespaces` says why (tests skip on it).
 """
 
 from __future__ import annotations
