@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import trio
 
 from conftest import open_job
 from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
+from vime.metrics import MetricsFollower
+from vime.pipeline import Refused, train
+from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, Ping, Pong
 from vime.transports.shm import pid_alive
 
@@ -128,7 +132,7 @@ async def test_nodes_on_two_hosts_run_supervised_actors_and_a_lost_node_is_notic
             lost = await job.wait_event("node lost", "node-c", timeout=10)
             assert "echo-c" in lost.detail
             assert "node-c was lost" in (await job.wait_event("died", "echo-c", timeout=5)).detail
-            assert "node-c is not in the job" in (await job.wait_event("gave up", "echo-c", timeout=5)).detail
+            assert "node-c is not in the job" in (await job.wait_event("stranded", "echo-c", timeout=5)).detail
             assert job.gone_for_good("echo-c")
             await _gone_within(echo_c.pid, 30)
             assert [n["name"] for n in json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]] == [
@@ -190,3 +194,55 @@ async def test_a_node_with_a_wrong_token_is_refused_on_both_sides(tmp_path, toke
         assert "intruder" not in job.actors and not job.nodes and job.driver.errors["unauthorized"] >= 1
         with pytest.raises(ValueError, match="no node named 'intruder'"):
             await job.spawn(ECHO, "echo-x", node="intruder")
+
+
+async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
+                                          tmp_path: Path) -> None:
+    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
+    host as its user would."""
+    join = run_dir / "join"
+    with trio.fail_after(JOIN_S):
+        while not join.exists():
+            await trio.sleep(0.1)
+    text = join.read_text()
+    token = re.search(r"VIME_TOKEN=(\S+)", text).group(1)
+    address = re.search(r"vime-node --join (\S+)", text).group(1)
+    for host in names:
+        agents.append(await _start_node(_node_command(hosts, host, address, tmp_path / host), token,
+                                        tmp_path / f"node-{host}.out"))
+
+
+async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_lost(tmp_path):
+    """--rollout-nodes 2: the run waits for two node agents, starts a rollout worker on each, and trains; node c
+    killed at step 3 takes its worker with it (stranded: not restarted), the router re-issues that worker's
+    groups to the other, and every step is still trained, no group lost or trained twice."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
+        max_staleness=1))
+    with _hosts("b", "c") as hosts:
+        async with _agents() as agents:
+            addresses: dict[str, str] = {}
+
+            async def lose_node_c(job, row: dict) -> None:
+                if row["step"] == 1:
+                    addresses.update({name: info.address for name, info in job.actors.items()})
+                if row["step"] == 3:
+                    agents[1].kill()
+                    await job.wait_event("node lost", "node-c", timeout=15)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b", "c"], agents, tmp_path)
+                summary = await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=lose_node_c,
+                                      timeout_s=900)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
+    assert addresses["rollout-0"].startswith(f"tcp://{hosts.ips['b']}:")
+    assert addresses["rollout-1"].startswith(f"tcp://{hosts.ips['c']}:")
+
+
+async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):
+    config = arithmetic.prepare(tmp_path / "run", arithmetic.defaults().replace(rollout_workers=2, rollout_nodes=2))
+    with pytest.raises(Refused, match="--transport tcp"):
+        await train(config, tmp_path / "run")

@@ -86,7 +86,8 @@ class NodeInfo:
 @dataclasses.dataclass(frozen=True)
 class ActorEvent:
     """Something the driver saw happen to an actor: ``joined``, ``died``, ``restarted``, ``gave up`` (on
-    restarting it), ``refused``; to a node: ``node joined``, ``node lost``."""
+    restarting it), ``stranded`` (not restarted: its node is lost), ``refused``; to a node: ``node joined``,
+    ``node lost``."""
 
     what: str
     name: str
@@ -370,8 +371,9 @@ class Cluster:
             self._gone.add(name)
             return
         if entry.node is not None and entry.node not in self.nodes:
-            self._give_up(name, f"its node {entry.node} is not in the job; call restart({name!r}) once it has "
-                                "joined again")
+            self._gone.add(name)
+            self._post(ActorEvent("stranded", name, f"its node {entry.node} is not in the job; call "
+                                                     f"restart({name!r}) once it has joined again", time.time()))
             return
         if entry.quick_failures >= GIVE_UP_AFTER:
             log_path = self.run_dir / "logs" / f"{name}.log"

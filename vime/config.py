@@ -286,9 +286,13 @@ class PlacementConfig:
     rollout_num_gpus: int = setting(0, "GPUs for rollout engines, --rollout-num-gpus-per-engine each (0: on CPU, or "
                                        "with --colocate the trainer's)")
     colocate: bool = setting(False, "rollout engines share the trainer's GPUs (weights by CUDA IPC)")
+    rollout_nodes: int = setting(0, "put the rollout workers on this many node agents (python -m vime.node "
+                                    "--join, the command in RUN_DIR/join), spread over them, none on this host; "
+                                    "needs --transport tcp or tls+tcp (CPU engines so far)")
+    wait_for_nodes_s: float = setting(600.0, "with --rollout-nodes: how long the run waits for its nodes to join")
 
     def __post_init__(self) -> None:
-        _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0)
+        _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0, rollout_nodes=0)
 
 
 @dataclasses.dataclass(frozen=True)
