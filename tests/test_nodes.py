@@ -26,7 +26,6 @@ from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, Ping, Pong
 from vime.transports.shm import pid_alive
 
-pytestmark = pytest.mark.slow
 JOIN_S = 120.0  # a loaded 2-core machine starts a Python with torch slowly
 
 
