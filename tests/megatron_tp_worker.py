@@ -4,8 +4,8 @@ and data parallel), a leader
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
 value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
-(``distributed-optimizer``); or one side of a checkpoint saved in one layout and
-resumed in another (``layouts``).
+(``distributed-optimizer``); one side of a checkpoint saved in one layout and
+resumed in another (``layouts``); or pipeline stages (``pipeline``) training over two steps.
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -173,6 +173,43 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     dist.destroy_process_group()
 
 
+def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Pipeline stages (of tensor-parallel ranks) train GRPO with a KL reference (scored through the stages too),
+    two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`: the update is the clipped
+    gradient), a step on each batch. Rank 0 writes the weights as loaded and as streamed to rollout engines, the
+    scores before the first step, every step's metrics, the weights after each step, the Hugging Face folder
+    ``save_hf`` wrote (beside ``out``), and the metrics of a trainer resumed from a checkpoint (one file per stage
+    and rank) before the last step, taking it again."""
+    def build() -> MegatronTrainEngine:
+        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),
+                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
+                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
+                                     tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+        plain_sgd(engine)
+        return engine
+
+    engine = build()
+    batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
+    loaded = gathered_weights(engine)
+    streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
+    scores = engine.score(batches[0])
+    checkpoint = Path(out).with_name("checkpoint")
+    metrics, trained = [], []
+    for index, batch in enumerate(batches):
+        if index == len(batches) - 1:
+            engine.save(checkpoint)
+        metrics.append(engine.train_step(batch))
+        trained.append(gathered_weights(engine, "cpu"))
+    engine.save_hf(Path(out).with_name("hf"))
+    resumed = build()
+    resumed.load(checkpoint)
+    resumed_metrics = resumed.train_step(batches[-1])
+    if dist.get_rank() == 0:
+        torch.save({"loaded": loaded, "streamed": streamed, "scores": scores, "metrics": metrics, "trained": trained,
+                    "resumed": resumed_metrics}, out)
+    dist.destroy_process_group()
+
+
 def vocab_parallel_gaps() -> list[float]:
     """Largest differences, over every rank, of ``vocab_parallel_token_stats`` on the rank's share of random
     logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
@@ -311,6 +348,8 @@ if __name__ == "__main__":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
+    elif sys.argv[1] == "pipeline":
+        train_in_stages(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

@@ -311,9 +311,21 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     glm.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         megatron.transformer_config(glm)
-    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2: "
-                                         "launch with torchrun --nproc-per-node 4"):
-        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2)
+    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
+        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
+    tied = tiny_config("qwen3", VOCAB)
+    tied.tie_word_embeddings = True
+    for config, value_head, refusal in (
+            (tied, False, "this model ties its output layer .* train it with --pipeline-model-parallel-size 1"),
+            (tiny_config("qwen3_moe", VOCAB), False, "pipeline stages do not route an MoE model's experts yet "
+                                                     "\\(R3.s replay and record per stage"),
+            (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
+                                                "grpo")):
+        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 2: {refusal}"):
+            megatron.build_model(config, pipeline_parallel=2, value_head=value_head)
+    with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
+        megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
     odd.moe_intermediate_size = 6
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(6 / 1\) to be whole multiples of 4"):
@@ -898,6 +910,47 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
           ranks["master_bytes"])
     for plain_bytes, distributed_bytes in ranks["state_bytes"] + (ranks["master_bytes"] if dtype == "bf16" else []):
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
+
+
+@pytest.mark.parametrize("tensor_parallel,pipeline_parallel", [  # CI time: PP2 about 20 s, TP2 x PP2 about 40 s
+    (1, 2), (2, 2)])
+def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_parallel, pipeline_parallel):
+    """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks), each holding its
+    slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
+    megatron-core's 1F1B schedule over micro-batches of unequal widths: the weights gathered from every stage are
+    the checkpoint's bit for bit (as loaded, and as streamed to rollout engines), the scores (through the stages,
+    the KL reference's too) and, over two steps of two updates each, every step's metrics (loss, gradient norm
+    over all stages) and the weights after each step are one process's. Plain SGD, so the weights after a step
+    show each gradient (as clipped by the global norm). The Hugging Face folder written from the stages loads as
+    one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly."""
+    _, checkpoint, folder = hf_models["qwen3"]
+    batches = [_batch(seed=seed) for seed in range(2)]
+    torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
+    ranks = _torchrun(tensor_parallel * pipeline_parallel, tmp_path / "out.pt",
+                      ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
+                       pipeline_parallel])
+    assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
+    assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
+    assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
+    single = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
+    plain_sgd(single)
+    expected_scores = single.score(batches[0])
+    for key, value in expected_scores.items():
+        assert (ranks["scores"][key] - value).abs().max() <= 1e-5, key
+    initial = {name: tensor.clone() for name, tensor in single.named_weights().items()}
+    for step, batch in enumerate(batches):
+        expected = single.train_step(batch)
+        assert expected["grad_norm"] > 1.0  # above --grad-clip's default: the global norm decides the step
+        assert sorted(ranks["metrics"][step]) == sorted(expected)
+        for key in expected:
+            assert ranks["metrics"][step][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
+        for name, tensor in single.named_weights().items():
+            assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
+            assert (ranks["trained"][step][name] - tensor).abs().max() <= 1e-5, (step, name)
+    saved = megatron.read_hf_folder(tmp_path / "hf")[1]
+    assert sorted(saved) == sorted(checkpoint)
+    assert all((saved[name] - tensor).abs().max() <= 1e-5 for name, tensor in single.named_weights().items())
+    assert ranks["resumed"] == pytest.approx(ranks["metrics"][-1], rel=0, abs=0, nan_ok=True)  # exactly
 
 
 def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
