@@ -922,7 +922,8 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_p
     the KL reference's too) and, over two steps of two updates each, every step's metrics (loss, gradient norm
     over all stages) and the weights after each step are one process's. Plain SGD, so the weights after a step
     show each gradient (as clipped by the global norm). The Hugging Face folder written from the stages loads as
-    one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly."""
+    one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly, and one
+    process refuses to resume it, naming the flags of the saving layout."""
     _, checkpoint, folder = hf_models["qwen3"]
     batches = [_batch(seed=seed) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
@@ -951,6 +952,10 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_p
     assert sorted(saved) == sorted(checkpoint)
     assert all((saved[name] - tensor).abs().max() <= 1e-5 for name, tensor in single.named_weights().items())
     assert ranks["resumed"] == pytest.approx(ranks["metrics"][-1], rel=0, abs=0, nan_ok=True)  # exactly
+    with pytest.raises(ValueError, match=f"does not yet resume across pipeline stages .* resume with the saving run's "
+                                         f"--pipeline-model-parallel-size {pipeline_parallel} "
+                                         f"--tensor-model-parallel-size {tensor_parallel} --data-parallel-size 1"):
+        _engine(megatron.MegatronTrainEngine, folder).load(tmp_path / "checkpoint")
 
 
 def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
