@@ -663,15 +663,18 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 # -- in the pipeline -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo,tensor_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
-    ("grpo", 1), ("ppo", 1), pytest.param("ppo", 2, marks=pytest.mark.slow)])
-async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel):
+@pytest.mark.parametrize("algo,tensor_parallel,pipeline_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
+    ("grpo", 1, 1), ("ppo", 1, 1), pytest.param("ppo", 2, 1, marks=pytest.mark.slow),
+    pytest.param("grpo", 1, 2, marks=pytest.mark.slow)])
+async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel, pipeline_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
     --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts; only PPO
     runs so, as it exercises all GRPO's TP2 does (the policy's split weights, their gradients, their sync)
-    and the value model besides. It must learn (issue 30): the reward rises by 0.3 or more in 30 steps, so a
-    broken gradient or weight conversion in the Megatron path fails here and not only on a GPU. PPO's value
+    and the value model besides. With --pipeline-model-parallel-size 2 the two ranks are the model's two
+    stages, and the rollout engine gets the weights gathered from both. It must learn (issue 30): the reward
+    rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion in the Megatron path fails here
+    and not only on a GPU. PPO's value
     model must learn too: GAE over values stuck at 0 is a whitened REINFORCE, which learns this task as well,
     but its value loss is then the zero-value baseline, 0.5 x the mean squared return of the step's rows
     (the rewards are 0 or 1, so 0.5 x the mean reward); a value model that tracks the returns brings it under
@@ -682,7 +685,8 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, ten
 
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=30, seed=3, algo=algo, train_backend="megatron", tensor_model_parallel_size=tensor_parallel))
+        steps=30, seed=3, algo=algo, train_backend="megatron", tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel))
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 31))
