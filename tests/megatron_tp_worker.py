@@ -173,18 +173,20 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     dist.destroy_process_group()
 
 
-def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int) -> None:
-    """Pipeline stages (of tensor-parallel ranks) train GRPO with a KL reference (scored through the stages too),
-    two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`: the update is the clipped
-    gradient), a step on each batch. Rank 0 writes the weights as loaded and as streamed to rollout engines, the
-    scores before the first step, every step's metrics, the weights after each step, the Hugging Face folder
-    ``save_hf`` wrote (beside ``out``), and the metrics of a trainer resumed from a checkpoint (one file per stage
-    and rank) before the last step, taking it again."""
+def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int,
+                    data_parallel: int) -> None:
+    """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies) train GRPO with a KL reference
+    (scored through the stages too), two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`:
+    the update is the clipped gradient), a step on each batch. Rank 0 writes the weights as loaded and as
+    streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
+    step, the Hugging Face folder ``save_hf`` wrote (beside ``out``), and the metrics of a trainer resumed from a
+    checkpoint (one file per stage and rank) before the last step, taking it again."""
     def build() -> MegatronTrainEngine:
         engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),
                                      loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
                                      ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                     tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+                                     tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                                     data_parallel=data_parallel)
         plain_sgd(engine)
         return engine
 
@@ -349,7 +351,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
     elif sys.argv[1] == "pipeline":
-        train_in_stages(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))
+        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:8]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

@@ -916,10 +916,12 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
-@pytest.mark.parametrize("tensor_parallel,pipeline_parallel", [  # CI time: PP2 about 20 s, TP2 x PP2 about 40 s
-    (1, 2), (2, 2)])
-def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_parallel, pipeline_parallel):
-    """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks), each holding its
+@pytest.mark.parametrize("tensor_parallel,pipeline_parallel,data_parallel", [  # CI time: PP2 ~15 s, TP2 x PP2 ~30 s
+    (1, 2, 1), (2, 2, 1), pytest.param(1, 2, 2, marks=pytest.mark.slow)])
+def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_parallel, pipeline_parallel,
+                                                   data_parallel):
+    """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
+    ``data_parallel`` copies that split each mini-batch's samples), each holding its
     slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
     megatron-core's 1F1B schedule over micro-batches of unequal widths: the weights gathered from every stage are
     the checkpoint's bit for bit (as loaded, and as streamed to rollout engines), the scores (through the stages,
@@ -931,9 +933,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_p
     _, checkpoint, folder = hf_models["qwen3"]
     batches = [_batch(seed=seed) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
-    ranks = _torchrun(tensor_parallel * pipeline_parallel, tmp_path / "out.pt",
+    ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
-                       pipeline_parallel])
+                       pipeline_parallel, data_parallel])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
     assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
@@ -958,7 +960,8 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_p
     assert ranks["resumed"] == pytest.approx(ranks["metrics"][-1], rel=0, abs=0, nan_ok=True)  # exactly
     with pytest.raises(ValueError, match=f"does not yet resume across pipeline stages .* resume with the saving run's "
                                          f"--pipeline-model-parallel-size {pipeline_parallel} "
-                                         f"--tensor-model-parallel-size {tensor_parallel} --data-parallel-size 1"):
+                                         f"--tensor-model-parallel-size {tensor_parallel} --data-parallel-size "
+                                         f"{data_parallel}"):
         _engine(megatron.MegatronTrainEngine, folder).load(tmp_path / "checkpoint")
 
 
