@@ -318,12 +318,12 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     tied.tie_word_embeddings = True
     for config, value_head, refusal in (
             (tied, False, "this model ties its output layer .* train it with --pipeline-model-parallel-size 1"),
-            (tiny_config("qwen3_moe", VOCAB), False, "pipeline stages do not route an MoE model's experts yet "
-                                                     "\\(R3.s replay and record per stage"),
+            (tiny_config("qwen3_moe", VOCAB), False, "an MoE model's recomputed layers would replay another "
+                                                     "micro-batch's experts .* leave --recompute-activations out"),
             (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
                                                 "grpo")):
         with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 2: {refusal}"):
-            megatron.build_model(config, pipeline_parallel=2, value_head=value_head)
+            megatron.build_model(config, pipeline_parallel=2, value_head=value_head, recompute=True)
     with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
         megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
@@ -916,9 +916,10 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
-@pytest.mark.parametrize("tensor_parallel,pipeline_parallel,data_parallel", [  # CI time: PP2 ~15 s, TP2 x PP2 ~30 s
-    (1, 2, 1), (2, 2, 1), pytest.param(1, 2, 2, marks=pytest.mark.slow)])
-def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_parallel, pipeline_parallel,
+@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel", [  # CI time: PP2 ~15 s, TP2 x
+    ("qwen3", 1, 2, 1), ("qwen3", 2, 2, 1), ("qwen3_moe", 1, 2, 1),  # PP2 ~30 s
+    pytest.param("qwen3", 1, 2, 2, marks=pytest.mark.slow), pytest.param("qwen3_moe", 2, 2, 1, marks=pytest.mark.slow)])
+def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
                                                    data_parallel):
     """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
     ``data_parallel`` copies that split each mini-batch's samples), each holding its
@@ -929,9 +930,11 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, tensor_p
     over all stages) and the weights after each step are one process's. Plain SGD, so the weights after a step
     show each gradient (as clipped by the global norm). The Hugging Face folder written from the stages loads as
     one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly, and one
-    process refuses to resume it, naming the flags of the saving layout."""
-    _, checkpoint, folder = hf_models["qwen3"]
-    batches = [_batch(seed=seed) for seed in range(2)]
+    process refuses to resume it, naming the flags of the saving layout. An MoE model (one MoE layer per stage)
+    replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
+    training and scoring passes."""
+    model, checkpoint, folder = hf_models[case]
+    batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
     ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,

@@ -119,7 +119,7 @@ class MegatronTrainEngine(TorchTrainEngine):
                  data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "",
                  distributed_optimizer: bool = False, pipeline_parallel: int = 1) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
-        check_pipeline_parallel(self.hf_config, pipeline_parallel, value_head=algo == "ppo")
+        check_pipeline_parallel(self.hf_config, pipeline_parallel, value_head=algo == "ppo", recompute=recompute)
         if pipeline_parallel > 1 and distributed_optimizer:
             raise ValueError(f"--pipeline-model-parallel-size {pipeline_parallel} with --use-distributed-optimizer is "
                              "not supported yet (untested together); leave one of them out")
@@ -294,7 +294,9 @@ class MegatronTrainEngine(TorchTrainEngine):
                  stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
             rows, counted = next(data)
             first, width = _span(batch, rows)
-            output = forward(stage, batch.input_ids[rows, :width], whole_vocabulary=False).logits
+            experts = None if batch.routed_experts is None else _route_free_tokens(batch.routed_experts[rows, :width])
+            output = forward(stage, batch.input_ids[rows, :width], replay_experts=experts,
+                             whole_vocabulary=False).logits
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
                 loss, stats = loss_of(rows, counted, *self._response_stats(logits, batch, rows, first, width))

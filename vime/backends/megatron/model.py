@@ -27,7 +27,7 @@ from vime.architecture import moe_layer_pattern
 from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
-from vime.backends.megatron.routing import _routing
+from vime.backends.megatron.routing import _routing, _stage_moe_layers
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
@@ -50,7 +50,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
-    check_pipeline_parallel(hf_config, pipeline_parallel, value_head=value_head)
+    check_pipeline_parallel(hf_config, pipeline_parallel, value_head=value_head, recompute=recompute)
     init_parallel(tensor_parallel, expert_parallel, data_parallel, pipeline_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
                                 tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute,
@@ -69,7 +69,9 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         if isinstance(mlp, MoESubmodules):
             mlp.experts = GroupedExperts
             replaced += 1
-    if replaced != sum(moe_layer_pattern(hf_config)):
+    per_stage = hf_config.num_hidden_layers // pipeline_parallel  # the spec holds this stage's layers only
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    if replaced != sum(moe_layer_pattern(hf_config)[first:first + per_stage]):
         raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
                            "its GroupedExperts; install megatron-core 0.19.2")
     rope = hf_config.rope_parameters
@@ -86,10 +88,13 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     return model
 
 
-def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_head: bool = False) -> None:
+def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_head: bool = False,
+                            recompute: bool = False) -> None:
     """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: a tied output layer
     (the last stage would need a copy of the embedding, its gradient summed with the first stage's), an MoE
-    model (replaying and recording experts per stage) and PPO's value model (its head on the last stage)."""
+    model whose layers recompute (a replay of the rollout's experts held for the backward pass, see
+    ``routing._routing``, would be replaced by the next micro-batch's before that backward pass runs: the 1F1B
+    schedule interleaves them) and PPO's value model (its head on the last stage)."""
     if pipeline_parallel == 1:
         return
     flag = f"--pipeline-model-parallel-size {pipeline_parallel}"
@@ -97,10 +102,11 @@ def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_hea
         raise ValueError(f"{flag}: this model ties its output layer to the embedding (tie_word_embeddings), which "
                          "pipeline stages do not share yet; train it with --pipeline-model-parallel-size 1 (tied "
                          "models are the small ones: --tensor-model-parallel-size divides them instead)")
-    if any(moe_layer_pattern(hf_config)):
-        raise ValueError(f"{flag}: pipeline stages do not route an MoE model's experts yet (R3's replay and record "
-                         "per stage are missing); train it with --pipeline-model-parallel-size 1 and "
-                         "--tensor-model-parallel-size / --expert-model-parallel-size")
+    if any(moe_layer_pattern(hf_config)) and recompute:
+        raise ValueError(f"{flag}: an MoE model's recomputed layers would replay another micro-batch's experts "
+                         "under the 1F1B schedule (megatron-core's queue of replays for the backward pass is not "
+                         "used yet); leave --recompute-activations out, or train with --pipeline-model-parallel-size "
+                         "1")
     if value_head:
         raise ValueError(f"{flag}: PPO's value model is not split into pipeline stages yet; use --algo grpo, or "
                          "--pipeline-model-parallel-size 1")
@@ -130,8 +136,15 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
     for what needs no gathering). On a pipeline stage, the model takes its input from the stage before (as
     megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape; a stage before the last
-    returns its output as it goes to the next stage.
+    returns its output as it goes to the next stage. ``replay_experts`` are then still the whole model's (every
+    MoE layer's), of which the stage replays its own layers'; recording needs the whole model.
     """
+    if model.config.pipeline_model_parallel_size > 1:
+        if record_experts:
+            raise ValueError("recording experts needs the whole model, and this one is a pipeline stage: record "
+                             "them in the rollout engine (--use-rollout-routing-replay)")
+        if replay_experts is not None:
+            replay_experts = replay_experts[:, :, _stage_moe_layers(model)]
     batch, seq = input_ids.shape
     _, ranks = _sequence_ranks(model)
     width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
