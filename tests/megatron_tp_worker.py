@@ -174,8 +174,9 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
 
 
 def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int,
-                    data_parallel: int) -> None:
-    """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies) train GRPO with a KL reference
+                    data_parallel: int, expert_parallel: int) -> None:
+    """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies; an MoE model's experts divided among
+    ``expert_parallel`` of each stage's ranks) train GRPO with a KL reference
     (scored through the stages too), two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`:
     the update is the clipped gradient), a step on each batch. Rank 0 writes the weights as loaded and as
     streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
@@ -186,7 +187,7 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
                                      loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
                                      ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
                                      tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                     data_parallel=data_parallel)
+                                     data_parallel=data_parallel, expert_parallel=expert_parallel)
         plain_sgd(engine)
         return engine
 
@@ -351,7 +352,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
     elif sys.argv[1] == "pipeline":
-        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:8]))
+        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

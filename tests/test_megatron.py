@@ -916,11 +916,12 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
-@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel", [  # CI time: PP2 ~15 s, TP2 x
-    ("qwen3", 1, 2, 1), ("qwen3", 2, 2, 1), ("qwen3_moe", 1, 2, 1),  # PP2 ~30 s
-    pytest.param("qwen3", 1, 2, 2, marks=pytest.mark.slow), pytest.param("qwen3_moe", 2, 2, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
+    ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
+    *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
+        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
-                                                   data_parallel):
+                                                   data_parallel, expert_parallel):
     """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
     ``data_parallel`` copies that split each mini-batch's samples), each holding its
     slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
@@ -932,13 +933,13 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly, and one
     process refuses to resume it, naming the flags of the saving layout. An MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
-    training and scoring passes."""
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole."""
     model, checkpoint, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
     ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
-                       pipeline_parallel, data_parallel])
+                       pipeline_parallel, data_parallel, expert_parallel])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
     assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
