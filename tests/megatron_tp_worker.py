@@ -134,7 +134,8 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
 
 
 def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, tensor_parallel: int,
-                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
+                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str,
+                                     pipeline_parallel: int) -> None:
     """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
     ranks, AdamW with a decaying learning rate (which the schedule sets on the whole tensors' groups and the
     parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last
@@ -149,7 +150,7 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
                                    loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                    temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
                                    expert_parallel=expert_parallel, data_parallel=data_parallel,
-                                   distributed_optimizer=distributed_optimizer)
+                                   distributed_optimizer=distributed_optimizer, pipeline_parallel=pipeline_parallel)
 
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
     engines = {"plain": build(False), "distributed": build(True)}
@@ -350,7 +351,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "layouts":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "distributed-optimizer":
-        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
+        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
     elif sys.argv[1] == "pipeline":
         train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
     elif sys.argv[1] == "ppo":

@@ -880,10 +880,11 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
 
 
 @pytest.mark.parametrize("case,algo,dtype,layout", [  # CI time: one by default
-    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2), id="dp2"),
-    pytest.param("qwen3", "ppo", "fp32", (1, 1, 2), id="ppo-dp2", marks=pytest.mark.slow),
-    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2), id="bf16-dp2", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2, 1), id="dp2"),
+    pytest.param("qwen3", "ppo", "fp32", (1, 1, 2, 1), id="ppo-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 1), id="bf16-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2, 1), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow)])
 def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
     """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
     (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
@@ -897,10 +898,10 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     model, _, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
-    tensor_parallel, _, data_parallel = layout
-    ranks = _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
-                      ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *layout, algo,
-                       dtype])
+    tensor_parallel, expert_parallel, data_parallel, pipeline_parallel = layout
+    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+                      ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
+                       expert_parallel, data_parallel, algo, dtype, pipeline_parallel])
     plain, distributed, resumed = (ranks["metrics"][name] for name in ("plain", "distributed", "resumed"))
     assert plain[0]["grad_norm"] > 1.0  # above --grad-clip's default: the global norm decides the step
     for expected, got in zip(plain, distributed, strict=True):

@@ -329,9 +329,8 @@ class JobConfig:
                                                    "on the last), micro-batches through megatron-core's 1F1B "
                                                    "schedule; the trainer runs tensor x data x pipeline ranks. So "
                                                    "far: models with an untied output layer, GRPO-style estimators "
-                                                   "(not ppo), without --use-distributed-optimizer, MoE stages "
-                                                   "without --recompute-activations; a checkpoint resumes at its own "
-                                                   "pipeline size")
+                                                   "(not ppo), MoE stages without --recompute-activations; a "
+                                                   "checkpoint resumes at its own pipeline size")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many ranks, each holding its experts whole: 1, "
                                                  "--tensor-model-parallel-size (each copy of the trainer holds them "

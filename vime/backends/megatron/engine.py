@@ -120,9 +120,6 @@ class MegatronTrainEngine(TorchTrainEngine):
                  distributed_optimizer: bool = False, pipeline_parallel: int = 1) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
         check_pipeline_parallel(self.hf_config, pipeline_parallel, value_head=algo == "ppo", recompute=recompute)
-        if pipeline_parallel > 1 and distributed_optimizer:
-            raise ValueError(f"--pipeline-model-parallel-size {pipeline_parallel} with --use-distributed-optimizer is "
-                             "not supported yet (untested together); leave one of them out")
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel, self.pipeline_parallel = data_parallel, pipeline_parallel
         self.sharded_optimizer = distributed_optimizer and data_parallel > 1  # one copy: nothing to divide
@@ -289,6 +286,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it returns
         in ``chunks``' order; the other stages return none."""
         one = torch.ones((), dtype=torch.int, device=self.device)
+        # the stages receive activations into buffers of this dtype: the weights', bf16 once the masters rounded
+        # them (the model was built in fp32)
+        model.model.config.pipeline_dtype = next(model.model.parameters()).dtype
 
         def step(data: Iterator[tuple[torch.Tensor, bool]],
                  stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
