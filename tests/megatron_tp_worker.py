@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,14 +41,8 @@ from vime.config import OptimConfig
 
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,
          recompute: bool) -> None:
-    def build() -> MegatronTrainEngine:
-        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=2),
-                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
-                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                     tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                     data_parallel=data_parallel, recompute=recompute)
-        plain_sgd(engine)  # AdamW's step is blind to the gradient's scale, so to whether it was clipped
-        return engine
+    build = functools.partial(grpo_with_sgd, folder, 1, tensor_parallel=tensor_parallel,
+                              expert_parallel=expert_parallel, data_parallel=data_parallel, recompute=recompute)
 
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
@@ -67,6 +62,17 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
         torch.save({"loaded": loaded, "streamed": streamed, "logprobs": logprobs, "metrics": metrics,
                     "trained": trained, "resumed_alike": resumed_alike, "vocabulary_gaps": vocabulary_gaps}, out)
     dist.destroy_process_group()
+
+
+def grpo_with_sgd(folder: str, updates_per_step: int, **layout: Any) -> MegatronTrainEngine:
+    """GRPO with a KL reference in ``layout`` (the engine's parallel sizes and ``recompute``), micro-batches of 2,
+    plain SGD (:func:`plain_sgd`): AdamW's step is blind to the gradient's scale, so to whether it was clipped."""
+    engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=updates_per_step,
+                                                                        micro_batch_size=2),
+                                 loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
+                                 ppo_config=PPOConfig(), temperature=0.7, total_steps=4, **layout)
+    plain_sgd(engine)
+    return engine
 
 
 def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
@@ -183,14 +189,9 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
     streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
     step, the Hugging Face folder ``save_hf`` wrote (beside ``out``), and the metrics of a trainer resumed from a
     checkpoint (one file per stage and rank) before the last step, taking it again."""
-    def build() -> MegatronTrainEngine:
-        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),
-                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
-                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                     tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                     data_parallel=data_parallel, expert_parallel=expert_parallel)
-        plain_sgd(engine)
-        return engine
+    build = functools.partial(grpo_with_sgd, folder, 2, tensor_parallel=tensor_parallel,
+                              pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
+                              expert_parallel=expert_parallel)
 
     engine = build()
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]

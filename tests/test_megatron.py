@@ -894,7 +894,8 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     keeps about half the plain optimizer's state. With ppo the value model's group is divided too; in bf16 each
     rank keeps the fp32 masters of its parts only (about half the plain run's), steps them and rounds them into
     its part of the bf16 weights, which the gather makes whole: a gather that left the other ranks' parts
-    stale would differ from the plain run's metrics and weights, far over the tolerance."""
+    stale would differ from the plain run's metrics and weights, far over the tolerance. In two pipeline
+    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors."""
     model, _, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
