@@ -104,7 +104,11 @@ class MegatronTrainEngine(TorchTrainEngine):
     (``resharding``). With ``distributed_optimizer`` each data-parallel copy
     keeps Adam's state, and in bf16 the fp32 masters, for its part of every
     tensor only (``distributed_optimizer``); such a state resumes in its own
-    layout.
+    layout. With ``pipeline_parallel`` stages each rank holds its stage's
+    layers; megatron-core's schedule runs the step's micro-batches through
+    them (:meth:`_pipelined`), the last stage computing the log-probs, the loss
+    and the metrics, which every rank then gets; each stage's ranks write
+    their own trainer state, which resumes at the same pipeline size only.
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
