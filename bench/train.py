@@ -29,6 +29,15 @@ layer and the output projection; the input embedding is a lookup) + 6 x
 layers x seq x heads x head_dim (causal attention, forward and backward);
 recomputation is not counted.
 
+With ``--mix dapo`` (or ``gsm8k``) the Megatron backends train samples of mixed lengths instead: DAPO-like
+responses of 1k-8k tokens (mean ~4.6k) or GSM8K-like ones of 100-500, about four ``--max-tokens-per-gpu``
+budgets of them a step, each in two layouts: ``padded`` (micro-batches of at most T tokens counted padded,
+samples x the longest, every row padded to it: vime before packing) and ``packed`` (at most T real tokens, the
+samples end to end in one row, attention within each: ``--use-dynamic-batch-size``). Tokens/s and MFU count
+real tokens only. A packed row's attention is torch's variable-length flash kernel only where torch's takes a
+causal window (``megatron.modules.document_attention``); an older torch attends through a mask as wide as the
+whole row, which such a measurement would charge to packing: check ``_varlen_attention()`` on the machine first.
+
 Usage::
 
     python bench/train.py --tiny                          # CPU check of the plumbing, seconds
@@ -36,6 +45,8 @@ Usage::
     python bench/train.py --shapes 4b --backends megatron hf --steps 6
     python bench/train.py --shapes 30b-a3b-4l --backends megatron hf --json bench/results/train-moe-h200.json
     python bench/train.py --profile ...                   # + GPU kernel time by kind (matmul, attention, ...)
+    python bench/train.py --shapes 4b --backends megatron --mix dapo --json bench/results/train-packing-h200.json
+    python bench/train.py --tiny --backends megatron --mix tiny   # CPU check of the packed/padded plumbing
 
 It measures; it decides nothing (the exit status does not depend on the figures).
 """
@@ -70,6 +81,9 @@ MOE_SHAPES = {"tiny-moe": None, "30b-a3b-4l": 4}  # Qwen3-MoE: layers of Qwen3-3
 # micro-batch size x micro-batches per step at the full sequence length: 16k tokens per optimizer step
 BATCHING = {"tiny": (2, 2), "0.6b": (4, 1), "4b": (1, 4), "tiny-moe": (2, 2), "30b-a3b-4l": (1, 4)}
 BACKENDS = ("megatron", "megatron-compile", "hf")
+# --mix: (prompt tokens, response tokens), each drawn uniformly from its range (inclusive)
+MIXES = {"dapo": ((100, 300), (1024, 8192)), "gsm8k": ((80, 200), (100, 500)), "tiny": ((4, 12), (1, 60))}
+LAYOUTS = ("padded", "packed")
 
 
 def qwen3_config(shape: str, seq_len: int) -> Any:
@@ -116,8 +130,9 @@ def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[to
         model.decoder.final_layernorm.compile()
         loss_fn = torch.compile(_loss)
 
-    def micro_step(input_ids: torch.Tensor, scale: float) -> float:
-        loss = loss_fn(megatron.forward(model, input_ids).logits, input_ids) * scale
+    def micro_step(input_ids: torch.Tensor, scale: float, position_ids: torch.Tensor | None = None) -> float:
+        """``position_ids``: ``input_ids`` is one packed row (``megatron.forward``)."""
+        loss = loss_fn(megatron.forward(model, input_ids, position_ids=position_ids).logits, input_ids) * scale
         loss.backward()
         return float(loss)
 
@@ -173,9 +188,44 @@ def kernel_time_by_kind(step: Any, device: str) -> dict[str, float]:
         "top_kernels_ms": [(name[:100], round(ms, 1)) for name, ms in top]}
 
 
+def mixed_micro_batches(mix: str, layout: str, max_tokens: int, vocab_size: int,
+                        device: str) -> tuple[list[int], list[Any]]:
+    """A step's sample lengths of ``mix`` (seeded: every step and both layouts train the same ones), about four
+    budgets of ``max_tokens`` real tokens, and its micro-batches, longest first, as ``layout`` cuts them: each a
+    function of a generator giving ``(input_ids, position_ids or None)``."""
+    from vime.backends.torch_train import token_budget_sizes
+
+    (prompts, responses), generator = MIXES[mix], torch.Generator().manual_seed(2)
+    lengths: list[int] = []
+    while sum(lengths) < 4 * max_tokens:
+        lengths.append(sum(int(torch.randint(low, high + 1, (), generator=generator)) for low, high in (prompts,
+                                                                                                      responses)))
+    lengths.sort(reverse=True)
+    if layout == "packed":
+        sizes = token_budget_sizes(lengths, max_tokens)
+    else:  # as many as fit padded (samples x the longest), one over-long sample alone
+        sizes, start = [], 0
+        while start < len(lengths):
+            sizes.append(min(max(1, max_tokens // lengths[start]), len(lengths) - start))
+            start += sizes[-1]
+    batches, start = [], 0
+    for size in sizes:
+        chunk, start = lengths[start:start + size], start + size
+
+        def make(generator: torch.Generator, chunk: list[int] = chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if layout == "packed":
+                positions = torch.cat([torch.arange(length, device=device) for length in chunk]).unsqueeze(0)
+                return torch.randint(0, vocab_size, (1, sum(chunk)), device=device, generator=generator), positions
+            return torch.randint(0, vocab_size, (len(chunk), chunk[0]), device=device, generator=generator), None
+        batches.append(make)
+    return lengths, batches
+
+
 def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, peak: float,
-            profile_step: bool = False) -> dict[str, Any]:
-    """Time ``steps`` training steps after ``warmup`` of one backend at one shape; one result row."""
+            profile_step: bool = False, mix: str | None = None, layout: str = "padded",
+            max_tokens: int = 16384) -> dict[str, Any]:
+    """Time ``steps`` training steps after ``warmup`` of one backend at one shape; one result row. With ``mix``,
+    of that length mix's samples in ``layout`` (:func:`mixed_micro_batches`), counting real tokens."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     config = qwen3_config(shape, seq_len)
@@ -188,13 +238,19 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device == "cuda")
     micro_batch_size, micro_batches = BATCHING[shape]
     generator = torch.Generator(device=device).manual_seed(1)
+    if mix is None:
+        lengths = [seq_len] * micro_batch_size * micro_batches
+        batches = [lambda generator: (torch.randint(0, config.vocab_size, (micro_batch_size, seq_len), device=device,
+                                                    generator=generator), None)] * micro_batches
+    else:
+        lengths, batches = mixed_micro_batches(mix, layout, max_tokens, config.vocab_size, device)
 
     def step() -> float:
         total = 0.0
-        for _ in range(micro_batches):
-            input_ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len), device=device,
-                                      generator=generator)
-            total += micro_step(input_ids, 1.0 / micro_batches)
+        for make in batches:
+            input_ids, position_ids = make(generator)
+            total += (micro_step(input_ids, 1.0 / len(batches)) if position_ids is None else
+                      micro_step(input_ids, 1.0 / len(batches), position_ids))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,13 +268,15 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
             times.append(time.perf_counter() - start)
     step_s = sum(times) / len(times)
     kernels = kernel_time_by_kind(step, device) if profile_step else None
-    tokens = micro_batch_size * micro_batches * seq_len
-    matmul_params, flops_per_token = matmul_parameters(config), training_flops(config, [seq_len]) / seq_len
+    tokens = sum(lengths)  # real tokens: a padded row's padding is not counted, nor its FLOPs
+    matmul_params, flops_per_token = matmul_parameters(config), training_flops(config, lengths) / tokens
     tflops = flops_per_token * tokens / step_s / 1e12
-    return dict(
+    mixed = {} if mix is None else dict(mix=mix, layout=layout, max_tokens_per_gpu=max_tokens, samples=len(lengths))
+    return mixed | dict(
         shape=shape, backend=backend, seq_len=seq_len, tokens_per_s=round(tokens / step_s), mfu=round(tflops / peak, 4),
         tflops=round(tflops, 1), peak_tflops_measured=round(peak, 1), step_s=round(step_s, 4),
-        micro_batch_size=micro_batch_size, micro_batches=micro_batches, steps=steps, warmup_steps=warmup,
+        micro_batch_size=micro_batch_size if mix is None else None, micro_batches=len(batches), steps=steps,
+        warmup_steps=warmup,
         params=sum(param.numel() for param in model.parameters()), matmul_params=matmul_params,
         flops_per_token=flops_per_token, precision=precision, losses=losses,
         peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else None,
@@ -226,13 +284,18 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
         **({"kernel_ms_by_kind": kernels} if kernels else {}))
 
 
-def run_in_child(args: argparse.Namespace, shape: str, backend: str, peak: float) -> dict[str, Any]:
+def run_in_child(args: argparse.Namespace, shape: str, backend: str, peak: float,
+                 layout: str = "padded") -> dict[str, Any]:
     """One row, computed in a fresh process."""
     command = [sys.executable, __file__, "--child", shape, backend, "--seq-len", str(args.seq_len),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak", str(peak)]
     if args.profile:
         command.append("--profile")
-    return row_from_child(command, args.timeout, dict(shape=shape, backend=backend, seq_len=args.seq_len))
+    identity = dict(shape=shape, backend=backend, seq_len=args.seq_len)
+    if args.mix:
+        command += ["--mix", args.mix, "--layout", layout, "--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
+        identity |= dict(mix=args.mix, layout=layout)
+    return row_from_child(command, args.timeout, identity)
 
 
 def row_from_child(command: list[str], timeout: float, identity: dict[str, Any]) -> dict[str, Any]:
@@ -274,17 +337,27 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step and add its kernel time by kind to each row")
+    parser.add_argument("--mix", choices=sorted(MIXES),
+                        help="samples of this length mix, padded and packed (the Megatron backends only)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, metavar="T",
+                        help="with --mix: a micro-batch's token budget (padded: samples x the longest; packed: real)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="padded", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "BACKEND"), help=argparse.SUPPRESS)
     parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     if args.child:
         print("RESULT " + json.dumps(run_one(*args.child, args.seq_len, args.steps, args.warmup, args.peak,
-                                                  args.profile)),
+                                                  args.profile, args.mix, args.layout, args.max_tokens_per_gpu)),
               flush=True)
         return
+    if args.mix and "hf" in args.backends:
+        parser.error("--mix measures the Megatron backends' padded and packed layouts; the hf trainer has no packed "
+                     "one here: pass --backends megatron (or megatron-compile)")
     if args.tiny:
         args.shapes, args.seq_len, args.steps, args.warmup = ["tiny", "tiny-moe"], 64, 2, 1
+        if args.mix:
+            args.max_tokens_per_gpu = min(args.max_tokens_per_gpu, 256)
         if not torch.cuda.is_available():
             args.backends = [backend for backend in args.backends if "compile" not in backend]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -297,16 +370,19 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         for backend in args.backends:
-            keep_row(rows, run_in_child(args, shape, backend, peak), args.json, peak_tflops_measured=round(peak, 1),
-                     matmul_tflops_by_size={size: round(rate, 1) for size, rate in rates.items()})
-    print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'step s':>7}"
-          f" {'mem GiB':>8}")
+            for layout in LAYOUTS if args.mix else ("padded",):
+                keep_row(rows, run_in_child(args, shape, backend, peak, layout), args.json,
+                         peak_tflops_measured=round(peak, 1),
+                         matmul_tflops_by_size={size: round(rate, 1) for size, rate in rates.items()})
+    print(f"\n{'shape':6} {'backend':17} {'seq':>5} {'layout':>6} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'step s':>7} {'mem GiB':>8}")
     for row in rows:
+        where = f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} {row.get('layout', '-'):>6}"
         if "error" in row:
-            print(f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} failed: {row['error'].splitlines()[-1]}")
+            print(f"{where} failed: {row['error'].splitlines()[-1]}")
             continue
-        print(f"{row['shape']:6} {row['backend']:17} {row['seq_len']:>5} {row['tokens_per_s']:>9} {row['tflops']:>8} "
-              f"{row['mfu']:>6.1%} {row['step_s']:>7} {row['peak_memory_gib'] or '-':>8}")
+        print(f"{where} {row['tokens_per_s']:>9} {row['tflops']:>8} {row['mfu']:>6.1%} {row['step_s']:>7} "
+              f"{row['peak_memory_gib'] or '-':>8}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ and data parallel), a leader
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
 value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
-(``distributed-optimizer``); one side of a checkpoint saved in one layout and
-resumed in another (``layouts``); or pipeline stages (``pipeline``) training over two steps.
+(``distributed-optimizer``); padded rows and packed ones side by side (``packed``); one side of a
+checkpoint saved in one layout and resumed in another (``layouts``); or pipeline stages (``pipeline``) training
+over two steps.
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -64,11 +65,13 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     dist.destroy_process_group()
 
 
-def grpo_with_sgd(folder: str, updates_per_step: int, **layout: Any) -> MegatronTrainEngine:
-    """GRPO with a KL reference in ``layout`` (the engine's parallel sizes and ``recompute``), micro-batches of 2,
-    plain SGD (:func:`plain_sgd`): AdamW's step is blind to the gradient's scale, so to whether it was clipped."""
-    engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=updates_per_step,
-                                                                        micro_batch_size=2),
+def grpo_with_sgd(folder: str, updates_per_step: int, max_tokens: int = 0, **layout: Any) -> MegatronTrainEngine:
+    """GRPO with a KL reference in ``layout`` (the engine's parallel sizes and ``recompute``), micro-batches of 2
+    (with ``max_tokens``, of that many tokens packed into one row: ``--use-dynamic-batch-size``), plain SGD
+    (:func:`plain_sgd`): AdamW's step is blind to the gradient's scale, so to whether it was clipped."""
+    optim = OptimConfig(updates_per_step=updates_per_step, micro_batch_size=2,
+                        use_dynamic_batch_size=bool(max_tokens), max_tokens_per_gpu=max_tokens)
+    engine = MegatronTrainEngine(folder, algo="grpo", optim=optim,
                                  loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
                                  ppo_config=PPOConfig(), temperature=0.7, total_steps=4, **layout)
     plain_sgd(engine)
@@ -215,6 +218,27 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
     dist.destroy_process_group()
 
 
+def train_packed_and_padded(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
+                            data_parallel: int, pipeline_parallel: int, max_tokens: int) -> None:
+    """Two trainers on the same ranks (:func:`grpo_with_sgd`, two updates per step): right-padded
+    micro-batches of 2 samples (``padded``), and micro-batches of ``max_tokens`` packed into one row each
+    (``packed``). Rank 0 writes each one's scored log-probs and entropies, its step's metrics and its weights
+    after the step (gathered)."""
+    batch = TensorBatch(**torch.load(batch_file, weights_only=True))
+    results = {}
+    for name, tokens in (("padded", 0), ("packed", max_tokens)):
+        engine = grpo_with_sgd(folder, 2, max_tokens=tokens, tensor_parallel=tensor_parallel,
+                               expert_parallel=expert_parallel, data_parallel=data_parallel,
+                               pipeline_parallel=pipeline_parallel)
+        scores = engine.score(batch)
+        metrics = engine.train_step(batch)
+        results[name] = {"logprobs": scores["old_logprobs"], "entropy": scores["entropy"], "metrics": metrics,
+                         "weights": gathered_weights(engine, "cpu")}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
 def vocab_parallel_gaps() -> list[float]:
     """Largest differences, over every rank, of ``vocab_parallel_token_stats`` on the rank's share of random
     logits (a view, as the trainer passes it) from ``token_stats`` on the whole: log-probs, entropies, and
@@ -355,6 +379,8 @@ if __name__ == "__main__":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
     elif sys.argv[1] == "pipeline":
         train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
+    elif sys.argv[1] == "packed":
+        train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:10]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

@@ -479,9 +479,9 @@ def test_with_dropout_the_old_logprobs_come_from_a_pass_of_their_own(model, monk
     assert len(passes) == 1
 
 
-# a step's micro-batches: --micro-batch-size samples, or a token budget (--use-dynamic-batch-size
-# --max-tokens-per-gpu): the prompt (7 tokens) with responses of 1 to 5 tokens is 8 to 12 tokens a sample, so 24
-# takes micro-batches of 2, 2 and 2 samples (12 x 2, 10 x 2, 8 x 2 padded) and 20 those of 1, 1, 2 and 2
+# a step's micro-batches: --micro-batch-size samples (padded rows), or a token budget (--use-dynamic-batch-size
+# --max-tokens-per-gpu: packed rows): the prompt (7 tokens) with responses of 1 to 5 tokens is 8 to 12 tokens a
+# sample, so 24 takes micro-batches of 2, 2 and 2 samples (12 + 11, 10 + 9, 8 + 8) and 20 those of 1, 1, 2 and 2
 MICRO_BATCHINGS = {"4+2": {"micro_batch_size": 4}, "1x6": {"micro_batch_size": 1},
                    "24 tokens": {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24},
                    "20 tokens": {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 20},
@@ -526,9 +526,9 @@ def test_micro_batches_hold_samples_of_similar_length_longest_first():
 
 def test_token_budget_micro_batches_fit_and_hold_every_sample_once():
     """Seeded random mini-batches, budgets and data-parallel sizes: each copy's micro-batches that count hold its
-    share of the samples, each once, longest first (its share in order, whole); each fits the budget padded
-    (samples x the longest) or is one sample longer than the budget; each but a copy's last is full (one more
-    sample would not fit), and every copy runs as many passes."""
+    share of the samples, each once, longest first (its share in order, whole); each fits the budget in real
+    tokens (its samples are packed into one row) or is one sample longer than the budget; each but a copy's
+    last is full (its next sample would not fit), and every copy runs as many passes."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
         samples = int(torch.randint(1, 40, (), generator=generator))
@@ -545,11 +545,12 @@ def test_token_budget_micro_batches_fit_and_hold_every_sample_once():
             assert [chunk for chunk, counts in cut if not counts] == [ordered[-1:]] * (len(cut) - len(counted))
             assert torch.equal(torch.cat(counted) if counted else ordered[:0], ordered[replica::replicas])
             for index, chunk in enumerate(counted):
-                padded = len(chunk) * int(lengths[chunk].max())
-                assert padded <= budget or len(chunk) == 1, (chunk, lengths[chunk], budget)
+                tokens = int(lengths[chunk].sum())
+                assert tokens <= budget or len(chunk) == 1, (chunk, lengths[chunk], budget)
                 if index < len(counted) - 1:
-                    assert (len(chunk) + 1) * int(lengths[chunk[0]]) > budget
-    assert micro_batches(torch.arange(3), torch.tensor([9, 4, 5]), 1, max_tokens=10)[0].tolist() == [0]
+                    assert tokens + int(lengths[counted[index + 1][0]]) > budget
+    assert [chunk.tolist() for chunk in micro_batches(torch.arange(4), torch.tensor([9, 4, 5, 1]), 1,
+                                                      max_tokens=10)] == [[0], [2, 1, 3]]
 
 
 def test_data_parallel_copies_share_the_samples_and_run_as_many_passes():

@@ -35,6 +35,7 @@ from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
+from vime.backends.packing import packed_inputs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
@@ -354,13 +355,14 @@ def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute:
                temperature=TEMPERATURE, total_steps=4, dtype=dtype, **extra)
 
 
-def _batch(seed: int, config: transformers.PretrainedConfig | None = None, samples: int = 6) -> TensorBatch:
+def _batch(seed: int, config: transformers.PretrainedConfig | None = None, samples: int = 6,
+           response_lengths: tuple[int, ...] = (6, 3, 9, 4, 7, 2)) -> TensorBatch:
     """Two groups of three made-up responses of different lengths (the first ``samples`` of them), with rollout
     log-probs near the truth; for an MoE ``config``, random experts (not those its routers would choose) to
     replay at every token fed in."""
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (5, 5, 5, 8, 8, 8)]
-    responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in (6, 3, 9, 4, 7, 2)]
+    responses = [torch.randint(1, VOCAB, (length,), generator=generator).tolist() for length in response_lengths]
     logprobs = [(-5.0 + torch.randn(len(r), generator=generator)).tolist() for r in responses]
     experts = None
     if config is not None and any(moe_layer_pattern(config)):
@@ -403,24 +405,125 @@ def test_train_step_matches_the_reference_trainer(hf_models, case):
 
 def test_token_budget_micro_batches_take_the_step_sample_count_ones_do(hf_models):
     """--use-dynamic-batch-size --max-tokens-per-gpu 28 on Megatron: the batch's samples (15, 14, 12, 11, 10 and 8
-    tokens) in micro-batches of 1 or 2 (15 alone: 2 x 15 is over 28) take the step that micro-batches of 2
+    tokens) in micro-batches of 1 or 2 (15 alone: 15 + 14 is over 28) take the step that micro-batches of 2
     samples take: the same metrics, the same weights after it."""
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=3)
     counted, budgeted = (_engine(megatron.MegatronTrainEngine, folder, max_tokens=tokens) for tokens in (0, 28))
     rows, lengths = torch.arange(6), batch.attention_mask.sum(-1)
     assert [len(chunk) for chunk, _ in budgeted._micro_batches(rows, lengths)] == [1, 2, 2, 1]
-    for trainer in (counted, budgeted):
-        plain_sgd(trainer)
-    initial = {name: tensor.clone() for name, tensor in counted.named_weights().items()}
-    expected, got = counted.train_step(batch), budgeted.train_step(batch)
+    _assert_same_step(counted, budgeted, batch)
+
+
+def _assert_same_step(expected_trainer, trainer, batch: TensorBatch) -> None:
+    """Under plain SGD (an update proportional to the gradient), ``trainer`` takes ``expected_trainer``'s step on
+    ``batch``: the same metrics, the same weights after it, which moved."""
+    for engine in (expected_trainer, trainer):
+        plain_sgd(engine)
+    initial = {name: tensor.clone() for name, tensor in expected_trainer.named_weights().items()}
+    expected, got = expected_trainer.train_step(batch), trainer.train_step(batch)
     assert sorted(got) == sorted(expected)
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
-    ours = budgeted.named_weights()
-    for name, tensor in counted.named_weights().items():
+    ours = trainer.named_weights()
+    for name, tensor in expected_trainer.named_weights().items():
         assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# responses of very different lengths: samples of 45, 6, 22, 11, 37 and 10 tokens, which a budget of 48 packs as
+# [45], [37], [22, 11, 10] and [6] (the scoring pass's micro-batches), where padded micro-batches of 2 samples pad
+# each row to the longer one
+UNEVEN = (40, 1, 17, 3, 29, 2)
+PACKING_BUDGET = 48
+
+
+@pytest.mark.parametrize("backend", [TorchTrainEngine, megatron.MegatronTrainEngine], ids=["torch", "megatron"])
+@pytest.mark.parametrize("case,algo", [("qwen3", "grpo"), ("qwen3_moe", "grpo"), ("qwen3", "ppo")])
+def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
+    """--use-dynamic-batch-size packs each micro-batch's samples into one row without padding: the scored
+    log-probs and entropies (and PPO's values), the step's metrics (loss, gradient norm) and the weights after
+    a plain-SGD step (the gradient) are those of right-padded micro-batches, on both trainers. The MoE replays
+    random experts (R3): each packed token must take its own, or its log-prob moves far over the tolerance; the
+    KL reference (GRPO) and the value model (PPO) are packed alike."""
+    model, _, folder = hf_models[case]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
+    loss = {"kl_loss_coef": 0.1} if algo == "grpo" else {}
+    padded, packed = (_engine(backend, folder, algo=algo, max_tokens=tokens, **loss) for tokens in (0, PACKING_BUDGET))
+    assert [len(chunk) for chunk, _ in packed._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))] == [
+        1, 1, 3, 1]
+    assert packed._inputs(batch.to(packed.device), torch.tensor([2, 3, 5])).input_ids.shape == (1, 43)
+    expected, got = padded.score(batch), packed.score(batch)
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        assert (got[key] - expected[key]).abs().max() <= 1e-5, key
+    _assert_same_step(padded, packed, batch)
+    if algo == "ppo":  # the value models trained alike
+        assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
+def test_a_packed_row_is_laid_out_on_the_gpu_from_a_shuffle_on_the_host(hf_models):
+    """A step's shuffle (``randperm``) and the scoring pass's rows are host tensors, the batch is on the GPU:
+    the packed layout indexed one by the other and failed on every GPU (CPU tests cannot see it)."""
+    model, _, _ = hf_models["qwen3"]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN).to("cuda")
+    inputs = packed_inputs(batch, torch.tensor([2, 3, 5]))
+    assert inputs.input_ids.shape == (1, 43) and inputs.input_ids.device.type == "cuda"
+
+
+def test_packed_rows_recompute_as_padded_rows_run(hf_models):
+    """A recomputing Megatron trainer packs too: each layer's recomputation in the backward pass gets the packed
+    row's sample bounds and rotary rows again (from its checkpoint) and replays the same experts, so it takes
+    the step of a plain trainer on padded rows."""
+    model, _, folder = hf_models["qwen3_moe"]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
+    padded = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
+    packed = _engine(megatron.MegatronTrainEngine, folder, recompute=True, max_tokens=PACKING_BUDGET, kl_loss_coef=0.1)
+    _assert_same_step(padded, packed, batch)
+
+
+def _packed_row(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens of samples of ``lengths`` end to end, ``[1, tokens]``, and their positions (0 at each start)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=generator)
+    return input_ids, torch.cat([torch.arange(length) for length in lengths]).unsqueeze(0)
+
+
+def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
+    """In a packed row of samples A, B and C, changing A's tokens leaves B's and C's logits bit for bit as they
+    were, and each sample's logits are those it has in a padded row of its own."""
+    policy = _megatron_model(hf_models, "qwen3")
+    lengths = [13, 7, 10]
+    input_ids, positions = _packed_row(lengths, seed=0)
+    changed = input_ids.clone()
+    changed[0, :lengths[0]] = (changed[0, :lengths[0]] + 1) % VOCAB
+    with torch.no_grad():
+        logits, after = (megatron.forward(policy, ids, position_ids=positions).logits for ids in (input_ids, changed))
+        assert not torch.equal(logits[0, :lengths[0]], after[0, :lengths[0]])
+        assert torch.equal(logits[0, lengths[0]:], after[0, lengths[0]:])
+        for sample, start in zip(input_ids[0].split(lengths), [0, 13, 20]):
+            alone = megatron.forward(policy, sample.unsqueeze(0)).logits[0]
+            assert (logits[0, start:start + len(sample)] - alone).abs().max() <= 1e-5
+
+
+def test_positions_restart_in_every_packed_sample(hf_models):
+    """A packed row's positions start at 0 in each sample (``packed_inputs``), and the GPTModel's layers get the
+    rotary embedding of each token's position in its own sample, not in the row."""
+    batch = _batch(seed=0)
+    inputs = packed_inputs(batch, torch.tensor([4, 1, 2]))
+    lengths = batch.attention_mask[[4, 1, 2]].sum(-1).tolist()
+    assert inputs.position_ids.tolist() == [[position for length in lengths for position in range(length)]]
+    policy = _megatron_model(hf_models, "qwen3")
+    seen = []
+    hook = policy.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["rotary_pos_emb"]), with_kwargs=True)
+    with torch.no_grad():
+        megatron.forward(policy, inputs.input_ids, position_ids=inputs.position_ids)
+    hook.remove()
+    table = policy.rotary_pos_emb(max(lengths))  # [positions, 1, 1, dims]
+    assert torch.equal(seen[0], table[inputs.position_ids[0]])
+    assert not torch.equal(seen[0], policy.rotary_pos_emb(sum(lengths)))  # the row's positions would be these
 
 
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
@@ -645,6 +748,34 @@ def test_train_step_on_cuda_matches_the_reference_trainer_on_cpu(hf_models, case
 
 
 @pytest.mark.gpu
+def test_variable_length_attention_on_cuda_keeps_each_token_to_its_sample():
+    """On a GPU in bf16 a packed row's attention runs torch's variable-length flash kernel (a causal window; grouped
+    key/value heads, passed as such or repeated where the kernel takes none): its output and gradients are those
+    of each sample's own causal attention, within bf16's rounding."""
+    from vime.backends.megatron.modules import _varlen_attention, document_attention
+
+    if _varlen_attention() is None:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no causal window: packing uses the mask")
+    generator = torch.Generator().manual_seed(0)
+    lengths = [37, 5, 120, 1, 64]
+    tensors = [torch.randn(sum(lengths), heads, 64, generator=generator).cuda().bfloat16().requires_grad_()
+               for heads in (8, 2, 2)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    packed = document_attention(*tensors, cu_seqlens, max(lengths))
+    packed.float().square().sum().backward()
+    grads = [tensor.grad.clone() for tensor in tensors]
+    for tensor in tensors:
+        tensor.grad = None
+    alone = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(tensor[start:start + length].transpose(0, 1) for tensor in tensors), is_causal=True,
+        enable_gqa=True).transpose(0, 1) for start, length in zip(cu_seqlens.tolist(), lengths)])
+    alone.float().square().sum().backward()
+    assert (packed.float() - alone.float()).abs().max() <= 2e-2
+    for got, tensor in zip(grads, tensors):
+        assert (got.float() - tensor.grad.float()).abs().max() <= 2e-2 * tensor.grad.float().abs().max()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
 def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
     """dtype="bf16": bf16 weights (flash SDPA) that are the fp32 masters rounded, close to an fp32 step."""
@@ -804,6 +935,33 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
         assert (ranks["trained"][name] - tensor.cpu()).abs().max() <= 1e-5, name
     assert ranks["resumed_alike"]
     assert all(gap <= 1e-5 for gap in ranks["vocabulary_gaps"]), ranks["vocabulary_gaps"]
+
+
+@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1, 1)), ("qwen3_moe", (2, 2, 1, 1)),  # CI time: 9-25 s
+                                         ("qwen3", (1, 1, 2, 1)), ("qwen3", (1, 1, 1, 2)),  # each
+                                         ("qwen3_moe", (1, 1, 1, 2))])
+def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_path, case, layout):
+    """Packed micro-batches under tensor (and expert, data or pipeline) parallelism (``layout``: tensor, expert,
+    data, pipeline sizes): sequence parallelism cuts a packed row's tokens among the ranks (a row of an odd
+    count is padded with a sample of its own), each rank's attention sees the whole row and keeps every token
+    to its sample; the scored log-probs and entropies, the step's metrics and the weights after a plain-SGD step
+    are those the same ranks give with padded micro-batches. The MoE replays random experts (R3), each rank
+    routing its share of the row's tokens; two data-parallel copies each pack their own share of the samples;
+    two pipeline stages pass each packed row's activations from one to the other (megatron-core's 1F1B
+    schedule), each stage keeping every token to its sample and replaying its own MoE layers' experts."""
+    model, _, folder = hf_models[case]
+    batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
+    torch.save(_fields(batch), tmp_path / "batch.pt")
+    ranks = _torchrun(layout[0] * layout[2] * layout[3], tmp_path / "out.pt",
+                      ["packed", folder, tmp_path / "batch.pt", tmp_path / "out.pt", *layout, PACKING_BUDGET])
+    padded, packed = ranks["padded"], ranks["packed"]
+    for key in ("logprobs", "entropy"):
+        assert (packed[key] - padded[key]).abs().max() <= 1e-5, key
+    assert padded["metrics"]["grad_norm"] > 1.0  # clipped: the norm over every rank's shard decides the step
+    for key, value in padded["metrics"].items():
+        assert packed["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    for name, tensor in padded["weights"].items():
+        assert (packed["weights"][name] - tensor).abs().max() <= 1e-5, name
 
 
 @pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute", [

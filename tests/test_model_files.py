@@ -641,6 +641,20 @@ async def test_symlinks_to_files_are_served_wherever_they_point(tmp_path):
     assert not any(p.is_symlink() for p in fetched.rglob("*"))
 
 
+async def test_an_actor_a_node_started_checks_the_folder_at_the_heads_path(tmp_path):
+    """Started by a node agent (``--node``), an actor is not on the driver's host even though it has a parent:
+    a folder at the head's path there (shared storage, or another model of the same name) is checked, not taken
+    as it is. Before the fix it was taken unchecked, as if the driver had spawned the actor beside it."""
+    head = _model(tmp_path / "head-model")
+    other = tmp_path / "same-name-elsewhere"
+    shutil.copytree(head, other)
+    (other / "config.json").write_text('{"model_type": "another model"}')
+    async with open_job(tmp_path / "run", transport="tcp", model_folder=head) as job:
+        async with _joined(job.address, job.token, tmp_path / "cache", parent_pid=os.getppid(), node="node-b") as actor:
+            fetched = Path(await local_model_folder(actor, str(other)))
+            assert fetched.parent == tmp_path / "cache" and actor.counters["model_files_fetched"] == len(FILES)
+
+
 async def test_an_absolute_head_path_on_this_host_is_used_only_when_its_sizes_are_the_heads(tmp_path):
     head = _model(tmp_path / "head-model")
     other = tmp_path / "same-name-elsewhere"  # a folder at the head's absolute path, but not its model

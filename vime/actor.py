@@ -48,7 +48,7 @@ from vime.roles import ROLES, resolve_role
 from vime.runtime import ActorSettings, DriverSilent, RemoteError
 from vime.settings import add_setting_flags, given_settings, setting
 from vime.transports.shm import pid_alive, remove_left_by
-from vime.transports.sockets import Handshake, probe_handshake
+from vime.transports.sockets import Handshake, probe_handshake, rsa_key_problem
 
 DRIVER_GONE_GRACE_S = 15.0
 
@@ -70,6 +70,26 @@ def _parser() -> argparse.ArgumentParser:
     add_setting_flags(parser, ActorSettings)
     add_setting_flags(parser, ActorLaunch)
     return parser
+
+
+def launch_command(role: str, name: str, driver: str, listen: str, *, parent_pid: int, run_dir: str,
+                   config: dict[str, Any] | str, settings: dict[str, Any] | str, seed: int, record: bool,
+                   tls: dict[str, str], node: str | None = None) -> list[str]:
+    """The command that starts ``role`` as actor ``name`` joined to ``driver``, stopping when process
+    ``parent_pid`` (the driver, or the node agent ``node`` that started it) is gone: the one way a driver or a
+    node starts an actor."""
+    as_json = [text if isinstance(text, str) else json.dumps(text) for text in (config, settings)]
+    command = [sys.executable, "-m", "vime.actor", role, "--name", name, "--join", driver,
+               "--exit-with-parent", str(parent_pid), "--run-dir", run_dir, "--config", as_json[0],
+               "--settings", as_json[1], "--seed", str(seed), "--listen", listen]
+    if record:
+        command.append("--record")
+    if node is not None:
+        command += ["--node", node]
+    for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
+        if key in tls:
+            command += [flag, tls[key]]
+    return command
 
 
 def default_listen(join: str) -> str:
@@ -178,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_parent_hard, args=(parent_pid,), daemon=True,
                          name="driver-watchdog").start()
     configure(launch.log_level)
+    tls_problem = args.tls_cert_key and rsa_key_problem(args.tls_cert_key)  # before the role's slow imports
+    if tls_problem:
+        print(f"vime.actor: --tls-cert-key: {tls_problem}", file=sys.stderr)
+        return 2
     cls = resolve_role(args.role, allow_import=True)
     settings = _settings(args, launch, cls.role)
     if parent_pid is None:  # joined by hand: the user's flags may not fit the job
@@ -207,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if parent_pid is not None and os.getppid() != parent_pid:
             _remove_left_by_driver(parent_pid)
-    return 0
+    return actor.exit_code
 
 
 if __name__ == "__main__":

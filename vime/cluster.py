@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -44,11 +44,13 @@ from typing import Any, AsyncIterator
 import structlog
 import trio
 
+from vime.actor import launch_command
 from vime.logs import configure
 from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
+from vime.messages.nodes import ActorExited, LogLines, NodeFacts, StartActor, StopActor, check_placeable
 from vime.messages.runtime import Directory, Heartbeat, Register, Registered, Shutdown
 from vime.model_files import CHUNK_NOT_LEFT, ModelServer
-from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.runtime import Actor, ActorSettings, PeerGone, RemoteError, handles
 from vime.transports.codec import Envelope
 from vime.transports.shm import pid_alive, remove_left_by, segment_dir, sweep_stale
 
@@ -71,9 +73,21 @@ class ActorInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """A host whose node agent (``python -m vime.node``) joined the job: where its actors listen, what it has."""
+
+    name: str
+    host: str
+    address_host: str
+    gpus: int
+    cpus: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ActorEvent:
     """Something the driver saw happen to an actor: ``joined``, ``died``, ``restarted``, ``gave up`` (on
-    restarting it), ``refused``."""
+    restarting it), ``stranded`` (not restarted: its node is lost), ``refused``; to a node: ``node joined``,
+    ``node lost``."""
 
     what: str
     name: str
@@ -90,10 +104,16 @@ class _Spawned:
     restart: bool
     record: bool
     env: dict[str, str]
-    process: trio.Process | None = None
+    node: str | None = None  # the node agent that runs it (vime.node); None: this host, a child of the driver
+    process: trio.Process | None = None  # on this host
+    remote_start: int | None = None  # on a node, while it runs: the number of its start (StartActor.start)
     registered: trio.Event = dataclasses.field(default_factory=trio.Event)
     started_at: float = 0.0  # time.monotonic() of the latest start
     quick_failures: int = 0  # failures in a row, each within QUICK_DEATH_S of its start
+
+
+class NodeRefused(RuntimeError):
+    """A node agent would not start an actor (a role it does not allow, say); nothing was started."""
 
 
 class _Driver(Actor):
@@ -106,6 +126,18 @@ class _Driver(Actor):
     @handles(Register)
     async def _on_register(self, msg: Register, envelope: Envelope) -> Registered:
         return self.cluster._register(msg)
+
+    @handles(NodeFacts)
+    async def _on_node_facts(self, msg: NodeFacts, envelope: Envelope) -> None:
+        self.cluster._node_joined(envelope.sender, msg)
+
+    @handles(ActorExited)
+    async def _on_actor_exited(self, msg: ActorExited, envelope: Envelope) -> None:
+        self.cluster._exited_on_node(envelope.sender, msg)
+
+    @handles(LogLines)
+    async def _on_log_lines(self, msg: LogLines, envelope: Envelope) -> None:
+        self.cluster._log_from_node(envelope.sender, msg)
 
     @handles(ModelManifestQuery)
     async def _on_model_manifest(self, msg: ModelManifestQuery, envelope: Envelope) -> ModelManifest:
@@ -130,7 +162,9 @@ class _Driver(Actor):
         if type(envelope.payload) is not Heartbeat:
             return False
         info = self.cluster.actors.get(envelope.payload.name)
-        if info is not None:
+        if info is None:
+            self.cluster._turn_away(envelope.payload.name)
+        else:
             info.last_heartbeat = time.monotonic()
             info.status = envelope.payload.status
         return True
@@ -159,6 +193,9 @@ class Cluster:
         self.tls = tls or {}
         self.run_id = uuid.uuid4().hex[:12]
         self.actors: dict[str, ActorInfo] = {}
+        self.nodes: dict[str, NodeInfo] = {}
+        self._starts = itertools.count(1)  # numbers the starts on nodes (StartActor.start)
+        self._turned_away: set[str] = set()  # actors counted dead that still send heartbeats, told to stop
         self.events: list[ActorEvent] = []
         self._event_posted = trio.lowlevel.ParkingLot()
         self._spawned: dict[str, _Spawned] = {}
@@ -223,13 +260,15 @@ class Cluster:
     async def spawn(self, role: str, name: str | None = None, config: dict[str, Any] | None = None, *,
                     settings: dict[str, Any] | None = None, seed: int = 0, restart: bool = False,
                     record: bool | None = None, env: dict[str, str] | None = None,
-                    timeout: float = 60.0) -> ActorInfo:
+                    timeout: float = 60.0, node: str | None = None) -> ActorInfo:
         """Start ``role`` (a built-in role or ``module:Class``) as its own process.
 
         ``config`` holds the role's own settings; ``settings`` tunes the
         runtime (ActorSettings fields such as ``inbox_capacity``); ``record``
         overrides the job's ``record`` for this actor; ``env`` adds to the
-        process's environment (its GPUs: ``CUDA_VISIBLE_DEVICES``).
+        process's environment (its GPUs: ``CUDA_VISIBLE_DEVICES``). ``node``
+        names a joined node agent to start it on (``vime.node``); it is then
+        supervised through that agent as a local spawn is here.
 
         Returns once it has registered. Raises RuntimeError, with the tail of
         its log, if the process exits first or does not register in time.
@@ -237,49 +276,92 @@ class Cluster:
         name = name or f"{role.rpartition(':')[2].lower()}-{len(self._spawned)}"
         if name in self._spawned or name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this job")
+        if node is not None:
+            if node not in self.nodes:
+                raise ValueError(f"no node named {node!r} has joined this job (joined: {sorted(self.nodes) or 'none'}"
+                                 "); start one there with python -m vime.node --join ADDRESS --name NODE")
+            check_placeable(name, env or {})
         entry = self._spawned[name] = _Spawned(role, dict(config or {}), dict(settings or {}), seed, restart,
-                                                   self.record if record is None else record, dict(env or {}))
-        await self._start_process(name, entry, timeout)
+                                                   self.record if record is None else record, dict(env or {}), node)
+        try:
+            await self._start_process(name, entry, timeout)
+        except NodeRefused:
+            del self._spawned[name]  # nothing started: the name is free for a corrected spawn
+            raise
         return self.actors[name]
 
     async def _start_process(self, name: str, entry: _Spawned, timeout: float) -> None:
         entry.registered = trio.Event()
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "vime.actor", entry.role, "--name", name, "--join", self.address,
-                   "--exit-with-parent", str(os.getpid()),
-                   "--run-dir", str(self.run_dir), "--config", json.dumps(entry.config),
-                   "--settings", json.dumps(entry.settings), "--seed", str(entry.seed)]
-        if self.transport == "ipc":
-            command += ["--listen", f"ipc://{self._socket_dir}/{name}"]
+        if entry.node is None:
+            await self._start_here(name, entry, log_path)
         else:
-            command += ["--listen", f"{self.transport}://{self.host}:0"]
-        if entry.record:
-            command.append("--record")
-        for flag, key in (("--tls-cert-key", "cert_key"), ("--tls-ca", "ca")):
-            if key in self.tls:
-                command += [flag, self.tls[key]]
-        env = dict(os.environ, **entry.env, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as log_file:
-            entry.process = await trio.lowlevel.open_process(command, stdout=log_file, stderr=log_file, env=env)
+            await self._start_on_node(name, entry)
         entry.started_at = time.monotonic()
-        assert self._nursery is not None
-        self._nursery.start_soon(self._watch_process, name, entry, entry.process)
         with trio.move_on_after(timeout):
             await entry.registered.wait()
         if not entry.registered.is_set():
-            entry.process.kill()
+            if entry.node is None:
+                entry.process.kill()
+            else:
+                await self._kill_on_node(entry)
             raise RuntimeError(f"actor {name} ({entry.role}) did not register within {timeout} s; "
                                f"its log {log_path} ends with:\n{_tail(log_path)}")
         if name not in self.actors:
             raise RuntimeError(f"actor {name} ({entry.role}) exited during start-up; "
                                f"its log {log_path} ends with:\n{_tail(log_path)}")
 
+    async def _start_here(self, name: str, entry: _Spawned, log_path: Path) -> None:
+        """Start the actor as a child of this process, its output to ``log_path``."""
+        listen = f"ipc://{self._socket_dir}/{name}" if self.transport == "ipc" else f"{self.transport}://{self.host}:0"
+        command = launch_command(entry.role, name, self.address, listen, parent_pid=os.getpid(),
+                                 run_dir=str(self.run_dir), config=entry.config, settings=entry.settings,
+                                 seed=entry.seed, record=entry.record, tls=self.tls)
+        env = dict(os.environ, **entry.env, VIME_TOKEN=self.token or "", PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log_file:
+            entry.process = await trio.lowlevel.open_process(command, stdout=log_file, stderr=log_file, env=env)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._watch_process, name, entry, entry.process)
+
+    async def _start_on_node(self, name: str, entry: _Spawned) -> None:
+        """Have the actor's node agent start it; RuntimeError naming the node when it cannot."""
+        if entry.node not in self.nodes:
+            raise NodeRefused(f"actor {name} ({entry.role}) cannot start: its node {entry.node!r} is not in the job "
+                              f"(nodes now: {sorted(self.nodes) or 'none'})")
+        start = next(self._starts)
+        order = StartActor(name=name, start=start, role=entry.role, config=json.dumps(entry.config),
+                           settings=json.dumps(entry.settings), seed=entry.seed, record=entry.record, env=entry.env)
+        try:
+            await self.driver.ask(entry.node, order, timeout=60.0)
+        except (RemoteError, PeerGone, TimeoutError) as err:
+            raise NodeRefused(f"node {entry.node} did not start actor {name} ({entry.role}): {err}") from err
+        entry.remote_start = start
+
+    async def _kill_on_node(self, entry: _Spawned) -> None:
+        """SIGKILL the node's process of ``entry``, forgetting it first: its exit, reported later, is not news
+        (a restart may be running its successor by then)."""
+        start, entry.remote_start = entry.remote_start, None
+        if start is not None:
+            await self._tell_quietly(entry.node, StopActor(start=start, signal=signal.SIGKILL))
+
     async def _watch_process(self, name: str, entry: _Spawned, process: trio.Process) -> None:
         code = await process.wait()
         if entry.process is not process:
             return
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        await self._exited(name, entry, code)
+
+    def _exited_on_node(self, node: str, msg: ActorExited) -> None:
+        """A node reports an exit: that of the process it runs for us now, or news of one already replaced."""
+        entry = self._spawned.get(msg.name)
+        if entry is None or entry.node != node or entry.remote_start != msg.start:
+            return
+        entry.remote_start = None
+        self._nursery.start_soon(self._exited, msg.name, entry, msg.code)
+
+    async def _exited(self, name: str, entry: _Spawned, code: int, how: str | None = None) -> None:
+        """One supervision for every spawned actor, here or on a node: record the death, restart if asked."""
+        how = how or (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
         self._declare_dead(name, how)
         entry.registered.set()  # wakes a spawn still waiting
         failed = code > 0 or -code in _CRASHES
@@ -288,15 +370,22 @@ class Cluster:
         if not (entry.restart and code != 0 and name in self._spawned):  # exit 0 is a deliberate leave (SIGTERM)
             self._gone.add(name)
             return
+        if entry.node is not None and entry.node not in self.nodes:
+            self._gone.add(name)
+            self._post(ActorEvent("stranded", name, f"its node {entry.node} is not in the job; call "
+                                                     f"restart({name!r}) once it has joined again", time.time()))
+            return
         if entry.quick_failures >= GIVE_UP_AFTER:
             log_path = self.run_dir / "logs" / f"{name}.log"
-            detail = (f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of starting; "
-                      f"its log {log_path} ends with:\n{_tail(log_path)}")
-            self.driver.log.error("not restarting", name=name, failures=entry.quick_failures)
-            self._gone.add(name)
-            self._post(ActorEvent("gave up", name, detail, time.time()))
+            self._give_up(name, f"it failed {entry.quick_failures} times in a row within {QUICK_DEATH_S:.0f} s of "
+                                f"starting; its log {log_path} ends with:\n{_tail(log_path)}")
             return
         await self._restart(name)
+
+    def _give_up(self, name: str, detail: str) -> None:
+        self.driver.log.error("not restarting", name=name, why=detail.splitlines()[0])
+        self._gone.add(name)
+        self._post(ActorEvent("gave up", name, detail, time.time()))
 
     def gone_for_good(self, name: str) -> bool:
         """Whether the spawned actor ``name`` died and the driver will not restart it: it left cleanly, was
@@ -313,6 +402,9 @@ class Cluster:
             old.kill()
             await old.wait()
             self._declare_dead(name, "killed for restart")
+        elif entry.remote_start is not None:
+            await self._kill_on_node(entry)
+            self._declare_dead(name, "killed for restart")
         await self._start_process(name, entry, timeout)
         self._post(ActorEvent("restarted", name, f"pid {self.actors[name].pid}", time.time()))
         return self.actors[name]
@@ -324,10 +416,15 @@ class Cluster:
             self.driver.log.error("restart failed", name=name, error=str(err))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send a signal to a spawned actor's process (tests use SIGKILL)."""
-        process = self._spawned[name].process
-        if process is not None:
-            process.send_signal(sig)
+        """Send a signal to a spawned actor's process (tests use SIGKILL): here at once, so that signals sent one
+        after another arrive in order; on a node through its agent, in the order sent."""
+        entry = self._spawned[name]
+        if entry.node is None:
+            if entry.process is not None:
+                entry.process.send_signal(sig)
+        elif entry.remote_start is not None:
+            self._nursery.start_soon(self._tell_quietly, entry.node, StopActor(start=entry.remote_start,
+                                                                               signal=int(sig)))
 
     # ----------------------------------------------------------- membership
 
@@ -336,6 +433,7 @@ class Cluster:
             raise ValueError(f"an actor named {msg.name!r} is already registered; pick another --name")
         spawned = self._spawned.get(msg.name)
         now = time.monotonic()
+        self._turned_away.discard(msg.name)
         self.actors[msg.name] = ActorInfo(msg.name, msg.role, msg.pid, msg.address, msg.host,
                                           joined=spawned is None, started_at=time.time(), last_heartbeat=now)
         self.driver.log.info("actor registered", peer=msg.name, peer_role=msg.role, pid=msg.pid, address=msg.address)
@@ -356,7 +454,55 @@ class Cluster:
         else:
             self.driver.log.error("actor died", peer=name, peer_role=info.role, pid=info.pid, how=how)
         self._post(ActorEvent("died", name, how, time.time()))
+        node_lost = self.nodes.pop(name, None) is not None
         self._publish_directory()
+        if node_lost:
+            self._node_lost(name, how)
+
+    def _turn_away(self, name: str) -> None:
+        """An actor counted dead (its heartbeats stopped: a node cut off, a process frozen) that speaks again
+        is told to stop, once: the job went on without it, and it would serve nobody (a node would hold its
+        GPUs). Started again, it joins afresh."""
+        if self._closing or name in self._turned_away:
+            return
+        self._turned_away.add(name)
+        self.driver.log.warning("an actor counted dead sends heartbeats; telling it to stop", peer=name)
+        self._nursery.start_soon(self._tell_quietly, name, Shutdown(
+            reason="the driver counted this actor dead when its heartbeats stopped; start it again to rejoin"))
+
+    def _node_joined(self, name: str, facts: NodeFacts) -> None:
+        info = self.actors.get(name)
+        if info is None or info.role != "node":
+            self.driver.log.warning("NodeFacts from an actor that is not a node agent; ignored", peer=name)
+            return
+        self.nodes[name] = NodeInfo(name, facts.host, facts.address_host, facts.gpus, facts.cpus)
+        self.driver.log.info("node joined", node=name, host=facts.host, address_host=facts.address_host,
+                             gpus=facts.gpus, cpus=facts.cpus)
+        self._post(ActorEvent("node joined", name, f"{facts.gpus} GPUs, {facts.cpus} CPUs at {facts.address_host}",
+                              time.time()))
+        self._write_actors_json()
+
+    def _node_lost(self, node: str, how: str) -> None:
+        """A node's agent died or went silent: so did every actor it ran for us, as far as the job knows (each
+        runs with --exit-with-parent its agent; one cut off with it is stopped by its agent's driver watch)."""
+        lost = [n for n, e in self._spawned.items() if e.node == node and e.remote_start is not None]
+        (self.driver.log.info if self._closing else self.driver.log.error)("node lost", node=node, how=how,
+                                                                          actors=lost)
+        self._post(ActorEvent("node lost", node, f"{how}; its actors: {', '.join(lost) or 'none'}", time.time()))
+        for name in lost:
+            entry = self._spawned[name]
+            entry.remote_start = None
+            self._nursery.start_soon(self._exited, name, entry, -signal.SIGKILL, f"its node {node} was lost ({how})")
+
+    def _log_from_node(self, node: str, msg: LogLines) -> None:
+        """Append what a node's actor wrote to its log here; a node writes only the logs of actors it runs."""
+        entry = self._spawned.get(msg.name)
+        if entry is None or entry.node != node:
+            self.driver.log.warning("log lines for an actor that node does not run; dropped", node=node,
+                                    peer=msg.name)
+            return
+        with open(self.run_dir / "logs" / f"{msg.name}.log", "ab") as log:
+            log.write(msg.data)
 
     def _remove_left_by(self, info: ActorInfo) -> None:
         """Free the shared memory of an actor that died on this host without closing (``kill -9``): its pool
@@ -384,7 +530,9 @@ class Cluster:
     def _write_actors_json(self) -> None:
         rows = [{"name": i.name, "role": i.role, "pid": i.pid, "address": i.address, "host": i.host,
                  "joined": i.joined, "started_at": i.started_at} for i in self.actors.values()]
-        document = {"run_id": self.run_id, "driver": self.address, "updated_at": time.time(), "actors": rows}
+        nodes = [dataclasses.asdict(node) for node in self.nodes.values()]
+        document = {"run_id": self.run_id, "driver": self.address, "updated_at": time.time(), "actors": rows,
+                    "nodes": nodes}
         path = self.run_dir / "actors.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(document, indent=2))

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from vime import megatron_flags, slime_flags
 from vime.algorithms.config import AdvantageEstimator, GRPOConfig, PolicyLossConfig, PPOConfig, check_estimator
 from vime.settings import add_setting_flags, check_choices, flag_prefix, flag_values, given_settings, hints_of, setting
+from vime.transports.sockets import rsa_key_problem
 
 Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
@@ -178,14 +179,14 @@ class OptimConfig:
                                     flags=("--updates-per-step", "--num-steps-per-rollout"))
     micro_batch_size: int = setting(256, "samples per forward/backward; gradients accumulate over a mini-batch")
     use_dynamic_batch_size: bool = setting(False, "slime's token-budget micro-batches, in place of --micro-batch-size "
-                                                  "samples each: a mini-batch's samples, longest first, grouped so "
-                                                  "that each micro-batch's padded size (samples x its longest "
-                                                  "sample's prompt + response tokens) is at most "
-                                                  "--max-tokens-per-gpu on each data-parallel rank; a longer sample "
-                                                  "runs alone. Rows are still padded (no packing); the update is "
-                                                  "the same")
-    max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the tokens one micro-batch holds on each "
-                                         "data-parallel rank, counted padded (samples x the longest)",
+                                                  "samples each: a mini-batch's samples, longest first, grouped while "
+                                                  "their prompt + response tokens add up to at most "
+                                                  "--max-tokens-per-gpu on each data-parallel rank (a longer sample "
+                                                  "runs alone), and packed end to end into one row without padding, "
+                                                  "attention kept within each sample; the log-probs and the update "
+                                                  "are those of padded rows")
+    max_tokens_per_gpu: int = setting(0, "with --use-dynamic-batch-size: the real (packed) tokens one micro-batch "
+                                         "holds on each data-parallel rank",
                                       metavar="T")
     lr_schedule: LrSchedule = setting("constant", "constant, linear or cosine decay over the run's steps",
                                       flags=("--lr-schedule", "--lr-decay-style"))
@@ -285,9 +286,13 @@ class PlacementConfig:
     rollout_num_gpus: int = setting(0, "GPUs for rollout engines, --rollout-num-gpus-per-engine each (0: on CPU, or "
                                        "with --colocate the trainer's)")
     colocate: bool = setting(False, "rollout engines share the trainer's GPUs (weights by CUDA IPC)")
+    rollout_nodes: int = setting(0, "put the rollout workers on this many node agents (python -m vime.node "
+                                    "--join, the command in RUN_DIR/join), spread over them, none on this host; "
+                                    "needs --transport tcp or tls+tcp (CPU engines so far)")
+    wait_for_nodes_s: float = setting(600.0, "with --rollout-nodes: how long the run waits for its nodes to join")
 
     def __post_init__(self) -> None:
-        _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0)
+        _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0, rollout_nodes=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,11 +529,15 @@ class LaunchConfig:
         check_choices(self)
 
     def tls(self) -> dict[str, str] | None:
-        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing."""
+        """The PEM files for tls+tcp, as Cluster.open takes them; ValueError when one is missing or the key is
+        one vime's TLS cannot use (RSA: ``rsa_key_problem``)."""
         if self.transport != "tls+tcp":
             return None
         if not (self.tls_cert_key and self.tls_ca):
             raise ValueError("--transport tls+tcp needs --tls-cert-key and --tls-ca")
+        problem = rsa_key_problem(self.tls_cert_key)
+        if problem:
+            raise ValueError(f"--tls-cert-key: {problem}")
         return {"cert_key": self.tls_cert_key, "ca": self.tls_ca}
 
 

@@ -311,8 +311,9 @@ async def local_model_folder(actor: Actor, head_path: str) -> str:
     nothing half-written is then left as a cache entry.
     """
     given = actor.settings.model_path
-    # spawned by the driver (on its host, in its folder), or started alone with no driver to ask (tests, replay)
-    local = actor.settings.parent_pid is not None or actor.settings.driver is None
+    # spawned by the driver (on its host, in its folder; not by a node agent elsewhere), or started alone with no
+    # driver to ask (tests, replay)
+    local = (actor.settings.parent_pid is not None and actor.settings.node is None) or actor.settings.driver is None
     if given is None and local and Path(head_path).is_dir():
         return head_path
     if given is None and Path(head_path).is_absolute() and Path(head_path).is_dir():

@@ -23,7 +23,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Collection, Mapping
+from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 import structlog
 import trio
@@ -71,6 +71,9 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     (``vime.megatron_flags.given``), checked against config.json first.
     """
     try:
+        if config.placement.rollout_nodes and transport == "ipc":
+            raise ValueError("--rollout-nodes: nodes on other hosts reach this job over tcp; pass --transport tcp "
+                             "(or tls+tcp) and --host, this machine's address they reach")
         placed, row = preflight(config, model_flags=model_flags)
         await check_reward(config, row)
         make_run_folder(run_dir)
@@ -240,7 +243,8 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def join_command(address: str, token: str, tls: dict[str, str] | None, model_path: str) -> str:
-    """RUN_DIR/join: the command that adds a rollout worker from another host. The installed ``vime-actor``
+    """RUN_DIR/join: the command that adds a rollout worker from another host (and, commented, the one that
+    offers a whole host). The installed ``vime-actor``
     (a bare ``python`` may not be the one vime is installed in) and the token in the environment, since a
     command line is shown to every user of that host by ``ps``; the comment says how a host without the head's
     files gets the model (``vime.model_files``)."""
@@ -249,7 +253,9 @@ def join_command(address: str, token: str, tls: dict[str, str] | None, model_pat
             f"# a host without {Path(model_path).absolute()} fetches the model from this job\n"
             f"# into ~/.cache/vime/models, never evicted (--model-cache DIR to put it elsewhere),\n"
             f"# or add --model-path DIR to use its own copy (checked against this job's)\n"
-            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n")
+            f"export VIME_TOKEN={token}\nvime-actor rollout --join {address}{files}\n"
+            f"# or offer the whole host, for the actors the driver places there (vime.node):\n"
+            f"# vime-node --join {address}{files} --name NODE\n")
 
 
 def _resume_point(run_dir: Path) -> Path:
@@ -352,25 +358,43 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
             nonlocal ready_s
-            await _spawn_rollouts(job, config, document, placed, record="rollout" in recorded)
+            nodes = await _wait_for_nodes(job, config.placement.rollout_nodes, config.placement.wait_for_nodes_s)
+            await _spawn_rollouts(job, config, document, placed, nodes, record="rollout" in recorded)
             ready_s = time.monotonic() - started
 
+        rollouts = [f"rollout-{index}" for index in range(config.rollout.rollout_workers)]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spawn_rollouts)
-            rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started)
+            rows, arrived = await _follow(job, run_dir, config.job.steps, show, on_step, timeout_s, started,
+                                          rollouts)
             nursery.cancel_scope.cancel()  # the steps are done: an engine still starting is not waited for
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
         counters["driver"] = {"refused_joins": job.driver.errors["unauthorized"] if job.driver else 0}
     return rows, arrived, counters, ready_s
 
 
+async def _wait_for_nodes(job: Cluster, count: int, timeout_s: float) -> list[str]:
+    """The first ``count`` node agents to join (none wanted: none), waiting up to ``timeout_s`` for them;
+    RuntimeError saying how many came and how to start the rest."""
+    with trio.move_on_after(timeout_s):
+        while len(job.nodes) < count:
+            await trio.sleep(0.2)
+    if len(job.nodes) < count:
+        raise RuntimeError(f"--rollout-nodes {count}: {len(job.nodes)} node(s) joined within --wait-for-nodes-s "
+                           f"{timeout_s:g} ({', '.join(sorted(job.nodes)) or 'none'}); start one on each host with "
+                           f"the node command in {job.run_dir / 'join'}")
+    return sorted(job.nodes)[:count]
+
+
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement,
-                          record: bool = False) -> None:
-    """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``)."""
+                          nodes: Sequence[str] = (), record: bool = False) -> None:
+    """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``), spread over ``nodes``
+    when there are any (worker i on node i mod their number), else on this host."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
         await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
-                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]), record=record)
+                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]), record=record,
+                        node=nodes[index % len(nodes)] if nodes else None)
         return name
 
     await start_engines_in_turn(job, placed, spawn)
@@ -378,9 +402,11 @@ async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, A
 
 async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[str, Any]], None] | None,
                   on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None,
-                  timeout_s: float | None, started: float) -> tuple[list[dict[str, Any]], list[float]]:
+                  timeout_s: float | None, started: float,
+                  rollouts: list[str]) -> tuple[list[dict[str, Any]], list[float]]:
     """Wait for ``steps`` rows in metrics.jsonl, showing each, and when each came (seconds from ``started``);
-    fail fast if a vital actor dies."""
+    fail fast if a vital actor dies, or every rollout worker is gone for good (their nodes lost, say: while one
+    is left, the run goes on, the router re-issuing the others' groups)."""
     seen: list[dict[str, Any]] = []
     arrived: list[float] = []
     follower = MetricsFollower(run_dir)
@@ -399,6 +425,11 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
             said = last_error(log, since=time.time() - (time.monotonic() - started))
             raise RuntimeError(f"actor {died[0].name} died ({died[0].detail})" + (f": {said}" if said else "")
                                + f"; see {log}; {then}")
+        if rollouts and all(job.gone_for_good(name) for name in rollouts) and not any(
+                info.role == "rollout" for info in job.actors.values()):  # none joined by hand either
+            stranded = [e.detail for e in job.events if e.what == "stranded"]
+            raise RuntimeError(f"every rollout worker is gone for good ({'; '.join(stranded) or 'none restarts'}); "
+                               f"see {run_dir}/logs/")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{len(seen)} of {steps} steps after {timeout_s} s; see {run_dir}/logs/")
         now = time.monotonic() - started

@@ -58,6 +58,12 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
         raise ValueError("--actor-num-nodes: the trainer runs on one host so far; add rollout workers on other "
                          "hosts with the command in RUN_DIR/join")
     trainer_gpus = layout.actor_num_gpus_per_node
+    if layout.rollout_nodes and (layout.rollout_num_gpus or layout.colocate):
+        raise ValueError("--rollout-nodes places CPU rollout workers on the nodes so far: leave --rollout-num-gpus "
+                         "and --colocate out, or run GPU engines on this host")
+    if layout.rollout_nodes > rollout.rollout_workers:
+        raise ValueError(f"--rollout-nodes {layout.rollout_nodes} spreads --rollout-workers "
+                         f"{rollout.rollout_workers} over the nodes: give at least one worker per node")
     if not (trainer_gpus or layout.rollout_num_gpus or layout.colocate):
         return Placement(None, [None] * rollout.rollout_workers, None)
     if trainer_gpus and trainer_gpus != config.job.trainer_ranks:

@@ -12,6 +12,7 @@ from vime.runtime import Actor
 
 ROLES: dict[str, str] = {
     "buffer": "vime.actors.buffer:Buffer",
+    "node": "vime.node:NodeAgent",
     "router": "vime.actors.router:Router",
     "rollout": "vime.actors.rollout:RolloutWorker",
     "reward": "vime.actors.reward:Reward",

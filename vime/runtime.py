@@ -138,6 +138,8 @@ class ActorSettings:
                                             "~/.cache/vime/models", metavar="DIR")
     model_fetch_timeout_s: float = setting(60.0, "a joined actor fetching the model: seconds to wait for each chunk "
                                                  "(16 MiB) before giving up on the driver")
+    node: str | None = setting(None, "set by the node agent (vime.node) that started this actor: it runs on that "
+                                     "node, not on the driver's host (its model folder is checked, or fetched)")
     parent_pid: int | None = setting(None, "shut down when the driver that spawned us (process PID; 0 or no PID: "
                                            "our parent at start) is gone; a driver that dies before we start is "
                                            "noticed too when PID is given", flags=("--exit-with-parent",),
@@ -193,6 +195,7 @@ class Actor:
     """
 
     role: ClassVar[str] = "actor"
+    exit_code: int = 0  # ``python -m vime.actor`` exits with it once the actor has stopped
     _handlers: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -347,8 +350,10 @@ class Actor:
     def unsent_to(self, name: str) -> int:
         """Messages queued for ``name`` that have not been handed to its socket yet (0 when we have none for it):
         how far behind the peer is in taking what we send it."""
-        address = self.directory.get(name) or self._learned.get(name)
-        outbox = self._outboxes.get(address) if address is not None else None
+        try:
+            outbox = self._outboxes.get(self._address_of(name))
+        except LookupError:
+            return 0
         return outbox.queued if outbox is not None else 0
 
     def on_arrival(self, envelope: Envelope) -> bool:
@@ -503,8 +508,8 @@ class Actor:
         30 s, then it says so. One the driver spawned knows the driver is there (and stops at once if it dies),
         so it waits out a slow answer: the driver counts it in as the Register arrives, but the reply travels a
         connection dialled back to this actor (a TLS handshake, on a machine busy starting five Pythons), and an
-        actor that gave up then left a job that had counted it in (the likely reading of a CI failure: the
-        buffer of a TLS run registered, then exited 2)."""
+        actor that gave up then left a job that had counted it in. (A TLS run's buffer that waited out even
+        300 s had a listener broken by its RSA key, which ``TlsFiles`` now refuses.)"""
         return 30.0 if self.settings.parent_pid is None else 300.0
 
     async def _heartbeat_loop(self) -> None:

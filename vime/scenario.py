@@ -114,6 +114,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     undo = None if resume else _undoer(run_dir)
     try:
         recorded = training_launch.recorded_roles()
+        tls = launch.tls()
         make_run_folder(run_dir)
         config = (from_flags(args, _saved_config(run_dir)) if resume
                   else scenario.prepare(run_dir, from_flags(args, scenario.defaults())))
@@ -127,7 +128,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     display = progress_display(config.job.steps)
     try:
         summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
-                                         show=display, resume=resume, host=launch.host, tls=launch.tls(),
+                                         show=display, resume=resume, host=launch.host, tls=tls,
                                          model_flags=megatron_flags.given(args)))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)

@@ -7,12 +7,15 @@ laptop scale: recompute the batch's log-probs with the current weights (the
 its ratio against its rollout log-prob instead: ``policy_loss.ratio_anchor``),
 compute advantages, then
 ``updates_per_step`` optimizer steps over mini-batches, each accumulated
-over micro-batches of ``micro_batch_size`` samples (with ``use_dynamic_batch_size``,
-of at most ``max_tokens_per_gpu`` padded tokens), with gradient clipping and
-AdamW. A micro-batch is as wide as its longest sample, so each
+over micro-batches of ``micro_batch_size`` samples, with gradient clipping and
+AdamW. Such a micro-batch is as wide as its longest sample, so each
 mini-batch is cut into micro-batches of samples of similar length (longest
 first); gradients only accumulate over them, each loss normalised by its
-whole mini-batch, so the grouping does not change the step. With one
+whole mini-batch, so the grouping does not change the step. With
+``use_dynamic_batch_size`` a micro-batch holds at most ``max_tokens_per_gpu``
+tokens, its samples packed end to end into one row without padding
+(``vime.backends.packing``): the same log-probs and step, no compute spent
+on padding. With one
 optimizer step per batch, neither a KL reference nor a value model, and no
 dropout, nothing needs the old log-probs before the training forward passes,
 which run on those very weights: their log-probs serve as the old ones (the
@@ -47,8 +50,9 @@ from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss, ratio_anchor
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
-from vime.backends.hf import load_causal_lm, position_ids, token_stats
+from vime.backends.hf import load_causal_lm, token_stats
 from vime.backends.master_weights import MasterWeights, to_bf16
+from vime.backends.packing import ModelInputs, packed_inputs, padded_inputs
 from vime.config import OptimConfig
 
 
@@ -62,9 +66,12 @@ class _ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids(attention_mask)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                use_cache: bool = False) -> torch.Tensor:
+        """Called as the policy is (``attention_mask`` None: a packed row, its samples told apart by their
+        positions)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=use_cache).last_hidden_state
         return self.head(hidden).squeeze(-1).to(torch.float32)
 
 
@@ -114,15 +121,17 @@ class TorchTrainEngine(TrainEngine):
                 "fused": torch.device(self.device).type == "cuda"}
 
     def _load_policy(self, model_path: str) -> torch.nn.Module:
-        """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=,
-        position_ids=).logits``: what another backend overrides to reuse this step, with
-        :meth:`_load_critic` (called again for the frozen KL reference)."""
+        """The policy, loaded in fp32, answering ``model(input_ids=, attention_mask=, position_ids=,
+        use_cache=False).logits`` for right-padded rows, or with ``attention_mask=None`` for one packed row whose
+        position ids restart at each sample (``vime.backends.packing``): what another backend overrides to reuse
+        this step, with :meth:`_load_critic` (called again for the frozen KL reference)."""
         return load_causal_lm(model_path, "fp32")
 
     def _load_critic(self, model_path: str) -> torch.nn.Module:
         """PPO's value model from the Hugging Face folder ``model_path``: its backbone, a zero-initialised scalar
-        head, in fp32, answering ``critic(input_ids, attention_mask)`` with the values of every position
-        ``[rows, width]`` in fp32 (another backend overrides this with its own model)."""
+        head, in fp32, answering ``critic(input_ids=, attention_mask=, position_ids=, use_cache=)`` (as the policy)
+        with the values of every position ``[rows, width]`` in fp32 (another backend overrides this with its own
+        model)."""
         return _ValueModel(load_causal_lm(model_path, "fp32")).eval()
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
@@ -211,28 +220,26 @@ class TorchTrainEngine(TrainEngine):
         """Route the forward's tokens to the rollout's experts (``[rows, width, moe_layers, top_k]``, R3)."""
         return routing_replay.replaying(model, None if experts is None else experts.flatten(0, 1))
 
+    def _inputs(self, batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
+        """The forward's inputs for ``rows``: packed into one row with ``--use-dynamic-batch-size`` (its token
+        budget is of real tokens, which a packed row holds and nothing else), else right-padded rows."""
+        return (packed_inputs if self.optim.use_dynamic_batch_size else padded_inputs)(batch, rows)
+
     def _response_logprobs(self, model: torch.nn.Module, batch: TensorBatch,
                            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
-        first, width = _span(batch, rows)
-        input_ids, mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
-        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :width]
-        with self._replaying(model, experts):
-            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-        return self._response_stats(logits, batch, rows, first, width)
+        inputs = self._inputs(batch, rows)
+        with self._replaying(model, inputs.experts):
+            logits = model(**inputs.model_kwargs()).logits
+        return self._response_stats(logits, inputs)
 
-    def _response_stats(self, logits: torch.Tensor, batch: TensorBatch, rows: torch.Tensor, first: int,
-                        width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_response_logprobs` from the policy's ``logits [rows, width, vocab]`` of ``rows``' first
-        ``width`` positions (``first``, ``width``: :func:`_span`)."""
-        input_ids = batch.input_ids[rows, :width]
-        # each position from the first that predicts a response token, with its next token (the last wraps
-        # around, never a response's); then the response positions
-        logprobs, entropy = self._token_stats(logits[:, first:], input_ids.roll(-1, dims=1)[:, first:],
+    def _response_stats(self, logits: torch.Tensor, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_response_logprobs` from the policy's ``logits [rows, width, vocab]`` of ``inputs`` (one row when
+        packed)."""
+        # each position from the first that predicts a response token, with its next token; then the responses'
+        logprobs, entropy = self._token_stats(logits[:, inputs.first:], inputs.next_tokens(),
                                               entropy_grad=bool(self.loss.entropy_coef))
-        index = _response_index(batch, rows, width) - first
-        response_mask = batch.response_mask[rows]
-        return logprobs.gather(1, index) * response_mask, entropy.gather(1, index) * response_mask
+        return inputs.responses(logprobs), inputs.responses(entropy)
 
     def _forward_passes(self, model: torch.nn.Module, batch: TensorBatch,
                         chunks: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -266,11 +273,10 @@ class TorchTrainEngine(TrainEngine):
         value that moves between the step's scoring pass and its training passes because a near-tie in a
         router flipped would be clipped as if the weights had moved it."""
         assert self.critic is not None
-        _, width = _span(batch, rows)
-        experts = None if batch.routed_experts is None else batch.routed_experts[rows, :width]
-        with self._replaying(self.critic, experts):
-            values = self.critic(batch.input_ids[rows, :width], batch.attention_mask[rows, :width])
-        return values.gather(1, _response_index(batch, rows, width)) * batch.response_mask[rows]
+        inputs = self._inputs(batch, rows)
+        with self._replaying(self.critic, inputs.experts):
+            values = self.critic(**inputs.model_kwargs())
+        return inputs.responses(values[:, inputs.first:])
 
     @torch.no_grad()
     def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
@@ -366,7 +372,7 @@ class TorchTrainEngine(TrainEngine):
 
     def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
         """This copy's micro-batches of ``rows`` (:func:`replica_micro_batches`): ``--micro-batch-size`` samples
-        each, or with ``--use-dynamic-batch-size`` at most ``--max-tokens-per-gpu`` padded tokens each."""
+        each, or with ``--use-dynamic-batch-size`` at most ``--max-tokens-per-gpu`` tokens each (packed)."""
         return replica_micro_batches(rows, lengths, self.optim.micro_batch_size, *self.replica,
                                      max_tokens=self.optim.max_tokens_per_gpu)
 
@@ -438,9 +444,10 @@ def _combine(key: str, sums: list[float], minis: int) -> float:
 def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, size: int,
                   max_tokens: int = 0) -> tuple[torch.Tensor, ...]:
     """``rows`` cut into micro-batches of ``size``, longest samples first (``lengths``: of every sample of the
-    batch): a micro-batch is padded to its longest sample, so grouping samples of similar length wastes the
-    least compute on padding, and the largest one comes first (running out of memory shows at once). With
-    ``max_tokens`` (slime's --max-tokens-per-gpu), as many samples as :func:`token_budget_sizes` fits instead."""
+    batch): a micro-batch of ``size`` is padded to its longest sample, so grouping samples of similar length
+    wastes the least compute on padding, and the largest one comes first (running out of memory shows at
+    once). With ``max_tokens`` (slime's --max-tokens-per-gpu), as many samples as :func:`token_budget_sizes`
+    fits instead."""
     return tuple(chunk for chunk, _ in replica_micro_batches(rows, lengths, size, 0, 1, max_tokens))
 
 
@@ -468,29 +475,18 @@ def _cut(share: torch.Tensor, lengths: torch.Tensor, size: int, max_tokens: int)
 
 def token_budget_sizes(longest_first: list[int], max_tokens: int) -> list[int]:
     """How many samples each micro-batch takes of samples of these lengths (prompt + response tokens, longest
-    first), so that its padded size, samples x its first (longest) sample's length, is at most ``max_tokens``.
-    Rows are padded to the longest (no packing yet), so the padded size is what the micro-batch's activations
-    hold; slime's budget counts real tokens, which is the padded size once rows are packed. A sample longer
-    than the budget runs alone rather than being refused, as slime's first-fit gives it a micro-batch of its
-    own: the budget bounds memory, and one long response should not stop a run."""
-    sizes, start = [], 0
-    while start < len(longest_first):
-        sizes.append(min(max(1, max_tokens // max(longest_first[start], 1)), len(longest_first) - start))
-        start += sizes[-1]
+    first), in order, so that their tokens add up to at most ``max_tokens``: the micro-batch's samples are
+    packed into one row without padding (``vime.backends.packing``), so its real tokens are what its
+    activations hold, the count slime's budget takes too. A sample longer than the budget runs alone rather
+    than being refused, as slime's first-fit gives it a micro-batch of its own: the budget bounds memory, and
+    one long response should not stop a run."""
+    sizes, tokens = [], max_tokens
+    for length in longest_first:
+        if sizes and tokens + length <= max_tokens:
+            sizes[-1] += 1
+            tokens += length
+        else:
+            sizes.append(1)
+            tokens = length
     return sizes
 
-
-def _span(batch: TensorBatch, rows: torch.Tensor) -> tuple[int, int]:
-    """``(first, width)`` of ``rows``: the first position whose output predicts a response token, and the
-    columns short of those that are padding in every row (batches are right-padded). One host read, taken
-    before the forward is queued: the vocabulary-wide work skips the positions before ``first``, which
-    with long prompts and short responses are most of them."""
-    bounds = torch.stack([batch.response_start[rows].min() - 1, batch.attention_mask[rows].sum(-1).max()])
-    first, width = bounds.tolist()
-    return first, width
-
-
-def _response_index(batch: TensorBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """For each response token, the position whose output predicts it: ``[rows, max_response]``."""
-    steps = torch.arange(batch.response_ids.shape[1], device=batch.response_start.device)
-    return (batch.response_start[rows].unsqueeze(1) - 1 + steps).clamp(max=width - 1)

@@ -1,7 +1,8 @@
 """Throw-away TLS files for a local ``--transport tls+tcp`` job: a CA and one certificate it signs.
 
 For tests, benchmarks and a first try of TLS on one machine; a real deployment uses its own CA. Made with
-the ``openssl`` command, which every Linux host has, rather than a Python dependency.
+the ``openssl`` command, which every Linux host has, rather than a Python dependency. ECDSA P-256 keys: vime's
+TLS refuses RSA ones (``vime.transports.sockets.rsa_key_problem`` says why).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+
+P256 = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256")  # openssl's flags for an ECDSA P-256 key
 
 
 def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str]:
@@ -21,9 +24,9 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+    openssl("req", "-x509", *P256, "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
             "-subj", f"/CN={ca_name}")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    openssl("req", *P256, "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
     (folder / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
@@ -31,3 +34,12 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     for secret in ("ca.key", "node.key", "bundle.pem"):
         (folder / secret).chmod(0o600)
     return {"cert_key": str(folder / "bundle.pem"), "ca": str(folder / "ca.pem")}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m vime.devtools.certificates DIR  (writes a test CA and a certificate there)")
+    print(json.dumps(make_tls_files(Path(sys.argv[1])), indent=2))

@@ -39,7 +39,7 @@ from vime.backends.megatron.weights import (
     write_hf_folder,
 )
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
-from vime.backends.torch_train import TorchTrainEngine, _span, refused_layout
+from vime.backends.torch_train import TorchTrainEngine, refused_layout
 from vime.config import OptimConfig
 
 
@@ -51,7 +51,9 @@ class _AsCausalLM(torch.nn.Module):
     ``model(input_ids=, attention_mask=, position_ids=).logits``; answering
     that call lets :class:`MegatronTrainEngine` run the very same step. The
     trainer's batches are right-padded and trimmed, so the mask and positions
-    it passes are those the causal GPTModel assumes anyway. Under tensor
+    it passes are those the causal GPTModel assumes anyway; or packed into one
+    row (``attention_mask`` None), whose positions restart at each sample and
+    tell the model where the samples are (``model.forward``). Under tensor
     parallelism its logits are this rank's share of the vocabulary, which the
     engine's ``_token_stats`` takes as they are; anything else must gather them.
     """
@@ -62,20 +64,29 @@ class _AsCausalLM(torch.nn.Module):
         self.config = config  # the Hugging Face config, as a transformers model carries it
         self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                use_cache: bool = False) -> ForwardOutput:
         """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
-        the ranks."""
-        return forward(self.model, input_ids, replay_experts=self.replay_experts, whole_vocabulary=False)
+        the ranks. ``use_cache`` is taken as a transformers model takes it; a GPTModel keeps no cache here."""
+        return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
+                       replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
 class _AsValueModel(_AsCausalLM):
     """A GPTModel with a :class:`~vime.backends.megatron.modules.ValueHead` called the way the reference
-    trainer calls its value model: ``critic(input_ids, attention_mask)`` -> the values of every position,
-    ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
+    trainer calls its value model: ``critic(input_ids=, attention_mask=, position_ids=, use_cache=)`` -> the
+    values of every position, ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return forward(self.model, input_ids, replay_experts=self.replay_experts).logits.squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,  # type: ignore[override]
+                position_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
+                       replay_experts=self.replay_experts).logits.squeeze(-1).float()
+
+
+def _packed_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The positions ``model.forward`` needs: a packed row's (no mask), which mark its samples; none for right-padded
+    rows, whose positions are ``0..width-1`` as the GPTModel takes them anyway."""
+    return position_ids if attention_mask is None else None
 
 
 class MegatronTrainEngine(TorchTrainEngine):
@@ -282,13 +293,13 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _pipelined(self, model: _AsCausalLM, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
                    loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
                    forward_only: bool) -> list[dict[str, torch.Tensor]]:
-        """The micro-batches ``chunks`` through the pipeline stages by megatron-core's own schedule
-        (``get_forward_backward_func``: 1F1B, or forward passes only), each stage exchanging activations and
-        their gradients with its neighbours. The last stage turns its logits into the response tokens'
-        log-probs and entropies and ``loss_of`` into the micro-batch's loss (normalised by its mini-batch, as
-        in the reference trainer: the token count of 1 handed to the schedule, under
-        ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it returns
-        in ``chunks``' order; the other stages return none."""
+        """The micro-batches ``chunks`` (right-padded rows, or one packed row each: :meth:`_inputs`) through the
+        pipeline stages by megatron-core's own schedule (``get_forward_backward_func``: 1F1B, or forward passes
+        only), each stage exchanging activations and their gradients with its neighbours. The last stage turns
+        its logits into the response tokens' log-probs and entropies and ``loss_of`` into the micro-batch's loss
+        (normalised by its mini-batch, as in the reference trainer: the token count of 1 handed to the schedule,
+        under ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it
+        returns in ``chunks``' order; the other stages return none."""
         one = torch.ones((), dtype=torch.int, device=self.device)
         # the stages receive activations into buffers of this dtype: the weights', bf16 once the masters rounded
         # them (the model was built in fp32)
@@ -297,13 +308,14 @@ class MegatronTrainEngine(TorchTrainEngine):
         def step(data: Iterator[tuple[torch.Tensor, bool]],
                  stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
             rows, counted = next(data)
-            first, width = _span(batch, rows)
-            experts = None if batch.routed_experts is None else _route_free_tokens(batch.routed_experts[rows, :width])
-            output = forward(stage, batch.input_ids[rows, :width], replay_experts=experts,
-                             whole_vocabulary=False).logits
+            inputs = self._inputs(batch, rows)
+            experts = None if inputs.experts is None else _route_free_tokens(inputs.experts)
+            output = forward(stage, inputs.input_ids,
+                             position_ids=_packed_positions(inputs.attention_mask, inputs.position_ids),
+                             replay_experts=experts, whole_vocabulary=False).logits
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-                loss, stats = loss_of(rows, counted, *self._response_stats(logits, batch, rows, first, width))
+                loss, stats = loss_of(rows, counted, *self._response_stats(logits, inputs))
                 return loss, one, stats
 
             return output, loss_func

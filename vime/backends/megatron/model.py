@@ -7,12 +7,17 @@ experts are recorded and replayed is ``routing``'s; log-probs from the logits ar
 
 The rotary embedding uses positions ``0..seq-1`` of each row, so batches are right-padded (as
 ``vime.backends.base.collate`` pads them): padding then sits after every real token and, under causal
-attention, cannot change a real token's output.
+attention, cannot change a real token's output. A packed row (``vime.backends.packing``: samples end to end,
+``position_ids`` restarting at 0 in each) is passed to megatron-core with the samples' bounds as
+``PackedSeqParams`` (for the core attention, ``modules.SDPAttention``, to keep each token to its sample), and
+its rotary embedding is taken at each token's own position in its sample.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
@@ -28,6 +34,7 @@ from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
 from vime.backends.megatron.routing import _routing, _stage_moe_layers
+from vime.backends.packing import documents
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
@@ -123,9 +130,15 @@ class ForwardOutput:
     experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
 
 
-def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.Tensor | None = None,
-            record_experts: bool = False, whole_vocabulary: bool = True) -> ForwardOutput:
+def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+            replay_experts: torch.Tensor | None = None, record_experts: bool = False,
+            whole_vocabulary: bool = True) -> ForwardOutput:
     """Logits of right-padded ``input_ids [batch, seq]``, routing freely, recording, or replaying experts.
+
+    With ``position_ids [1, seq]``, ``input_ids [1, seq]`` is one packed row: samples end to end, each one's
+    positions from 0 (``vime.backends.packing.packed_inputs``). Each token then attends only to its own
+    sample's tokens and takes the rotary embedding of its position in it, so its logits are those it has
+    in a padded row of its own.
 
     ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
     layer send each token to those experts; the gate weights are the router's
@@ -135,9 +148,11 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     parallelism each rank computes the logits of its share of the vocabulary;
     ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
     for what needs no gathering). On a pipeline stage, the model takes its input from the stage before (as
-    megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape; a stage before the last
-    returns its output as it goes to the next stage. ``replay_experts`` are then still the whole model's (every
-    MoE layer's), of which the stage replays its own layers'; recording needs the whole model.
+    megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape (a packed row's
+    ``position_ids`` are still needed: every stage keeps each token to its sample and takes its rotary
+    embedding at its own position); a stage before the last returns its output as it goes to the next stage.
+    ``replay_experts`` are then still the whole model's (every MoE layer's), of which the stage replays its own
+    layers'; recording needs the whole model.
     """
     if model.config.pipeline_model_parallel_size > 1:
         if record_experts:
@@ -149,9 +164,24 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
     _, ranks = _sequence_ranks(model)
     width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
     input_ids = F.pad(input_ids, (0, width - seq))
-    positions = torch.arange(width, device=input_ids.device).expand(batch, width)
-    with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles:
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None)
+    arange = torch.arange(width, device=input_ids.device)
+    packed = None
+    if position_ids is None:
+        positions = arange.expand(batch, width)
+    else:
+        if batch != 1:
+            raise ValueError(f"position_ids mark the samples of one packed row; got {batch} rows: pack them into one "
+                             "(vime.backends.packing.packed_inputs) or pass right-padded rows without position_ids")
+        positions = torch.cat([position_ids, arange[:width - seq].unsqueeze(0)], dim=1)  # the padding: a sample
+        cu_seqlens, longest = documents(positions)
+        # "sbhd": the row stays a sequence of one batch entry, as megatron-core lays out unpacked input; its "thd"
+        # layout would apply the rotary embedding sample by sample, a host read and several kernels per sample
+        # in every layer, where taking each token's own position (_at_positions) is one gather per forward
+        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+    with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles, \
+            _at_positions(model, None if packed is None else positions[0]):
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None, packed_seq_params=packed)
         if not model.post_process:
             return ForwardOutput(logits=logits, experts=None)
         logits = logits[:, :seq]
@@ -163,3 +193,21 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, replay_experts: torch.T
             recorded = _gather_sequence(torch.stack([handle.get_recorded_indices() for handle in handles]), ranks)
             experts = recorded.reshape(len(handles), width, batch, -1).permute(2, 1, 0, 3)[:, :seq].contiguous()
     return ForwardOutput(logits=logits, experts=experts)
+
+
+@contextlib.contextmanager
+def _at_positions(model: GPTModel, positions: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, ``model``'s rotary embedding is taken at ``positions [seq]`` (each token's position in its
+    packed sample) instead of ``0..seq-1``. megatron-core's GPTModel ignores ``position_ids`` under RoPE: it asks
+    its rotary module for the first ``max_seqlen`` positions (``PackedSeqParams``: the longest sample's length),
+    and this picks each token's row of those. The embedding is computed once per forward, before the layers, and
+    handed to them (a recomputing layer gets it again from its checkpoint), so the hook is needed only around the
+    call."""
+    if positions is None:
+        yield
+        return
+    handle = model.rotary_pos_emb.register_forward_hook(lambda module, args, output: output[positions])
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,7 +1,8 @@
 """The layers vime puts in megatron-core's layer spec in place of its own (no Transformer Engine).
 
 A core attention on ``torch.nn.functional.scaled_dot_product_attention``, the one attention path on CPU
-and GPU; torch's RMSNorm, allowed under sequence parallelism; an MoE layer's routed experts as two
+and GPU for right-padded rows (a packed row's, :func:`document_attention`, takes torch's variable-length flash
+kernel on a GPU where it can); torch's RMSNorm, allowed under sequence parallelism; an MoE layer's routed experts as two
 stacked weights in grouped matmuls (:class:`GroupedExperts`, in place of megatron-core's one-by-one
 ``SequentialMLP``; ``bench/experts.py``); and PPO's scalar value head in place of the output layer
 (:class:`ValueHead`). Where they go in the spec is ``model.build_model``'s business;
@@ -10,6 +11,9 @@ how their weights map to a Hugging Face checkpoint is ``conversion``'s.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +23,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vime.backends.packing import document_mask
+
 
 class SDPAttention(MegatronModule):
     """Megatron core attention on ``torch.nn.functional.scaled_dot_product_attention``.
@@ -27,10 +33,15 @@ class SDPAttention(MegatronModule):
     score matrix; SDPA picks a fused kernel instead (flash attention on the
     GPU, a blocked kernel on CPU) and handles grouped-query attention without
     repeating the key/value heads. It replaces the local core attention on CPU
-    and GPU alike, so tests and training run the same code.
+    and GPU alike, so tests and training run the same code; a packed row in
+    bf16 on a GPU is the exception (:func:`document_attention` takes torch's
+    variable-length kernel there, which a GPU test holds to each sample's own
+    attention).
 
-    Only causal self-attention over unpacked sequences is supported: that is
-    all a decoder-only policy needs when batches are right-padded.
+    Causal self-attention only, over right-padded rows, or over one packed
+    row whose samples ``packed_seq_params`` bounds (``model.forward``): each
+    token then attends to the earlier tokens of its own sample only
+    (:func:`document_attention`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -45,16 +56,65 @@ class SDPAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        """``query [s, b, heads, d]``, ``key``/``value [s, b, groups, d]`` -> ``[s, b, heads * d]``."""
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention takes neither masks, biases nor packed sequences: "
-                                      "right-pad the batch and rely on the causal mask")
+        """``query [s, b, heads, d]``, ``key``/``value [s, b, groups, d]`` -> ``[s, b, heads * d]``; packed
+        (``packed_seq_params``), ``b`` is 1."""
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention takes neither masks nor biases: right-pad the batch and rely "
+                                      "on the causal mask, or pack it (vime.backends.packing)")
+        dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is not None:
+            context = document_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+                                         packed_seq_params.max_seqlen_q, self.softmax_scale, dropout)
+            return context.reshape(context.shape[0], 1, -1)
         query, key, value = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
         context = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=query.shape[1] != key.shape[1])
+            dropout_p=dropout, enable_gqa=query.shape[1] != key.shape[1])
         seq, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                       longest: int, scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention within each sample of a packed row: ``query [tokens, heads, d]``, ``key``/``value
+    [tokens, groups, d]``, the samples starting at ``cu_seqlens`` (int32 ``[samples + 1]``, the last the row's
+    end), the longest ``longest`` tokens -> ``[tokens, heads, d]``.
+
+    The one place the kernel is chosen. On a GPU in bf16/fp16 without dropout, torch's variable-length flash
+    attention (``torch.nn.attention.varlen``), which computes each sample's own triangle and nothing across
+    samples. Otherwise (the CPU, fp32, attention dropout, which that kernel lacks) SDPA under a block-diagonal
+    causal mask (``vime.backends.packing.document_mask``): ``tokens x tokens`` booleans, and the kernel works
+    through the masked blocks too, so it costs what one padded row as long as the packed one would."""
+    groups_differ = query.shape[1] != key.shape[1]
+    varlen = _varlen_attention()
+    if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout:
+        kernel, takes_groups = varlen
+        grouped = {}
+        if groups_differ and takes_groups:
+            grouped = {"enable_gqa": True}
+        elif groups_differ:  # each query head's key/value group, as SDPA's enable_gqa reads it
+            key, value = (tensor.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for tensor in (key, value))
+        return kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale, window_size=(-1, 0),
+                      **grouped)
+    mask = document_mask(cu_seqlens, query.shape[0])
+    query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, dropout_p=dropout,
+                                             enable_gqa=groups_differ)
+    return context[0].transpose(0, 1)
+
+
+@functools.cache
+def _varlen_attention() -> tuple[Callable[..., torch.Tensor], bool] | None:
+    """``torch.nn.attention.varlen.varlen_attn``, and whether it takes grouped key/value heads (``enable_gqa``, as
+    2.12 and 2.13 do; without, :func:`document_attention` repeats them for each query head), where it takes a
+    causal window (``window_size``); else None, and :func:`document_attention` masks: the first releases of it
+    took ``is_causal`` and no ``scale``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return (varlen_attn, "enable_gqa" in parameters) if "window_size" in parameters else None
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

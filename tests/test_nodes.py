@@ -1,0 +1,248 @@
+"""Node agents (``python -m vime.node``) on other hosts, network namespaces standing in for the hosts
+(``vime.devtools.netns``): they join, the driver starts actors on them and supervises those as its own, a node
+killed or cut off is noticed and its actors counted dead, and a wrong token is refused on both sides."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Iterator
+
+import pytest
+import trio
+
+from conftest import open_job
+from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
+from vime.metrics import MetricsFollower
+from vime.pipeline import Refused, train
+from vime.scenarios import arithmetic
+from vime.scenarios.selfcheck import ECHO, Ping, Pong
+from vime.transports.shm import pid_alive
+
+pytestmark = pytest.mark.slow
+JOIN_S = 120.0  # a loaded 2-core machine starts a Python with torch slowly
+
+
+@contextlib.contextmanager
+def _hosts(*names: str) -> Iterator[Hosts]:
+    """Namespaces as hosts, or the test skipped saying why they cannot be made here."""
+    try:
+        with make_hosts(*names) as hosts:
+            yield hosts
+    except NoNamespaces as err:
+        pytest.skip(str(err))
+
+
+async def _start_node(command: list[str], token: str, log: Path, *, token_flag: bool = False) -> trio.Process:
+    """A node agent as a user starts one: the token in the environment, or (``token_flag``) as ``--token``."""
+    env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
+    if token_flag:
+        command = [*command, "--token", token]
+    else:
+        env["VIME_TOKEN"] = token
+    with open(log, "ab") as out:
+        return await trio.lowlevel.open_process(command, env=env, stdout=out, stderr=out)
+
+
+def _node_command(hosts, host: str, address: str, run_dir: Path, *extra: str) -> list[str]:
+    return hosts.command(host, sys.executable, "-m", "vime.node", "--join", address, "--name", f"node-{host}",
+                         "--allow-role", ECHO, "--run-dir", str(run_dir), *extra)
+
+
+async def _gone_within(pid: int, seconds: float) -> None:
+    with trio.fail_after(seconds):
+        while pid_alive(pid):
+            await trio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def _agents(*started: Awaitable[trio.Process]) -> AsyncIterator[list[trio.Process]]:
+    """Node agents killed at the end whatever happened, those that started before a failure included."""
+    agents: list[trio.Process] = []
+    try:
+        for start in started:
+            agents.append(await start)
+        yield agents
+    finally:
+        for agent in agents:
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+
+
+async def test_nodes_on_two_hosts_run_supervised_actors_and_a_lost_node_is_noticed(tmp_path):
+    with _hosts("b", "c") as hosts:
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job, _agents(*(
+                _start_node(_node_command(hosts, h, job.address, tmp_path / h, "--driver-lost-s", "10"), job.token,
+                            tmp_path / f"node-{h}.out") for h in ("b", "c"))) as (agent_b, agent_c):
+            for h in ("b", "c"):
+                await job.wait_event("node joined", f"node-{h}", timeout=JOIN_S)
+            assert {n: i.address_host for n, i in job.nodes.items()} == {
+                "node-b": hosts.ips["b"], "node-c": hosts.ips["c"]}
+            listed = json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]
+            assert sorted(n["name"] for n in listed) == ["node-b", "node-c"]
+
+            # started there, reached there, supervised from here: a kill is seen and the actor restarted there
+            first = await job.spawn(ECHO, "echo-b", node="node-b", restart=True, timeout=JOIN_S)
+            echo_c = await job.spawn(ECHO, "echo-c", node="node-c", restart=True, timeout=JOIN_S)
+            assert first.address.startswith(f"tcp://{hosts.ips['b']}:")
+            assert echo_c.address.startswith(f"tcp://{hosts.ips['c']}:")
+            assert await job.ask("echo-b", Ping(payload=b"b")) == Pong(payload=b"b")
+            killed_at = time.monotonic()
+            job.kill("echo-b")
+            await job.wait_event("died", "echo-b", timeout=5)
+            assert time.monotonic() - killed_at < 5
+            await job.wait_event("restarted", "echo-b", timeout=JOIN_S)
+            second = job.actors["echo-b"]
+            assert second.pid != first.pid and not pid_alive(first.pid)
+
+            # restarted on demand: the old process's exit, reported late, does not touch its successor
+            third = await job.restart("echo-b", timeout=JOIN_S)
+            assert third.pid != second.pid and not job.gone_for_good("echo-b")
+            await trio.sleep(2)  # time for the old exit's report to arrive
+            assert job.actors["echo-b"].pid == third.pid
+            assert await job.ask("echo-b", Ping(payload=b"again")) == Pong(payload=b"again")
+
+            # a frozen actor does not freeze its node: another starts there meanwhile, then it goes on
+            job.kill("echo-b", signal.SIGSTOP)
+            await job.spawn(ECHO, "echo-b2", node="node-b", timeout=JOIN_S)
+            job.kill("echo-b", signal.SIGCONT)
+            assert await job.ask("echo-b", Ping(payload=b"thawed")) == Pong(payload=b"thawed")
+
+            # an actor failing as it starts: the driver says why, from the log its node forwarded here
+            with pytest.raises(RuntimeError, match=r"exited during start-up(.|\n)*no_such_setting"):
+                await job.spawn(ECHO, "broken-b", settings={"no_such_setting": 1}, node="node-b", timeout=JOIN_S)
+            forwarded = (tmp_path / "run" / "logs" / "broken-b.log").read_text()
+            assert "unknown field(s) ['no_such_setting']" in forwarded
+
+            # a role the node does not allow is refused, saying how to allow it; the name stays free
+            with pytest.raises(RuntimeError, match="--allow-role vime.scenarios.selfcheck:Tally"):
+                await job.spawn("vime.scenarios.selfcheck:Tally", "extra-b", node="node-b")
+            await job.spawn(ECHO, "extra-b", node="node-b", timeout=JOIN_S)
+
+            # node c killed: its loss and its actor's within the heartbeat timeout; no restart on a lost node
+            agent_c.kill()
+            lost = await job.wait_event("node lost", "node-c", timeout=10)
+            assert "echo-c" in lost.detail
+            assert "node-c was lost" in (await job.wait_event("died", "echo-c", timeout=5)).detail
+            assert "node-c is not in the job" in (await job.wait_event("stranded", "echo-c", timeout=5)).detail
+            assert job.gone_for_good("echo-c")
+            await _gone_within(echo_c.pid, 30)
+            assert [n["name"] for n in json.loads((tmp_path / "run" / "actors.json").read_text())["nodes"]] == [
+                "node-b"]
+
+            # node b cut off: the driver counts it lost; the node, its driver silent, stops its actors, exits 3
+            hosts.cut("b")
+            await job.wait_event("node lost", "node-b", timeout=10)
+            with trio.fail_after(40):
+                assert await agent_b.wait() == 3
+            await _gone_within(third.pid, 15)
+            assert "has not answered" in (tmp_path / "node-b.out").read_text()
+            assert "node-b" not in job.nodes and "echo-b" not in job.actors
+
+
+async def test_a_node_cut_off_and_back_is_told_to_stop(tmp_path):
+    """Counted lost, a node whose link comes back would keep its actors (and GPUs) serving nobody."""
+    with _hosts("b") as hosts:
+        async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip, dead_after_s=3.0) as job, _agents(
+                _start_node(_node_command(hosts, "b", job.address, tmp_path / "b", "--driver-lost-s", "60"),
+                            job.token, tmp_path / "node-b.out")) as (agent,):
+            await job.wait_event("node joined", "node-b", timeout=JOIN_S)
+            echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)
+            hosts.cut("b")
+            await job.wait_event("node lost", "node-b", timeout=10)
+            hosts.restore("b")
+            with trio.fail_after(30):
+                assert await agent.wait() == 0  # told to stop, well before its own 60 s
+            await _gone_within(echo.pid, 15)
+
+
+async def test_a_job_that_ends_stops_its_nodes_and_their_actors(tmp_path):
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with open_job(tmp_path / "run", "tcp", host=hosts.head_ip) as job:
+                agents.append(await _start_node(_node_command(hosts, "b", job.address, tmp_path / "b"), job.token,
+                                                tmp_path / "node-b.out", token_flag=True))
+                await job.wait_event("node joined", "node-b", timeout=JOIN_S)
+                echo = await job.spawn(ECHO, "echo-b", node="node-b", timeout=JOIN_S)  # the agent's token passed on
+            with trio.fail_after(30):
+                assert await agents[0].wait() == 0
+            await _gone_within(echo.pid, 15)
+    assert (tmp_path / "b" / "logs" / "echo-b.log").exists()  # the node keeps its own copy of its actors' logs
+
+
+@pytest.mark.parametrize("token", ["not-the-token", ""], ids=["wrong", "missing"])
+async def test_a_node_with_a_wrong_token_is_refused_on_both_sides(tmp_path, token):
+    async with open_job(tmp_path / "run", "tcp") as job:
+        env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | ({"VIME_TOKEN": token} if token else {})
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "vime.node", "--join", job.address, "--name", "intruder"], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with trio.fail_after(JOIN_S):
+            said = b""
+            while chunk := await process.stderr.receive_some(1 << 16):
+                said += chunk
+            code = await process.wait()
+        assert code == 2 and b"token" in said, said
+        assert "intruder" not in job.actors and not job.nodes and job.driver.errors["unauthorized"] >= 1
+        with pytest.raises(ValueError, match="no node named 'intruder'"):
+            await job.spawn(ECHO, "echo-x", node="intruder")
+
+
+async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
+                                          tmp_path: Path) -> None:
+    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
+    host as its user would."""
+    join = run_dir / "join"
+    with trio.fail_after(JOIN_S):
+        while not join.exists():
+            await trio.sleep(0.1)
+    text = join.read_text()
+    token = re.search(r"VIME_TOKEN=(\S+)", text).group(1)
+    address = re.search(r"vime-node --join (\S+)", text).group(1)
+    for host in names:
+        agents.append(await _start_node(_node_command(hosts, host, address, tmp_path / host), token,
+                                        tmp_path / f"node-{host}.out"))
+
+
+async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_lost(tmp_path):
+    """--rollout-nodes 2: the run waits for two node agents, starts a rollout worker on each, and trains; node c
+    killed at step 3 takes its worker with it (stranded: not restarted), the router re-issues that worker's
+    groups to the other, and every step is still trained, no group lost or trained twice."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
+        max_staleness=1))
+    with _hosts("b", "c") as hosts:
+        async with _agents() as agents:
+            addresses: dict[str, str] = {}
+
+            async def lose_node_c(job, row: dict) -> None:
+                if row["step"] == 1:
+                    addresses.update({name: info.address for name, info in job.actors.items()})
+                if row["step"] == 3:
+                    agents[1].kill()
+                    await job.wait_event("node lost", "node-c", timeout=15)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b", "c"], agents, tmp_path)
+                summary = await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=lose_node_c,
+                                      timeout_s=900)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
+    assert addresses["rollout-0"].startswith(f"tcp://{hosts.ips['b']}:")
+    assert addresses["rollout-1"].startswith(f"tcp://{hosts.ips['c']}:")
+
+
+async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):
+    config = arithmetic.prepare(tmp_path / "run", arithmetic.defaults().replace(rollout_workers=2, rollout_nodes=2))
+    with pytest.raises(Refused, match="--transport tcp"):
+        await train(config, tmp_path / "run")
