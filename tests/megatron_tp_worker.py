@@ -4,8 +4,9 @@ and data parallel), a leader
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
 value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
-(``distributed-optimizer``); padded rows and packed ones side by side (``packed``); or one side of a
-checkpoint saved in one layout and resumed in another (``layouts``).
+(``distributed-optimizer``); padded rows and packed ones side by side (``packed``); one side of a
+checkpoint saved in one layout and resumed in another (``layouts``); or pipeline stages (``pipeline``) training
+over two steps.
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -25,6 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,14 +42,8 @@ from vime.config import OptimConfig
 
 def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int, data_parallel: int,
          recompute: bool) -> None:
-    def build() -> MegatronTrainEngine:
-        engine = MegatronTrainEngine(folder, algo="grpo", optim=OptimConfig(updates_per_step=1, micro_batch_size=2),
-                                     loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
-                                     ppo_config=PPOConfig(), temperature=0.7, total_steps=4,
-                                     tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                     data_parallel=data_parallel, recompute=recompute)
-        plain_sgd(engine)  # AdamW's step is blind to the gradient's scale, so to whether it was clipped
-        return engine
+    build = functools.partial(grpo_with_sgd, folder, 1, tensor_parallel=tensor_parallel,
+                              expert_parallel=expert_parallel, data_parallel=data_parallel, recompute=recompute)
 
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
@@ -67,6 +63,19 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
         torch.save({"loaded": loaded, "streamed": streamed, "logprobs": logprobs, "metrics": metrics,
                     "trained": trained, "resumed_alike": resumed_alike, "vocabulary_gaps": vocabulary_gaps}, out)
     dist.destroy_process_group()
+
+
+def grpo_with_sgd(folder: str, updates_per_step: int, max_tokens: int = 0, **layout: Any) -> MegatronTrainEngine:
+    """GRPO with a KL reference in ``layout`` (the engine's parallel sizes and ``recompute``), micro-batches of 2
+    (with ``max_tokens``, of that many tokens packed into one row: ``--use-dynamic-batch-size``), plain SGD
+    (:func:`plain_sgd`): AdamW's step is blind to the gradient's scale, so to whether it was clipped."""
+    optim = OptimConfig(updates_per_step=updates_per_step, micro_batch_size=2,
+                        use_dynamic_batch_size=bool(max_tokens), max_tokens_per_gpu=max_tokens)
+    engine = MegatronTrainEngine(folder, algo="grpo", optim=optim,
+                                 loss=PolicyLossConfig(kl_loss_coef=0.1), grpo_config=GRPOConfig(),
+                                 ppo_config=PPOConfig(), temperature=0.7, total_steps=4, **layout)
+    plain_sgd(engine)
+    return engine
 
 
 def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
@@ -134,7 +143,8 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
 
 
 def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, tensor_parallel: int,
-                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str) -> None:
+                                     expert_parallel: int, data_parallel: int, algo: str, dtype: str,
+                                     pipeline_parallel: int) -> None:
     """The plain optimizer and the distributed one (``distributed_optimizer``) train side by side on the same
     ranks, AdamW with a decaying learning rate (which the schedule sets on the whole tensors' groups and the
     parts must follow, a resumed trainer too), a step on each batch; the distributed one saves before the last
@@ -149,7 +159,7 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
                                    loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                    temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
                                    expert_parallel=expert_parallel, data_parallel=data_parallel,
-                                   distributed_optimizer=distributed_optimizer)
+                                   distributed_optimizer=distributed_optimizer, pipeline_parallel=pipeline_parallel)
 
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
     engines = {"plain": build(False), "distributed": build(True)}
@@ -173,25 +183,53 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     dist.destroy_process_group()
 
 
-def train_packed_and_padded(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
-                            data_parallel: int, max_tokens: int) -> None:
-    """Two trainers on the same ranks, plain SGD: right-padded micro-batches of 2 samples (``padded``), and
-    micro-batches of ``max_tokens`` packed into one row each (``packed``). Rank 0 writes each one's scored
-    log-probs and entropies, its step's metrics and its weights after the step (gathered)."""
-    def build(max_tokens: int) -> MegatronTrainEngine:
-        optim = OptimConfig(updates_per_step=2, micro_batch_size=2, use_dynamic_batch_size=bool(max_tokens),
-                            max_tokens_per_gpu=max_tokens)
-        engine = MegatronTrainEngine(folder, algo="grpo", optim=optim, loss=PolicyLossConfig(kl_loss_coef=0.1),
-                                     grpo_config=GRPOConfig(), ppo_config=PPOConfig(), temperature=0.7,
-                                     total_steps=4, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                     data_parallel=data_parallel)
-        plain_sgd(engine)
-        return engine
+def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int,
+                    data_parallel: int, expert_parallel: int) -> None:
+    """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies; an MoE model's experts divided among
+    ``expert_parallel`` of each stage's ranks) train GRPO with a KL reference
+    (scored through the stages too), two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`:
+    the update is the clipped gradient), a step on each batch. Rank 0 writes the weights as loaded and as
+    streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
+    step, the Hugging Face folder ``save_hf`` wrote (beside ``out``), and the metrics of a trainer resumed from a
+    checkpoint (one file per stage and rank) before the last step, taking it again."""
+    build = functools.partial(grpo_with_sgd, folder, 2, tensor_parallel=tensor_parallel,
+                              pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
+                              expert_parallel=expert_parallel)
 
+    engine = build()
+    batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
+    loaded = gathered_weights(engine)
+    streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
+    scores = engine.score(batches[0])
+    checkpoint = Path(out).with_name("checkpoint")
+    metrics, trained = [], []
+    for index, batch in enumerate(batches):
+        if index == len(batches) - 1:
+            engine.save(checkpoint)
+        metrics.append(engine.train_step(batch))
+        trained.append(gathered_weights(engine, "cpu"))
+    engine.save_hf(Path(out).with_name("hf"))
+    resumed = build()
+    resumed.load(checkpoint)
+    resumed_metrics = resumed.train_step(batches[-1])
+    if dist.get_rank() == 0:
+        torch.save({"loaded": loaded, "streamed": streamed, "scores": scores, "metrics": metrics, "trained": trained,
+                    "resumed": resumed_metrics}, out)
+    dist.destroy_process_group()
+
+
+def train_packed_and_padded(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
+                            data_parallel: int, pipeline_parallel: int, max_tokens: int) -> None:
+    """Two trainers on the same ranks (:func:`grpo_with_sgd`, two updates per step): right-padded
+    micro-batches of 2 samples (``padded``), and micro-batches of ``max_tokens`` packed into one row each
+    (``packed``). Rank 0 writes each one's scored log-probs and entropies, its step's metrics and its weights
+    after the step (gathered)."""
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
     results = {}
     for name, tokens in (("padded", 0), ("packed", max_tokens)):
-        engine = build(tokens)
+        engine = grpo_with_sgd(folder, 2, max_tokens=tokens, tensor_parallel=tensor_parallel,
+                               expert_parallel=expert_parallel, data_parallel=data_parallel,
+                               pipeline_parallel=pipeline_parallel)
         scores = engine.score(batch)
         metrics = engine.train_step(batch)
         results[name] = {"logprobs": scores["old_logprobs"], "entropy": scores["entropy"], "metrics": metrics,
@@ -338,9 +376,11 @@ if __name__ == "__main__":
     elif sys.argv[1] == "layouts":
         train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
     elif sys.argv[1] == "distributed-optimizer":
-        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10])
+        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
+    elif sys.argv[1] == "pipeline":
+        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
     elif sys.argv[1] == "packed":
-        train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:9]))
+        train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:10]))
     elif sys.argv[1] == "ppo":
         train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
     else:

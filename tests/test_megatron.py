@@ -312,9 +312,21 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     glm.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         megatron.transformer_config(glm)
-    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2: "
-                                         "launch with torchrun --nproc-per-node 4"):
-        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2)
+    with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
+        megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
+    tied = tiny_config("qwen3", VOCAB)
+    tied.tie_word_embeddings = True
+    for config, value_head, refusal in (
+            (tied, False, "this model ties its output layer .* train it with --pipeline-model-parallel-size 1"),
+            (tiny_config("qwen3_moe", VOCAB), False, "an MoE model's recomputed layers would replay another "
+                                                     "micro-batch's experts .* leave --recompute-activations out"),
+            (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
+                                                "grpo")):
+        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 2: {refusal}"):
+            megatron.build_model(config, pipeline_parallel=2, value_head=value_head, recompute=True)
+    with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
+        megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
     odd.moe_intermediate_size = 6
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(6 / 1\) to be whole multiples of 4"):
@@ -782,15 +794,18 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 # -- in the pipeline -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo,tensor_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
-    ("grpo", 1), ("ppo", 1), pytest.param("ppo", 2, marks=pytest.mark.slow)])
-async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel):
+@pytest.mark.parametrize("algo,tensor_parallel,pipeline_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
+    ("grpo", 1, 1), ("ppo", 1, 1), pytest.param("ppo", 2, 1, marks=pytest.mark.slow),
+    pytest.param("grpo", 1, 2, marks=pytest.mark.slow)])
+async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel, pipeline_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
     --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts; only PPO
     runs so, as it exercises all GRPO's TP2 does (the policy's split weights, their gradients, their sync)
-    and the value model besides. It must learn (issue 30): the reward rises by 0.3 or more in 30 steps, so a
-    broken gradient or weight conversion in the Megatron path fails here and not only on a GPU. PPO's value
+    and the value model besides. With --pipeline-model-parallel-size 2 the two ranks are the model's two
+    stages, and the rollout engine gets the weights gathered from both. It must learn (issue 30): the reward
+    rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion in the Megatron path fails here
+    and not only on a GPU. PPO's value
     model must learn too: GAE over values stuck at 0 is a whitened REINFORCE, which learns this task as well,
     but its value loss is then the zero-value baseline, 0.5 x the mean squared return of the step's rows
     (the rewards are 0 or 1, so 0.5 x the mean reward); a value model that tracks the returns brings it under
@@ -801,7 +816,8 @@ async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, ten
 
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=30, seed=3, algo=algo, train_backend="megatron", tensor_model_parallel_size=tensor_parallel))
+        steps=30, seed=3, algo=algo, train_backend="megatron", tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel))
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["weight_version"] for row in rows] == list(range(1, 31))
@@ -921,19 +937,22 @@ def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor
     assert all(gap <= 1e-5 for gap in ranks["vocabulary_gaps"]), ranks["vocabulary_gaps"]
 
 
-@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1)), ("qwen3_moe", (2, 2, 1)),  # CI time: 9-25 s each
-                                         ("qwen3", (1, 1, 2))])
+@pytest.mark.parametrize("case,layout", [("qwen3", (2, 1, 1, 1)), ("qwen3_moe", (2, 2, 1, 1)),  # CI time: 9-25 s
+                                         ("qwen3", (1, 1, 2, 1)), ("qwen3", (1, 1, 1, 2)),  # each
+                                         ("qwen3_moe", (1, 1, 1, 2))])
 def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_path, case, layout):
-    """Packed micro-batches under tensor (and expert, or data) parallelism: sequence parallelism cuts a packed
-    row's tokens among the ranks (a row of an odd count is padded with a sample of its own), each rank's
-    attention sees the whole row and keeps every token to its sample; the scored log-probs and entropies, the
-    step's metrics and the weights after a plain-SGD step are those the same ranks give with padded
-    micro-batches. The MoE replays random experts (R3), each rank routing its share of the row's tokens; two
-    data-parallel copies each pack their own share of the samples."""
+    """Packed micro-batches under tensor (and expert, data or pipeline) parallelism (``layout``: tensor, expert,
+    data, pipeline sizes): sequence parallelism cuts a packed row's tokens among the ranks (a row of an odd
+    count is padded with a sample of its own), each rank's attention sees the whole row and keeps every token
+    to its sample; the scored log-probs and entropies, the step's metrics and the weights after a plain-SGD step
+    are those the same ranks give with padded micro-batches. The MoE replays random experts (R3), each rank
+    routing its share of the row's tokens; two data-parallel copies each pack their own share of the samples;
+    two pipeline stages pass each packed row's activations from one to the other (megatron-core's 1F1B
+    schedule), each stage keeping every token to its sample and replaying its own MoE layers' experts."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
     torch.save(_fields(batch), tmp_path / "batch.pt")
-    ranks = _torchrun(layout[0] * layout[2], tmp_path / "out.pt",
+    ranks = _torchrun(layout[0] * layout[2] * layout[3], tmp_path / "out.pt",
                       ["packed", folder, tmp_path / "batch.pt", tmp_path / "out.pt", *layout, PACKING_BUDGET])
     padded, packed = ranks["padded"], ranks["packed"]
     for key in ("logprobs", "entropy"):
@@ -1019,10 +1038,11 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
 
 
 @pytest.mark.parametrize("case,algo,dtype,layout", [  # CI time: one by default
-    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2), id="dp2"),
-    pytest.param("qwen3", "ppo", "fp32", (1, 1, 2), id="ppo-dp2", marks=pytest.mark.slow),
-    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2), id="bf16-dp2", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2, 1), id="dp2"),
+    pytest.param("qwen3", "ppo", "fp32", (1, 1, 2, 1), id="ppo-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 1), id="bf16-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2, 1), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow)])
 def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
     """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
     (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
@@ -1032,14 +1052,15 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     keeps about half the plain optimizer's state. With ppo the value model's group is divided too; in bf16 each
     rank keeps the fp32 masters of its parts only (about half the plain run's), steps them and rounds them into
     its part of the bf16 weights, which the gather makes whole: a gather that left the other ranks' parts
-    stale would differ from the plain run's metrics and weights, far over the tolerance."""
+    stale would differ from the plain run's metrics and weights, far over the tolerance. In two pipeline
+    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors."""
     model, _, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
-    tensor_parallel, _, data_parallel = layout
-    ranks = _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
-                      ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *layout, algo,
-                       dtype])
+    tensor_parallel, expert_parallel, data_parallel, pipeline_parallel = layout
+    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+                      ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
+                       expert_parallel, data_parallel, algo, dtype, pipeline_parallel])
     plain, distributed, resumed = (ranks["metrics"][name] for name in ("plain", "distributed", "resumed"))
     assert plain[0]["grad_norm"] > 1.0  # above --grad-clip's default: the global norm decides the step
     for expected, got in zip(plain, distributed, strict=True):
@@ -1053,6 +1074,59 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
           ranks["master_bytes"])
     for plain_bytes, distributed_bytes in ranks["state_bytes"] + (ranks["master_bytes"] if dtype == "bf16" else []):
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
+
+
+@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
+    ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
+    *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
+        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2)))])
+def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
+                                                   data_parallel, expert_parallel):
+    """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
+    ``data_parallel`` copies that split each mini-batch's samples), each holding its
+    slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
+    megatron-core's 1F1B schedule over micro-batches of unequal widths: the weights gathered from every stage are
+    the checkpoint's bit for bit (as loaded, and as streamed to rollout engines), the scores (through the stages,
+    the KL reference's too) and, over two steps of two updates each, every step's metrics (loss, gradient norm
+    over all stages) and the weights after each step are one process's. Plain SGD, so the weights after a step
+    show each gradient (as clipped by the global norm). The Hugging Face folder written from the stages loads as
+    one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly, and one
+    process refuses to resume it, naming the flags of the saving layout. An MoE model (one MoE layer per stage)
+    replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole."""
+    model, checkpoint, folder = hf_models[case]
+    batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
+    torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
+    ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
+                      ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
+                       pipeline_parallel, data_parallel, expert_parallel])
+    assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
+    assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
+    assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
+    single = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
+    plain_sgd(single)
+    expected_scores = single.score(batches[0])
+    for key, value in expected_scores.items():
+        assert (ranks["scores"][key] - value).abs().max() <= 1e-5, key
+    initial = {name: tensor.clone() for name, tensor in single.named_weights().items()}
+    for step, batch in enumerate(batches):
+        expected = single.train_step(batch)
+        assert expected["grad_norm"] > 1.0  # above --grad-clip's default: the global norm decides the step
+        assert sorted(ranks["metrics"][step]) == sorted(expected)
+        for key in expected:
+            assert ranks["metrics"][step][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
+        for name, tensor in single.named_weights().items():
+            assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
+            assert (ranks["trained"][step][name] - tensor).abs().max() <= 1e-5, (step, name)
+    saved = megatron.read_hf_folder(tmp_path / "hf")[1]
+    assert sorted(saved) == sorted(checkpoint)
+    assert all((saved[name] - tensor).abs().max() <= 1e-5 for name, tensor in single.named_weights().items())
+    assert ranks["resumed"] == pytest.approx(ranks["metrics"][-1], rel=0, abs=0, nan_ok=True)  # exactly
+    with pytest.raises(ValueError, match=f"does not yet resume across pipeline stages .* resume with the saving run's "
+                                         f"--pipeline-model-parallel-size {pipeline_parallel} "
+                                         f"--tensor-model-parallel-size {tensor_parallel} --data-parallel-size "
+                                         f"{data_parallel}"):
+        _engine(megatron.MegatronTrainEngine, folder).load(tmp_path / "checkpoint")
 
 
 def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],

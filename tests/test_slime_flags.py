@@ -139,9 +139,16 @@ MEGATRON = ("--train-backend", "megatron")
 
 
 def test_data_parallel_size_is_derived_from_the_trainer_gpus():
-    """Megatron's rule: the trainer's GPUs over tensor x pipeline x context parallel (vime: tensor only)."""
+    """Megatron's rule: the trainer's GPUs over tensor x pipeline x context parallel (vime: no context parallel)."""
     job = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2").job
     assert (job.tensor_model_parallel_size, job.data_parallel_size, job.trainer_ranks) == (2, 4, 8)
+    staged = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+                   "--pipeline-model-parallel-size", "2").job
+    assert (staged.data_parallel_size, staged.trainer_ranks) == (2, 8)
+    with pytest.raises(ValueError, match="GPUs do not split into copies of --tensor-model-parallel-size 2 x "
+                                         "--pipeline-model-parallel-size 3 GPUs each"):
+        parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "3")
     assert parse(*MEGATRON, "--actor-num-gpus-per-node", "8").job.data_parallel_size == 8
     # slime's Qwen3-30B-A3B layout: 8 GPUs, TP 4, experts over all 8 ranks; no --data-parallel-size needed
     moe = parse(*MEGATRON, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "4",
@@ -187,17 +194,17 @@ def test_layout_flags_asking_for_what_vime_does_are_accepted():
 
 
 def test_features_vime_lacks_are_refused_together(tmp_path):
-    """slime's Qwen3-30B-A3B recipe's performance and optimizer flags, with a pipeline, context parallelism and
-    several hosts added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
-    flags = ["--pipeline-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
+    """slime's Qwen3-30B-A3B recipe's performance and optimizer flags, with context parallelism and several hosts
+    added: one message names every flag to drop and what vime lacks for it; no run folder is left."""
+    flags = ["--context-parallel-size", "2", "--sequence-parallel",
              "--optimizer-cpu-offload",
              "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer", "--moe-enable-deepep",
              "--critic-num-gpus-per-node", "4"]
     with pytest.raises(ValueError) as refused:
         parse(*flags, "--actor-num-nodes", "8")
     said = str(refused.value)
-    for expected in ("--actor-num-nodes 8 (a trainer on several hosts", "--pipeline-model-parallel-size 4 (pipeline "
-                     "parallelism)", "--context-parallel-size 2 (context parallelism)", "--optimizer-cpu-offload, "
+    for expected in ("--actor-num-nodes 8 (a trainer on several hosts", "--context-parallel-size 2 (context "
+                     "parallelism)", "--optimizer-cpu-offload, "
                      "--overlap-cpu-optimizer-d2h-h2d (offloading of the optimizer state to the CPU)",
                      "--use-precision-aware-optimizer (", "--moe-enable-deepep (DeepEP",
                      "--critic-num-gpus-per-node 4 (PPO's value model on GPUs of its own"):

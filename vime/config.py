@@ -329,6 +329,13 @@ class JobConfig:
     data_parallel_size: int = setting(1, "Megatron data parallelism: this many copies of the tensor-parallel trainer, "
                                          "each training its share of a batch's samples, gradients summed over "
                                          "them; the trainer runs tensor x data ranks, one per trainer GPU")
+    pipeline_model_parallel_size: int = setting(1, "Megatron pipeline parallelism: the model's layers in this many "
+                                                   "contiguous stages (the embedding on the first, the output layer "
+                                                   "on the last), micro-batches through megatron-core's 1F1B "
+                                                   "schedule; the trainer runs tensor x data x pipeline ranks. So "
+                                                   "far: models with an untied output layer, GRPO-style estimators "
+                                                   "(not ppo), MoE stages without --recompute-activations; a "
+                                                   "checkpoint resumes at its own pipeline size")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many ranks, each holding its experts whole: 1, "
                                                  "--tensor-model-parallel-size (each copy of the trainer holds them "
@@ -346,7 +353,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for flag in ("tensor_model_parallel_size", "data_parallel_size"):
+        for flag in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, flag) > 1 and self.train_backend != "megatron":
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
         for flag in ("recompute_activations", "use_distributed_optimizer"):
@@ -354,12 +361,13 @@ class JobConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --train-backend megatron")
         check_expert_parallel(self.tensor_model_parallel_size, self.data_parallel_size, self.expert_model_parallel_size)
         _at_least(self, steps=1, weight_chunk_mb=1, weight_bucket_mb=1, save_every=0, save_hf_every=0, train_threads=0,
-                  tensor_model_parallel_size=1, data_parallel_size=1)
+                  tensor_model_parallel_size=1, data_parallel_size=1, pipeline_model_parallel_size=1)
 
     @property
     def trainer_ranks(self) -> int:
-        """Processes of the trainer: one per tensor-parallel rank of each data-parallel copy."""
-        return self.tensor_model_parallel_size * self.data_parallel_size
+        """Processes of the trainer: one per tensor-parallel rank of each data-parallel copy of each pipeline
+        stage."""
+        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
 
 
 def check_expert_parallel(tensor_parallel: int, data_parallel: int, expert_parallel: int,
@@ -459,7 +467,8 @@ class RunConfig:
                              data_parallel=self.job.data_parallel_size,
                              expert_parallel=self.job.expert_model_parallel_size,
                              recompute=self.job.recompute_activations,
-                             distributed_optimizer=self.job.use_distributed_optimizer)
+                             distributed_optimizer=self.job.use_distributed_optimizer,
+                             pipeline_parallel=self.job.pipeline_model_parallel_size)
         return arguments
 
     def replace(self, **overrides: Any) -> RunConfig:
@@ -620,26 +629,29 @@ def _value(given: dict[str, Any], defaults: RunConfig, name: str) -> Any:
 def resolve_data_parallel(given: dict[str, Any], defaults: RunConfig) -> dict[str, Any]:
     """``given`` (settings by flat name) with ``data_parallel_size`` derived as Megatron does: the trainer's GPUs
     (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``) over the GPUs of one copy of the model
-    (``--tensor-model-parallel-size``; vime has no pipeline or context parallelism). A size given is checked
+    (``--tensor-model-parallel-size`` x ``--pipeline-model-parallel-size``; vime has no context parallelism). A
+    size given is checked
     against the GPUs instead. A trainer on CPU (no GPUs) or of ``--train-backend torch`` takes the size as given:
     there is nothing to derive it from. ValueError naming the flag to change."""
     def value(name: str) -> Any:
         return _value(given, defaults, name)
 
     nodes, per_node = value("actor_num_nodes"), value("actor_num_gpus_per_node")
-    gpus, tensor = nodes * per_node, value("tensor_model_parallel_size")
-    if not gpus or value("train_backend") != "megatron" or tensor < 1:
+    gpus, tensor, stages = nodes * per_node, value("tensor_model_parallel_size"), value("pipeline_model_parallel_size")
+    if not gpus or value("train_backend") != "megatron" or tensor < 1 or stages < 1:
         return given
     spelled = f"--actor-num-gpus-per-node {per_node}" + (f" x --actor-num-nodes {nodes}" if nodes > 1 else "")
-    if gpus % tensor:
-        raise ValueError(f"{spelled}: the trainer's {gpus} GPUs do not split into copies of "
-                         f"--tensor-model-parallel-size {tensor} GPUs each; make the GPUs a multiple of it")
-    derived = gpus // tensor
+    copy = f"--tensor-model-parallel-size {tensor}" + (f" x --pipeline-model-parallel-size {stages}"
+                                                       if stages > 1 else "")
+    if gpus % (tensor * stages):
+        raise ValueError(f"{spelled}: the trainer's {gpus} GPUs do not split into copies of {copy} GPUs each; make "
+                         "the GPUs a multiple of it")
+    derived = gpus // (tensor * stages)
     if "data_parallel_size" not in given:
         check_expert_parallel(tensor, derived, value("expert_model_parallel_size"), trainer_gpus=gpus)
         return {**given, "data_parallel_size": derived}
     if given["data_parallel_size"] != derived:
-        raise ValueError(f"--data-parallel-size {given['data_parallel_size']} x --tensor-model-parallel-size "
-                         f"{tensor} ranks, one per GPU, but the trainer has {gpus} ({spelled}): leave "
+        raise ValueError(f"--data-parallel-size {given['data_parallel_size']} x {copy} ranks, one per GPU, but "
+                         f"the trainer has {gpus} ({spelled}): leave "
                          f"--data-parallel-size out and it is derived from the GPUs ({derived}), or pass {derived}")
     return given

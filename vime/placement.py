@@ -68,10 +68,10 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
         return Placement(None, [None] * rollout.rollout_workers, None)
     if trainer_gpus and trainer_gpus != config.job.trainer_ranks:
         raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer runs one rank per GPU, "
-                         f"--tensor-model-parallel-size x --data-parallel-size of them "
-                         f"({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size}); make the "
-                         "product the GPU count (no pipeline parallelism so far), or leave --data-parallel-size "
-                         "out on the command line, which derives it from the GPUs")
+                         f"--tensor-model-parallel-size x --data-parallel-size x --pipeline-model-parallel-size of "
+                         f"them ({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size} x "
+                         f"{config.job.pipeline_model_parallel_size}); make the product the GPU count, or leave "
+                         "--data-parallel-size out on the command line, which derives it from the GPUs")
     if trainer_gpus and config.job.train_backend != "megatron":
         raise ValueError("--actor-num-gpus-per-node: the reference trainer runs on CPU; pass --train-backend megatron")
     rollout_gpus = layout.rollout_num_gpus
@@ -119,7 +119,9 @@ def describe(config: RunConfig, placed: Placement) -> list[str]:
     job, rollout = config.job, config.rollout
     ranks = (f"{job.trainer_ranks} rank(s): tensor parallel {job.tensor_model_parallel_size} x data parallel "
              f"{job.data_parallel_size}" + (f", expert parallel {job.expert_model_parallel_size}"
-                                            if job.expert_model_parallel_size > 1 else ""))
+                                            if job.expert_model_parallel_size > 1 else "")
+             + (f", pipeline parallel {job.pipeline_model_parallel_size}"
+                if job.pipeline_model_parallel_size > 1 else ""))
     if placed.trainer is None:
         return [f"trainer ({job.train_backend}, {ranks}) and {len(placed.engines)} rollout worker(s) "
                 f"({rollout.rollout_backend}): nothing placed (no GPU flag given), each sees the GPUs this host "

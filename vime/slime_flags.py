@@ -7,7 +7,7 @@ This module holds the rest, so that what is slime-only lives in one place:
 - values whose spelling under slime's name means something else here (``--eps-clip`` alone sets
   both clip bounds in slime; ``--rollout-top-k -1`` is slime's "off", vime's 0);
 - Megatron's and slime's flags that are no setting of vime's (:data:`LAYOUT_FLAGS`): accepted where
-  they ask for what vime does anyway (``--pipeline-model-parallel-size 1``, ``--sequence-parallel``),
+  they ask for what vime does anyway (``--context-parallel-size 1``, ``--sequence-parallel``),
   and otherwise refused together, in one message naming what vime lacks for each, so that a
   launcher learns everything it must drop at once;
 - the SGLang server flags slime passes as ``--sglang-NAME`` (:data:`SGLANG_FLAGS`): vime's engines are
@@ -178,7 +178,6 @@ _OFFLOAD = "offloading of the optimizer state to the CPU"
 _WANDB = "logging to Weights & Biases; vime's metrics go to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard"
 _OWN_GPUS = "PPO's value model on GPUs of its own; it trains on the policy's ranks"
 LAYOUT_FLAGS = (
-    LayoutFlag("--pipeline-model-parallel-size", "pipeline parallelism", accepted=1, number=True),
     LayoutFlag("--context-parallel-size", "context parallelism", accepted=1, number=True),
     LayoutFlag("--sequence-parallel", "", accepted=True, note="vime's tensor parallelism always shards the sequence"),
     LayoutFlag("--rollout-shuffle", "", accepted=True,

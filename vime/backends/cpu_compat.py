@@ -11,9 +11,14 @@ asks for it, then draws from torch's default generator; the test models have
 none) and let recomputation save and restore the CPU's random state instead.
 The ``alltoall`` MoE dispatcher copies its split sizes to the host on a
 CUDA stream of its own; on CPU they are there already, and the patch hands
-them to the collective (gloo) as the copy would. So the tests exercise the
-very model, weight conversions, sequence parallelism, token dispatch,
-recomputation and routing replay that train on the GPU. The patches are
+them to the collective (gloo) as the copy would. Pipeline parallelism's
+point-to-point exchanges synchronise the CUDA device after each batch of
+sends and receives (a no-op here: gloo's requests have completed when
+waited on), and its schedules count tokens in a tensor made with
+``device="cuda"``, which :func:`cuda_tensors_on_cpu` makes on the CPU
+instead. So the tests exercise the very model, weight conversions,
+sequence parallelism, token dispatch, recomputation, routing replay and
+pipeline schedules that train on the GPU. The patches are
 applied only when CUDA is absent; a CPU run is never a supported way to
 train with Megatron (a user without a GPU trains with
 ``vime.backends.torch_train``).
@@ -34,18 +39,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def apply() -> None:
-    """Make ``torch.cuda.current_device()`` answer ``"cpu"``, the RNG tracker's fork do nothing,
-    recomputation keep the CPU's random state and the alltoall dispatcher skip its copy to the host when CUDA
-    is absent; idempotent."""
+    """Make ``torch.cuda.current_device()`` answer ``"cpu"``, ``torch.cuda.synchronize()`` do nothing, the RNG
+    tracker's fork do nothing, recomputation keep the CPU's random state and the alltoall dispatcher skip its
+    copy to the host when CUDA is absent; idempotent."""
     if not torch.cuda.is_available():
         from megatron.core.tensor_parallel import random
 
         torch.cuda.current_device = _cpu_device
+        torch.cuda.synchronize = _nothing
         random.get_cuda_rng_tracker().fork = _no_fork
         random._get_cuda_rng_state = _cpu_rng_state
         random._set_cuda_rng_state = _set_cpu_rng_state
@@ -57,6 +65,26 @@ def apply() -> None:
 
 def _cpu_device() -> str:
     return "cpu"
+
+
+def _nothing(*args: object, **kwargs: object) -> None:
+    return None
+
+
+class _CudaTensorsOnCpu(TorchFunctionMode):
+    """Tensors asked for on ``device="cuda"`` are made on the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if kwargs.get("device") == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def cuda_tensors_on_cpu() -> contextlib.AbstractContextManager:
+    """Around a call into megatron-core's pipeline schedules, which make a tensor with ``device="cuda"``: on a
+    machine without CUDA, such tensors are made on the CPU; with CUDA, nothing changes."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaTensorsOnCpu()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,9 @@ the reward, measured once per step with the scoring pass's log-probs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,10 +231,36 @@ class TorchTrainEngine(TrainEngine):
         inputs = self._inputs(batch, rows)
         with self._replaying(model, inputs.experts):
             logits = model(**inputs.model_kwargs()).logits
+        return self._response_stats(logits, inputs)
+
+    def _response_stats(self, logits: torch.Tensor, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_response_logprobs` from the policy's ``logits [rows, width, vocab]`` of ``inputs`` (one row when
+        packed)."""
         # each position from the first that predicts a response token, with its next token; then the responses'
         logprobs, entropy = self._token_stats(logits[:, inputs.first:], inputs.next_tokens(),
                                               entropy_grad=bool(self.loss.entropy_coef))
         return inputs.responses(logprobs), inputs.responses(entropy)
+
+    def _forward_passes(self, model: torch.nn.Module, batch: TensorBatch,
+                        chunks: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`_response_logprobs` of ``model`` for each micro-batch of ``chunks`` (rows, whether it counts),
+        without gradients: what another backend overrides to run the passes its own way (pipeline stages)."""
+        return [self._response_logprobs(model, batch, rows) for rows, _ in chunks]
+
+    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+                           ) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of the policy on each micro-batch of ``chunks`` (rows, whether it counts), the
+        gradients accumulating; ``loss_of(rows, counted, logprobs, entropy)`` gives a micro-batch's loss and
+        statistics (:meth:`_micro_loss`), which are returned in ``chunks``' order. Another backend overrides
+        this to schedule the passes its own way (pipeline stages), and may return the statistics on only some
+        of its ranks."""
+        figures = []
+        for rows, counted in chunks:
+            loss, stats = loss_of(rows, counted, *self._response_logprobs(self.policy, batch, rows))
+            loss.backward()
+            figures.append(stats)
+        return figures
 
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,10 +288,12 @@ class TorchTrainEngine(TrainEngine):
         keys = ["old_logprobs", "entropy"] + ["ref_logprobs"] * (self.reference is not None) + \
             ["values"] * (self.critic is not None)
         scores = {key: torch.zeros_like(batch.rollout_logprobs) for key in keys}
-        for rows, counted in chunks:
-            figures = dict(zip(("old_logprobs", "entropy"), self._response_logprobs(self.policy, batch, rows)))
-            if self.reference is not None:
-                figures["ref_logprobs"] = self._response_logprobs(self.reference, batch, rows)[0]
+        policy = self._forward_passes(self.policy, batch, chunks)
+        reference = self._forward_passes(self.reference, batch, chunks) if self.reference is not None else None
+        for index, (rows, counted) in enumerate(chunks):
+            figures = dict(zip(("old_logprobs", "entropy"), policy[index]))
+            if reference is not None:
+                figures["ref_logprobs"] = reference[index][0]
             if self.critic is not None:
                 figures["values"] = self._values(batch, rows)
             if counted:
@@ -303,10 +333,13 @@ class TorchTrainEngine(TrainEngine):
             value_normalizer = float(row_tokens[mini].sum())
             normalizer = batch_normalizer(self.loss.loss_aggregation, float(mini.numel()), max(value_normalizer, 1.0),
                                           self.loss.loss_scale_tokens or mask.shape[-1])
-            for rows, counted in self._micro_batches(mini, lengths):
+            chunks = self._micro_batches(mini, lengths)
+            loss_of = functools.partial(self._micro_loss, batch, scores=scores, advantages=advantages,
+                                        returns=returns, normalizer=normalizer, value_normalizer=value_normalizer,
+                                        scored_here=scored_in_training)
+            for (rows, counted), stats in zip(chunks, self._mini_batch_passes(batch, chunks, loss_of)):
                 tokens = float(row_tokens[rows].sum()) if counted else 0.0
-                for key, value in self._micro_step(batch, rows, scores, advantages, returns, normalizer,
-                                                   value_normalizer, scored_in_training, counted).items():
+                for key, value in stats.items():
                     totals.setdefault(key, []).append((value, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
                      for group in self.optimizer.param_groups]
@@ -343,14 +376,15 @@ class TorchTrainEngine(TrainEngine):
         return replica_micro_batches(rows, lengths, self.optim.micro_batch_size, *self.replica,
                                      max_tokens=self.optim.max_tokens_per_gpu)
 
-    def _micro_step(self, batch: TensorBatch, rows: torch.Tensor, scores: dict[str, torch.Tensor],
-                    advantages: torch.Tensor, returns: torch.Tensor | None, normalizer: float,
-                    value_normalizer: float, scored_here: bool, counted: bool = True) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; gradients accumulate. ``scored_here``: this forward's
-        log-probs and entropies are the step's scores (written into ``scores``). A pass that does not count
-        (see :func:`replica_micro_batches`) adds nothing to either."""
+    def _micro_loss(self, batch: TensorBatch, rows: torch.Tensor, counted: bool, logprobs: torch.Tensor,
+                    entropy: torch.Tensor, *, scores: dict[str, torch.Tensor], advantages: torch.Tensor,
+                    returns: torch.Tensor | None, normalizer: float, value_normalizer: float,
+                    scored_here: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch from the policy's ``logprobs`` and ``entropy`` of its response tokens
+        (with the value model's, for ppo), to be backpropagated, and its statistics. ``scored_here``: this
+        forward's log-probs and entropies are the step's scores (written into ``scores``). A pass that does not
+        count (see :func:`replica_micro_batches`) adds nothing to either."""
         mask = batch.response_mask[rows]
-        logprobs, entropy = self._response_logprobs(self.policy, batch, rows)
         old_logprobs = logprobs.detach() if scored_here else scores["old_logprobs"][rows]
         if scored_here and counted:
             scores["old_logprobs"][rows] = old_logprobs
@@ -371,8 +405,7 @@ class TorchTrainEngine(TrainEngine):
             stats.update(value_stats, value_loss=value_loss.detach())
         if not counted:  # a pass for the other copies' exchanges only
             loss, stats = loss * 0, {key: value * 0 for key, value in stats.items()}
-        loss.backward()
-        return stats
+        return loss, stats
 
 
 def refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:

@@ -21,7 +21,7 @@ Layout conventions that the conversion relies on:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,8 +55,8 @@ def _check_family(hf_config: Any) -> None:
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
-                       tensor_parallel: int = 1, expert_parallel: int = 1,
-                       recompute: bool = False) -> TransformerConfig:
+                       tensor_parallel: int = 1, expert_parallel: int = 1, recompute: bool = False,
+                       pipeline_parallel: int = 1) -> TransformerConfig:
     """The megatron-core config equivalent to ``hf_config``.
 
     Routing maps to Megatron as the Hugging Face models compute it: Qwen3-MoE
@@ -68,11 +68,21 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     the loss is the RL loss alone, as in the reference trainer. ``recompute``
     checkpoints every layer (Megatron's full, uniform recomputation, one
     layer per checkpoint), as slime's recipes for large models do.
+
+    ``pipeline_parallel`` stages hold ``num_hidden_layers / pipeline_parallel`` layers each. Their
+    micro-batches are as wide as their longest sample, so the stages exchange each activation's shape before
+    it (``variable_seq_lengths``); the loss a micro-batch's last stage returns is already normalised by its
+    whole mini-batch (the reference trainer's rule), so megatron-core's schedule must not divide it by the
+    micro-batch count again (``calculate_per_token_loss``, with a token count of 1: see
+    ``engine.MegatronTrainEngine._pipelined``).
     """
     _check_family(hf_config)
     if hf_config.vocab_size % tensor_parallel:
         raise ValueError(f"the vocabulary ({hf_config.vocab_size} tokens) is divided evenly among the tensor-"
                          f"parallel ranks: pick a --tensor-model-parallel-size that divides it, not {tensor_parallel}")
+    if hf_config.num_hidden_layers % pipeline_parallel:
+        raise ValueError(f"the model's {hf_config.num_hidden_layers} layers are divided evenly among the pipeline "
+                         f"stages: pick a --pipeline-model-parallel-size that divides them, not {pipeline_parallel}")
     family = hf_config.model_type
     settings: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
@@ -90,6 +100,11 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
+    if pipeline_parallel > 1:
+        # megatron-core refuses variable lengths with its default MoE dispatcher, even in a dense model
+        settings.update(pipeline_model_parallel_size=pipeline_parallel, pipeline_dtype=params_dtype,
+                        variable_seq_lengths=True, calculate_per_token_loss=True,
+                        moe_token_dispatcher_type="alltoall")
     if recompute:
         settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     pattern = moe_layer_pattern(hf_config)
@@ -211,11 +226,12 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict
     return dict(_converted(hf_state, hf_config))
 
 
-def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any,
-               lm_head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any, lm_head: bool = True,
+               wanted: Container[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`hf_to_megatron` one Megatron tensor at a time, once the names are checked: the checkpoint's
     tensors are read only as they are converted (a lazy ``hf_state`` then never holds the whole model).
-    Without ``lm_head`` (a value model) the checkpoint's output layer is left out, never read."""
+    Without ``lm_head`` (a value model) the checkpoint's output layer is left out, never read; with
+    ``wanted`` (a pipeline stage's Megatron names), only those tensors are read and converted."""
     _check_family(hf_config)
     maps = _tensor_maps(hf_config, lm_head)
     missing = [name for tensor_map in maps for name in tensor_map.hf_names if name not in hf_state]
@@ -229,7 +245,8 @@ def _converted(hf_state: Mapping[str, torch.Tensor], hf_config: Any,
     if unknown:
         raise ValueError(f"checkpoint tensors with no place in a {hf_config.model_type} model: {unknown[:5]}")
     for tensor_map in maps:
-        yield tensor_map.megatron_name, tensor_map.fuse([hf_state[name] for name in tensor_map.hf_names])
+        if wanted is None or tensor_map.megatron_name in wanted:
+            yield tensor_map.megatron_name, tensor_map.fuse([hf_state[name] for name in tensor_map.hf_names])
 
 
 def _split_to_hf(tensor_map: _TensorMap, tensor: torch.Tensor,

@@ -9,7 +9,7 @@ of this package.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +17,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vime.algorithms import grpo, ppo
 from vime.algorithms.policy_loss import PolicyLossConfig
+from vime.backends import cpu_compat
 from vime.backends.base import TensorBatch
 from vime.backends.master_weights import MasterWeights
 from vime.backends.megatron.distributed_optimizer import Part, ShardedAdamW, ShardedMasterWeights
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
-from vime.backends.megatron.model import ForwardOutput, build_model, forward
+from vime.backends.megatron.model import ForwardOutput, build_model, check_pipeline_parallel, forward
 from vime.backends.megatron.parallel import _sum_over
 from vime.backends.megatron.resharding import check_models, resharded_state, shard_records, trained_names
 from vime.backends.megatron.routing import _check_replayable, _route_free_tokens, end_replay
@@ -113,7 +115,11 @@ class MegatronTrainEngine(TorchTrainEngine):
     (``resharding``). With ``distributed_optimizer`` each data-parallel copy
     keeps Adam's state, and in bf16 the fp32 masters, for its part of every
     tensor only (``distributed_optimizer``); such a state resumes in its own
-    layout.
+    layout. With ``pipeline_parallel`` stages each rank holds its stage's
+    layers; megatron-core's schedule runs the step's micro-batches through
+    them (:meth:`_pipelined`), the last stage computing the log-probs, the loss
+    and the metrics, which every rank then gets; each stage's ranks write
+    their own trainer state, which resumes at the same pipeline size only.
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
@@ -126,10 +132,11 @@ class MegatronTrainEngine(TorchTrainEngine):
                  grpo_config: grpo.GRPOConfig, ppo_config: ppo.PPOConfig, temperature: float, dtype: str = "fp32",
                  total_steps: int = 1, seed: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1,
                  data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "",
-                 distributed_optimizer: bool = False) -> None:
+                 distributed_optimizer: bool = False, pipeline_parallel: int = 1) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
+        check_pipeline_parallel(self.hf_config, pipeline_parallel, value_head=algo == "ppo", recompute=recompute)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
-        self.data_parallel = data_parallel
+        self.data_parallel, self.pipeline_parallel = data_parallel, pipeline_parallel
         self.sharded_optimizer = distributed_optimizer and data_parallel > 1  # one copy: nothing to divide
         super().__init__(model_path, algo=algo, optim=optim, loss=loss, grpo_config=grpo_config,
                          ppo_config=ppo_config, temperature=temperature, dtype=dtype, total_steps=total_steps,
@@ -148,6 +155,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                        "data_parallel": data_parallel, "expert_parallel": expert_parallel}
         if self.sharded_optimizer:  # only then: a plain state of this layout reads as before
             self.layout["distributed_optimizer"] = True
+        if pipeline_parallel > 1:  # likewise
+            self.layout["pipeline_parallel"] = pipeline_parallel
 
     def _optimized_pairs(self, groups: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         """Each tensor of the optimizer's ``groups`` with the model parameter it is (fp32) or the master of
@@ -212,7 +221,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         """A GPTModel of ``hf_config`` in this trainer's layout, its weights from ``checkpoint``."""
         model = build_model(hf_config, routing_replay=hf_config.model_type in MOE_MODEL_TYPES,
                             tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
-                            data_parallel=self.data_parallel, recompute=self.recompute, value_head=value_head)
+                            data_parallel=self.data_parallel, recompute=self.recompute, value_head=value_head,
+                            pipeline_parallel=self.pipeline_parallel)
         load_hf_weights(model, checkpoint, hf_config)
         return model
 
@@ -226,16 +236,94 @@ class MegatronTrainEngine(TorchTrainEngine):
         """The reference trainer's step; the experts the last micro-batch replayed (in the policy and the value
         model), kept for its backward pass when the layers recompute, are dropped after it. Experts that cannot
         be replayed are refused first, by every rank (each holds the whole batch): one refusing in a micro-batch
-        that the other data-parallel copies do not run would leave them waiting in their next collective."""
+        that the other data-parallel copies do not run would leave them waiting in their next collective.
+        Under pipeline parallelism the metrics are the last stage's (where the loss is), on every rank."""
         batch = batch.to(self.device)  # checked where the step reads them (on the host, seconds for a large batch)
         if batch.routed_experts is not None:
             _check_replayable(batch.routed_experts)
         try:
-            return super().train_step(batch)
+            metrics = super().train_step(batch)
         finally:
             if self.recompute:
                 for model in self._trained_models():
                     end_replay(model.model)
+        if self.pipeline_parallel == 1:
+            return metrics
+        shared = [metrics]
+        dist.broadcast_object_list(shared, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
+        return shared[0]
+
+    def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
+        """The reference trainer's scores; under pipeline parallelism computed on the last stage and broadcast
+        from there, so that every rank holds them (the step's advantages and metrics read them)."""
+        scores = super().score(batch)
+        if self.pipeline_parallel > 1:
+            for value in scores.values():
+                dist.broadcast(value, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
+        return scores
+
+    def _forward_passes(self, model: torch.nn.Module, batch: TensorBatch,
+                        chunks: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Under pipeline parallelism, megatron-core's schedule runs the forward passes through the stages;
+        the log-probs and entropies are the last stage's, and zeros on the others (:meth:`score` broadcasts the
+        last stage's)."""
+        if self.pipeline_parallel == 1:
+            return super()._forward_passes(model, batch, chunks)
+
+        def stats_only(rows: torch.Tensor, counted: bool, logprobs: torch.Tensor,
+                       entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
+
+        figures = self._pipelined(model, batch, chunks, stats_only, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return [(torch.zeros(len(rows), batch.response_ids.shape[1], device=self.device),) * 2
+                    for rows, _ in chunks]
+        return [(stats["logprobs"], stats["entropy"]) for stats in figures]
+
+    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+                           ) -> list[dict[str, torch.Tensor]]:
+        """Under pipeline parallelism, megatron-core's 1F1B schedule runs the forward and backward passes of
+        the micro-batches through the stages; the statistics are the last stage's (none on the others:
+        :meth:`train_step` broadcasts the last stage's metrics)."""
+        if self.pipeline_parallel == 1:
+            return super()._mini_batch_passes(batch, chunks, loss_of)
+        return self._pipelined(self.policy, batch, chunks, loss_of, forward_only=False)
+
+    def _pipelined(self, model: _AsCausalLM, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+                   loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                   forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches ``chunks`` (right-padded rows, or one packed row each: :meth:`_inputs`) through the
+        pipeline stages by megatron-core's own schedule (``get_forward_backward_func``: 1F1B, or forward passes
+        only), each stage exchanging activations and their gradients with its neighbours. The last stage turns
+        its logits into the response tokens' log-probs and entropies and ``loss_of`` into the micro-batch's loss
+        (normalised by its mini-batch, as in the reference trainer: the token count of 1 handed to the schedule,
+        under ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it
+        returns in ``chunks``' order; the other stages return none."""
+        one = torch.ones((), dtype=torch.int, device=self.device)
+        # the stages receive activations into buffers of this dtype: the weights', bf16 once the masters rounded
+        # them (the model was built in fp32)
+        model.model.config.pipeline_dtype = next(model.model.parameters()).dtype
+
+        def step(data: Iterator[tuple[torch.Tensor, bool]],
+                 stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+            rows, counted = next(data)
+            inputs = self._inputs(batch, rows)
+            experts = None if inputs.experts is None else _route_free_tokens(inputs.experts)
+            output = forward(stage, inputs.input_ids,
+                             position_ids=_packed_positions(inputs.attention_mask, inputs.position_ids),
+                             replay_experts=experts, whole_vocabulary=False).logits
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                loss, stats = loss_of(rows, counted, *self._response_stats(logits, inputs))
+                return loss, one, stats
+
+            return output, loss_func
+
+        with cpu_compat.cuda_tensors_on_cpu():
+            return get_forward_backward_func()(forward_step_func=step, data_iterator=iter(chunks), model=[model.model],
+                                               num_microbatches=len(chunks), seq_length=0, micro_batch_size=0,
+                                               forward_only=forward_only)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Complete the gradients, then take the norm over the whole model and clip to it.
@@ -245,7 +333,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         Under tensor parallelism the norms' and routers' gradients are of the rank's share of the positions
         and are summed over its copy's ranks. The norm then counts each shard once (squares summed over the
         ranks that divide the tensor) and each whole tensor once, since every rank now holds the same
-        gradient of it."""
+        gradient of it; under pipeline parallelism each stage's squares are summed with the others'."""
         grads = {id(param): param.grad for param in params if param.grad is not None}
         experts = [grad for key, grad in grads.items() if key in self._experts]
         _sum_over([grad for key, grad in grads.items() if key not in self._experts],
@@ -263,7 +351,10 @@ class MegatronTrainEngine(TorchTrainEngine):
             dist.all_reduce(part, group=group)
             squares += part
         whole = [grad for key, grad in grads.items() if key not in self._split]
-        total = (squares + torch.nn.utils.get_total_norm(whole).to(self.device) ** 2).sqrt()
+        squares += torch.nn.utils.get_total_norm(whole).to(self.device) ** 2
+        if self.pipeline_parallel > 1:  # each stage's tensors are its own
+            dist.all_reduce(squares, group=parallel_state.get_pipeline_model_parallel_group())
+        total = squares.sqrt()
         torch.nn.utils.clip_grads_with_norm_([param for param in params if param.grad is not None], max_norm, total)
         return total
 
@@ -330,6 +421,15 @@ class MegatronTrainEngine(TorchTrainEngine):
         if other is not None:  # the reference trainer's: its parameters and optimizer state are of another model
             raise refused_layout(folder, other, self.layout)
         layouts = [state.get("layout", {}) for state in states]
+        staged = next((layout for layout in layouts if layout.get("pipeline_parallel")), None)
+        if staged is not None or self.pipeline_parallel > 1:
+            saved = staged or layouts[0]
+            raise ValueError(f"{folder} was saved in layout {saved} and this trainer's is {self.layout}: a checkpoint "
+                             "does not yet resume across pipeline stages (each stage's file holds its own layers' "
+                             "optimizer state); resume with the saving run's --pipeline-model-parallel-size "
+                             f"{saved.get('pipeline_parallel', 1)} --tensor-model-parallel-size "
+                             f"{saved.get('tensor_parallel', 1)} --data-parallel-size {saved.get('data_parallel', 1)}, "
+                             "or start a new run from its model folder (a Hugging Face folder, any layout reads it)")
         sharded = next((layout for layout in layouts if layout.get("distributed_optimizer")), None)
         if sharded is not None or self.sharded_optimizer:
             raise ValueError(f"{folder} was saved in layout {sharded or layouts[0]} and this trainer's is "
@@ -345,7 +445,14 @@ class MegatronTrainEngine(TorchTrainEngine):
             return super()._state_file(folder)
         copy = f"-dp{parallel_state.get_data_parallel_rank()}" if self.data_parallel > 1 else ""
         experts = "-ep" if self.expert_parallel > 1 else ""  # its optimizer state holds other tensors
-        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{copy}{experts}.pt"
+        stage = f"-pp{parallel_state.get_pipeline_model_parallel_rank()}" if self.pipeline_parallel > 1 else ""
+        return folder / f"trainer-tp{parallel_state.get_tensor_model_parallel_rank()}{copy}{experts}{stage}.pt"
 
     def _load_policy_weights(self, folder: Path) -> None:
         load_hf_weights(self.policy.model, read_hf_folder(folder)[1], self.hf_config)
+
+
+def _last_stage() -> int:
+    """The global rank of the last pipeline stage in this rank's pipeline group (where the loss is computed)."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    return dist.get_global_rank(group, dist.get_world_size(group) - 1)

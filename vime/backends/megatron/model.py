@@ -33,13 +33,13 @@ from vime.architecture import moe_layer_pattern
 from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
-from vime.backends.megatron.routing import _routing
+from vime.backends.megatron.routing import _routing, _stage_moe_layers
 from vime.backends.packing import documents
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
                 tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1,
-                recompute: bool = False, value_head: bool = False) -> GPTModel:
+                recompute: bool = False, value_head: bool = False, pipeline_parallel: int = 1) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config``'s shape: load weights with :func:`load_hf_weights`.
 
     ``routing_replay`` gives every MoE router a ``RouterReplay`` handle, for
@@ -49,13 +49,19 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     ``data_parallel`` (see :func:`init_parallel`) decide how an MoE model's
     experts are shared; ``recompute``: see :func:`transformer_config`. ``value_head``: PPO's value model, a
     :class:`ValueHead` in place of the output layer (its logits are then one value per position).
+
+    With ``pipeline_parallel`` > 1 this process holds its stage's slice of the layers: the embedding on the
+    first stage, the final norm and the output layer on the last (:func:`check_pipeline_parallel` says what
+    cannot be split so far).
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
-    init_parallel(tensor_parallel, expert_parallel, data_parallel)
+    check_pipeline_parallel(hf_config, pipeline_parallel, value_head=value_head, recompute=recompute)
+    init_parallel(tensor_parallel, expert_parallel, data_parallel, pipeline_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
-                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute)
+                                tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute,
+                                pipeline_parallel=pipeline_parallel)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     block.layer_norm = SequenceParallelRMSNorm
     replaced = 0
@@ -70,7 +76,9 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         if isinstance(mlp, MoESubmodules):
             mlp.experts = GroupedExperts
             replaced += 1
-    if replaced != sum(moe_layer_pattern(hf_config)):
+    per_stage = hf_config.num_hidden_layers // pipeline_parallel  # the spec holds this stage's layers only
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    if replaced != sum(moe_layer_pattern(hf_config)[first:first + per_stage]):
         raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
                            "its GroupedExperts; install megatron-core 0.19.2")
     rope = hf_config.rope_parameters
@@ -78,7 +86,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
-        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True)
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
     if value_head:
         model.output_layer = ValueHead(config)
     if torch.cuda.is_available():
@@ -86,12 +95,37 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     return model
 
 
+def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_head: bool = False,
+                            recompute: bool = False) -> None:
+    """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: a tied output layer
+    (the last stage would need a copy of the embedding, its gradient summed with the first stage's), an MoE
+    model whose layers recompute (a replay of the rollout's experts held for the backward pass, see
+    ``routing._routing``, would be replaced by the next micro-batch's before that backward pass runs: the 1F1B
+    schedule interleaves them) and PPO's value model (its head on the last stage)."""
+    if pipeline_parallel == 1:
+        return
+    flag = f"--pipeline-model-parallel-size {pipeline_parallel}"
+    if hf_config.tie_word_embeddings:
+        raise ValueError(f"{flag}: this model ties its output layer to the embedding (tie_word_embeddings), which "
+                         "pipeline stages do not share yet; train it with --pipeline-model-parallel-size 1 (tied "
+                         "models are the small ones: --tensor-model-parallel-size divides them instead)")
+    if any(moe_layer_pattern(hf_config)) and recompute:
+        raise ValueError(f"{flag}: an MoE model's recomputed layers would replay another micro-batch's experts "
+                         "under the 1F1B schedule (megatron-core's queue of replays for the backward pass is not "
+                         "used yet); leave --recompute-activations out, or train with --pipeline-model-parallel-size "
+                         "1")
+    if value_head:
+        raise ValueError(f"{flag}: PPO's value model is not split into pipeline stages yet; use --algo grpo, or "
+                         "--pipeline-model-parallel-size 1")
+
+
 @dataclasses.dataclass
 class ForwardOutput:
     """What one forward gives: the logits, and the experts chosen when they were recorded."""
 
     # [batch, seq, vocab], or this rank's share of the vocabulary (whole_vocabulary=False); a value model's values
-    # [batch, seq, 1], whole on every rank
+    # [batch, seq, 1], whole on every rank; on a pipeline stage before the last, the hidden states it hands on,
+    # [positions (this rank's under sequence parallelism, padded), batch, hidden]
     logits: torch.Tensor
     experts: torch.Tensor | None  # [batch, seq, moe_layers, top_k] int64, or None
 
@@ -113,8 +147,19 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
     the experts the routers chose, in that same layout. Under tensor
     parallelism each rank computes the logits of its share of the vocabulary;
     ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
-    for what needs no gathering).
+    for what needs no gathering). On a pipeline stage, the model takes its input from the stage before (as
+    megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape (a packed row's
+    ``position_ids`` are still needed: every stage keeps each token to its sample and takes its rotary
+    embedding at its own position); a stage before the last returns its output as it goes to the next stage.
+    ``replay_experts`` are then still the whole model's (every MoE layer's), of which the stage replays its own
+    layers'; recording needs the whole model.
     """
+    if model.config.pipeline_model_parallel_size > 1:
+        if record_experts:
+            raise ValueError("recording experts needs the whole model, and this one is a pipeline stage: record "
+                             "them in the rollout engine (--use-rollout-routing-replay)")
+        if replay_experts is not None:
+            replay_experts = replay_experts[:, :, _stage_moe_layers(model)]
     batch, seq = input_ids.shape
     _, ranks = _sequence_ranks(model)
     width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
@@ -136,8 +181,10 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
     with _routing(model, (batch, seq), width, replay_experts, record_experts) as handles, \
             _at_positions(model, None if packed is None else positions[0]):
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None,
-                       packed_seq_params=packed)[:, :seq]
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None, packed_seq_params=packed)
+        if not model.post_process:
+            return ForwardOutput(logits=logits, experts=None)
+        logits = logits[:, :seq]
         if (whole_vocabulary and parallel_state.get_tensor_model_parallel_world_size() > 1
                 and not isinstance(model.output_layer, ValueHead)):
             logits = gather_from_tensor_model_parallel_region(logits)

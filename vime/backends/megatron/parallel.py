@@ -22,13 +22,16 @@ from vime.backends import cpu_compat
 from vime.config import check_expert_parallel
 
 
-def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1) -> None:
+def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1,
+                  pipeline_parallel: int = 1) -> None:
     """Set up torch.distributed and megatron-core's process groups, once per process.
 
     Megatron's layers look up their tensor/pipeline/expert groups globally, so
     even a single-process model needs them. Under ``torchrun`` the world is the
     launcher's (NCCL on GPUs, one per local rank; gloo on CPU): ``data_parallel``
-    copies of a tensor-parallel group, consecutive ranks in a copy; with no
+    copies of a tensor-parallel group, consecutive ranks in a copy, for each of
+    ``pipeline_parallel`` stages (megatron-core's order: the stage varies slowest,
+    so rank 0 holds the first stage); with no
     launcher around, it is a world of one over an in-memory store (no port).
     ``expert_parallel`` divides the routed experts among the ranks of a copy
     (``tensor_parallel``) or of all copies (``tensor_parallel x data_parallel``),
@@ -37,7 +40,7 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
     tensors on the CPU.
     """
     check_expert_parallel(tensor_parallel, data_parallel, expert_parallel)
-    ranks = tensor_parallel * data_parallel
+    ranks = tensor_parallel * data_parallel * pipeline_parallel
     cpu_compat.apply()
     launched = "LOCAL_RANK" in os.environ
     if torch.cuda.is_available():
@@ -50,11 +53,11 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != ranks:
         raise ValueError(f"{dist.get_world_size()} processes for --tensor-model-parallel-size {tensor_parallel} x "
-                         f"--data-parallel-size {data_parallel}: launch with torchrun --nproc-per-node {ranks} "
-                         "(pipeline parallelism is not supported yet)")
+                         f"--data-parallel-size {data_parallel} x --pipeline-model-parallel-size {pipeline_parallel}: "
+                         f"launch with torchrun --nproc-per-node {ranks}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=1,
+                                                 pipeline_model_parallel_size=pipeline_parallel,
                                                  expert_model_parallel_size=expert_parallel,
                                                  expert_tensor_parallel_size=expert_tensor_parallel(
                                                      tensor_parallel, expert_parallel))
@@ -63,8 +66,10 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
             # every layer, dropout or not: it must be seeded
             model_parallel_cuda_manual_seed(0)
     elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size(),
-          parallel_state.get_data_parallel_world_size()) != (tensor_parallel, expert_parallel, data_parallel):
-        raise ValueError("this process already holds a model of another tensor-, expert- or data-parallel size")
+          parallel_state.get_data_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (
+              tensor_parallel, expert_parallel, data_parallel, pipeline_parallel):
+        raise ValueError("this process already holds a model of another tensor-, expert-, data- or pipeline-parallel "
+                         "size")
 
 
 def _sequence_ranks(model: GPTModel) -> tuple[int, int]:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 
-from vime.backends.megatron.weights import _joined, _shard, _split_rule, model_tensors
+from vime.backends.megatron.weights import _joined, _shard, _split_rule, model_tensors, whole_shape
 
 Split = tuple[int, int, int, int]  # (dim, parts, rank, ranks): the rank's part, as ``weights._part`` cuts it
 Record = tuple[tuple[int, ...], Split | None]  # a tensor's whole shape, and the part a rank holds (None: whole)
@@ -49,10 +49,7 @@ def shard_records(model: GPTModel) -> dict[str, Record]:
             records[name] = (tuple(live.shape), None)
             continue
         dim, parts, group = rule
-        ranks = dist.get_world_size(group)
-        shape = list(live.shape)
-        shape[dim] *= ranks
-        records[name] = (tuple(shape), (dim, parts, dist.get_rank(group), ranks))
+        records[name] = (whole_shape(name, live), (dim, parts, dist.get_rank(group), dist.get_world_size(group)))
     return records
 
 

@@ -36,6 +36,15 @@ def _replay_handles(model: GPTModel, required: bool = True) -> list[RouterReplay
     return handles
 
 
+def _stage_moe_layers(model: GPTModel) -> slice:
+    """Where a pipeline stage's MoE layers lie among the whole model's, as replayed experts hold them (one entry
+    per MoE layer of the whole model, in layer order)."""
+    offset = model.decoder.layers[0].layer_number - 1
+    pattern = model.config.moe_layer_freq  # vime's configs give the pattern as a list, one 0 or 1 per layer
+    first = sum(pattern[:offset])
+    return slice(first, first + len(_replay_handles(model, required=False)))
+
+
 def _route_free_tokens(experts: torch.Tensor) -> torch.Tensor:
     """``experts`` with each free token (-1 in every slot) sent to experts ``0..top_k-1``: megatron-core's
     routers need top_k distinct experts for every token they see (its alltoall dispatcher counts exactly
@@ -54,7 +63,8 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
     A replay in a training forward of a recomputing model outlives the call: the backward pass runs each
     layer's forward again, which must route as the first did. The next call (or :func:`end_replay`) ends
     it. That holds because each backward follows its own forward; interleaved micro-batches (pipeline
-    parallelism) would need megatron-core's queue of replays for the backward pass instead."""
+    parallelism) would need megatron-core's queue of replays for the backward pass instead, so an MoE model's
+    stages do not recompute (``model.check_pipeline_parallel``)."""
     recomputing = model.config.recompute_granularity == "full"
     if recomputing:
         end_replay(model)

@@ -23,9 +23,48 @@ from vime.backends.megatron.modules import ValueHead
 
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
-    """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out)."""
-    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+    """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out). A
+    pipeline stage's layers are named by their place in the whole model (``decoder.layers.{offset + i}``), as
+    the conversions to Hugging Face names and the checkpoint records know them."""
+    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    return {_whole_model_name(name, offset): tensor for name, tensor in model.state_dict(keep_vars=True).items()
             if isinstance(tensor, torch.Tensor)}
+
+
+def _whole_model_name(name: str, offset: int) -> str:
+    """``name`` of a stage's GPTModel with its layer index counted from the whole model's first layer."""
+    if not offset or not name.startswith("decoder.layers."):
+        return name
+    layer, rest = name.removeprefix("decoder.layers.").split(".", 1)
+    return f"decoder.layers.{int(layer) + offset}.{rest}"
+
+
+def stage_names(hf_config: Any, lm_head: bool = True) -> set[str]:
+    """The Megatron names (whole-model layer indices) of the tensors this pipeline stage holds: the embedding
+    on the first stage, its contiguous slice of the layers, the final norm and output layer on the last."""
+    stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
+                     parallel_state.get_pipeline_model_parallel_rank())
+    per_stage = hf_config.num_hidden_layers // stages
+    names = set()
+    for tensor_map in _tensor_maps(hf_config, lm_head):
+        name = tensor_map.megatron_name
+        if name.startswith("decoder.layers."):
+            held = per_stage * stage <= int(name.split(".")[2]) < per_stage * (stage + 1)
+        else:
+            held = stage == (0 if name.startswith("embedding.") else stages - 1)
+        if held:
+            names.add(name)
+    return names
+
+
+def whole_shape(name: str, live: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor of which ``live`` is this rank's part."""
+    rule = _split_rule(name, live)
+    shape = list(live.shape)
+    if rule is not None:
+        dim, _, group = rule
+        shape[dim] *= dist.get_world_size(group)
+    return tuple(shape)
 
 
 def _split_rule(name: str, live: torch.Tensor) -> tuple[int, int, dist.ProcessGroup] | None:
@@ -88,16 +127,16 @@ def load_hf_weights(model: GPTModel, hf_state: Mapping[str, torch.Tensor], hf_co
     """Copy Hugging Face checkpoint tensors into ``model`` in place (optimizers holding its parameters stay valid);
     under tensor parallelism each rank takes its shard of the whole checkpoint, one tensor at a time. A value
     model's head (:class:`ValueHead`) is not in the checkpoint: it keeps its own weights, and the checkpoint's
-    output layer is not read."""
+    output layer is not read. A pipeline stage converts and takes only the tensors it holds."""
     live = model_tensors(model)
-    lm_head = not isinstance(model.output_layer, ValueHead)
+    lm_head = not isinstance(getattr(model, "output_layer", None), ValueHead)
     if not lm_head:
         live = {name: tensor for name, tensor in live.items() if not name.startswith("output_layer.")}
-    names = {tensor_map.megatron_name for tensor_map in _tensor_maps(hf_config, lm_head)}
+    names = stage_names(hf_config, lm_head)
     if names != set(live):
         raise ValueError(f"converted weights do not fit the model: missing {sorted(set(live) - names)[:5]},"
                          f" unknown {sorted(names - set(live))[:5]}")
-    for name, tensor in _converted(hf_state, hf_config, lm_head):
+    for name, tensor in _converted(hf_state, hf_config, lm_head, names):
         live[name].copy_(_shard(name, tensor, live[name]))
 
 
@@ -109,8 +148,9 @@ def hf_weights(model: GPTModel, hf_config: Any, device: str | None = None) -> di
 def hf_tensors(model: GPTModel, hf_config: Any, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under Hugging Face checkpoint names, detached (fused tensors are split into copies),
     whole, on ``device`` (None: the model's), one at a time: under tensor parallelism every rank must take them
-    or call :func:`unsharded_weights`. Each tensor is gathered, converted and moved before the next, so on
-    another device the model's own holds one whole tensor at a time."""
+    or call :func:`unsharded_weights` (under pipeline parallelism too: each rank gets every stage's tensors).
+    Each tensor is gathered, converted and moved before the next, so on another device the model's own holds
+    one whole tensor at a time."""
     maps = {tensor_map.megatron_name: tensor_map for tensor_map in _tensor_maps(hf_config)}
     for name, whole in unsharded_weights(model):
         yield from _split_to_hf(maps[name], whole, device)
@@ -118,9 +158,32 @@ def hf_tensors(model: GPTModel, hf_config: Any, device: str | None = None) -> It
 
 def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
     """Each of the model's tensors whole, by Megatron name, one gather at a time: a rank that only takes part
-    in the gathers and drops each tensor holds one whole tensor at a time, not the whole model."""
-    for name, tensor in model_tensors(model).items():
-        yield name, _unshard(name, tensor).detach()
+    in the gathers and drops each tensor holds one whole tensor at a time, not the whole model.
+
+    Under pipeline parallelism every rank gets the tensors of every stage, stage after stage: each is
+    gathered whole within its stage's tensor-parallel group, then broadcast from that stage over the pipeline
+    group, so that rank 0 (the first stage) writes and publishes the whole model, and each rank can offer it
+    on its own GPU as under tensor parallelism alone."""
+    mine = model_tensors(model)
+    pipeline = parallel_state.get_pipeline_model_parallel_group()
+    stages = dist.get_world_size(pipeline)
+    if stages == 1:
+        for name, tensor in mine.items():
+            yield name, _unshard(name, tensor).detach()
+        return
+    held: list[Any] = [None] * stages  # each stage's tensors: name, whole shape, dtype, in its order
+    dist.all_gather_object(held, [(name, whole_shape(name, tensor), tensor.dtype) for name, tensor in mine.items()],
+                           group=pipeline)
+    stage = dist.get_rank(pipeline)
+    for owner, tensors in enumerate(held):
+        source = dist.get_global_rank(pipeline, owner)
+        for name, shape, dtype in tensors:
+            if owner == stage:
+                whole = _unshard(name, mine[name]).detach().contiguous()
+            else:
+                whole = torch.empty(shape, dtype=dtype, device=next(iter(mine.values())).device)
+            dist.broadcast(whole, src=source, group=pipeline)
+            yield name, whole
 
 
 class CheckpointFiles(Mapping[str, torch.Tensor]):
