@@ -462,13 +462,25 @@ class Cluster:
     def _turn_away(self, name: str) -> None:
         """An actor counted dead (its heartbeats stopped: a node cut off, a process frozen) that speaks again
         is told to stop, once: the job went on without it, and it would serve nobody (a node would hold its
-        GPUs). Started again, it joins afresh."""
-        if self._closing or name in self._turned_away:
+        GPUs). Started again, it joins afresh. Told at the address this heartbeat came from, never by name: a
+        successor of that name may have registered meanwhile. A spawn of this host is only ever counted dead
+        once its process has exited: a heartbeat of its still on the way is no news."""
+        entry = self._spawned.get(name)
+        if self._closing or name in self._turned_away or (entry is not None and entry.node is None):
+            return
+        address = self.driver._learned.get(name)
+        if address is None:
             return
         self._turned_away.add(name)
-        self.driver.log.warning("an actor counted dead sends heartbeats; telling it to stop", peer=name)
-        self._nursery.start_soon(self._tell_quietly, name, Shutdown(
-            reason="the driver counted this actor dead when its heartbeats stopped; start it again to rejoin"))
+        self.driver.log.warning("an actor counted dead sends heartbeats; telling it to stop", peer=name,
+                                address=address)
+        self._nursery.start_soon(self._stop_at, name, address)
+
+    async def _stop_at(self, name: str, address: str) -> None:
+        shutdown = Shutdown(reason="the driver counted this actor dead when its heartbeats stopped; start it again "
+                                   "to rejoin")
+        with contextlib.suppress(LookupError, PeerGone):
+            await self.driver._send(name, shutdown, weight_version=None, address=address)
 
     def _node_joined(self, name: str, facts: NodeFacts) -> None:
         info = self.actors.get(name)
