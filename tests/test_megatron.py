@@ -715,7 +715,9 @@ def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models,
     torch.save({**state, "layout": {**state["layout"], "tensor_parallel": 1, "data_parallel": 2,
                                     "distributed_optimizer": True}}, tmp_path / "sharded" / "trainer-tp0-dp0.pt")
     with pytest.raises(ValueError, match="only without --use-distributed-optimizer on either side .* resume with the "
-                                         "saving run's --tensor-model-parallel-size, --data-parallel-size"):
+                                         "saving run's --pipeline-model-parallel-size 1 --tensor-model-parallel-size 1 "
+                                         "--data-parallel-size 2 --expert-model-parallel-size 1 "
+                                         "--use-distributed-optimizer"):
         saved.load(tmp_path / "sharded")
 
 
@@ -1078,6 +1080,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
 
 @pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
     ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
+    ("glm4_moe", 1, 2, 1, 1),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
     *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
         ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
@@ -1116,7 +1119,8 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
         for key in expected:
             assert ranks["metrics"][step][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
         for name, tensor in single.named_weights().items():
-            assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
+            if "e_score_correction_bias" not in name:  # GLM's routing bias is a buffer: no gradient moves it
+                assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
             assert (ranks["trained"][step][name] - tensor).abs().max() <= 1e-5, (step, name)
     saved = megatron.read_hf_folder(tmp_path / "hf")[1]
     assert sorted(saved) == sorted(checkpoint)

@@ -89,6 +89,11 @@ def _packed_positions(attention_mask: torch.Tensor | None, position_ids: torch.T
     return position_ids if attention_mask is None else None
 
 
+_LAYOUT_FLAGS = (("pipeline_parallel", "--pipeline-model-parallel-size"),
+                 ("tensor_parallel", "--tensor-model-parallel-size"), ("data_parallel", "--data-parallel-size"),
+                 ("expert_parallel", "--expert-model-parallel-size"))
+
+
 class MegatronTrainEngine(TorchTrainEngine):
     """The trainer on a megatron-core GPTModel, with the reference trainer's training step.
 
@@ -301,6 +306,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         under ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it
         returns in ``chunks``' order; the other stages return none."""
         one = torch.ones((), dtype=torch.int, device=self.device)
+        # that token count of 1 holds only while no finalize_model_grads_func divides the gradients by the summed
+        # count (megatron's DDP would set one): our loss is normalised already
+        assert model.model.config.finalize_model_grads_func is None, "the loss would be divided twice"
         # the stages receive activations into buffers of this dtype: the weights', bf16 once the masters rounded
         # them (the model was built in fp32)
         model.model.config.pipeline_dtype = next(model.model.parameters()).dtype
@@ -423,22 +431,23 @@ class MegatronTrainEngine(TorchTrainEngine):
         layouts = [state.get("layout", {}) for state in states]
         staged = next((layout for layout in layouts if layout.get("pipeline_parallel")), None)
         if staged is not None or self.pipeline_parallel > 1:
-            saved = staged or layouts[0]
-            raise ValueError(f"{folder} was saved in layout {saved} and this trainer's is {self.layout}: a checkpoint "
-                             "does not yet resume across pipeline stages (each stage's file holds its own layers' "
-                             "optimizer state); resume with the saving run's --pipeline-model-parallel-size "
-                             f"{saved.get('pipeline_parallel', 1)} --tensor-model-parallel-size "
-                             f"{saved.get('tensor_parallel', 1)} --data-parallel-size {saved.get('data_parallel', 1)}, "
-                             "or start a new run from its model folder (a Hugging Face folder, any layout reads it)")
+            raise self._unreshardable(folder, staged or layouts[0], "a checkpoint does not yet resume across "
+                                      "pipeline stages (each stage's file holds its own layers' optimizer state)")
         sharded = next((layout for layout in layouts if layout.get("distributed_optimizer")), None)
         if sharded is not None or self.sharded_optimizer:
-            raise ValueError(f"{folder} was saved in layout {sharded or layouts[0]} and this trainer's is "
-                             f"{self.layout}: a checkpoint resumes in another layout only without "
-                             "--use-distributed-optimizer on either side (its Adam state is divided among the "
-                             "data-parallel ranks, which resharding does not yet join); resume with the saving run's "
-                             "--tensor-model-parallel-size, --data-parallel-size, --expert-model-parallel-size and "
-                             "--use-distributed-optimizer")
+            raise self._unreshardable(folder, sharded or layouts[0], "a checkpoint resumes in another layout only "
+                                      "without --use-distributed-optimizer on either side (its Adam state is divided "
+                                      "among the data-parallel ranks, which resharding does not yet join)")
         return resharded_state(states, self._trained_models(), folder)
+
+    def _unreshardable(self, folder: Path, saved: dict[str, Any], why: str) -> ValueError:
+        """The refusal of a checkpoint that resharding cannot read in this layout: the saving run's layout
+        flags, every one of them, so that passing them resumes it."""
+        flags = " ".join(f"{flag} {saved.get(key, 1)}" for key, flag in _LAYOUT_FLAGS)
+        optimizer = " --use-distributed-optimizer" if saved.get("distributed_optimizer") else ""
+        return ValueError(f"{folder} was saved in layout {saved} and this trainer's is {self.layout}: {why}; resume "
+                          f"with the saving run's {flags}{optimizer}, or start a new run from its model folder (a "
+                          "Hugging Face folder, any layout reads it)")
 
     def _state_file(self, folder: Path) -> Path:
         if dist.get_world_size() == 1:

@@ -158,8 +158,9 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
         if record_experts:
             raise ValueError("recording experts needs the whole model, and this one is a pipeline stage: record "
                              "them in the rollout engine (--use-rollout-routing-replay)")
-        if replay_experts is not None:
-            replay_experts = replay_experts[:, :, _stage_moe_layers(model)]
+        if replay_experts is not None:  # a stage of dense layers only (GLM's first ones, say) replays nothing
+            stage = _stage_moe_layers(model)
+            replay_experts = replay_experts[:, :, stage] if stage.stop > stage.start else None
     batch, seq = input_ids.shape
     _, ranks = _sequence_ranks(model)
     width = -(-seq // ranks) * ranks  # sequence parallelism cuts the positions evenly; right padding is harmless
