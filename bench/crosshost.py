@@ -43,7 +43,7 @@ from vime.devtools.netns import Hosts, make_hosts
 from vime.runtime import Actor, handles
 from vime.transports.codec import Envelope
 from vime.transports.records import message
-from vime.weights.nng import WeightsChunk
+from vime.weights.nng import WeightsChunk, grouped
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 29517  # inside the namespaces, which nothing else uses
@@ -55,19 +55,6 @@ def state_dict(total_mb: int) -> dict[str, torch.Tensor]:
     count = max(1, total_mb // TENSOR_MB)
     return {f"layers.{i}.weight": torch.randn(TENSOR_MB << 19, dtype=torch.float32).to(torch.bfloat16)
             for i in range(count)}
-
-
-def groups(tensors: dict[str, torch.Tensor], limit_mb: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive tensors in groups of about ``limit_mb`` (the nng path's chunks, the broadcast's buckets)."""
-    parts: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        if parts[-1] and size + tensor.nbytes > limit_mb << 20:
-            parts.append({})
-            size = 0
-        parts[-1][name] = tensor
-        size += tensor.nbytes
-    return parts
 
 
 # ---------------------------------------------------------------------------------------------- nng: two actors
@@ -100,7 +87,7 @@ class Sender(Actor):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.chunks = groups(state_dict(self.config["total_mb"]), self.config["chunk_mb"])
+        self.chunks = grouped(state_dict(self.config["total_mb"]), self.config["chunk_mb"] << 20)
 
     @handles(SendWeights)
     async def _on_send_weights(self, msg: SendWeights, envelope: Envelope) -> WeightsHeld:
@@ -169,7 +156,8 @@ async def time_nng(hosts: Hosts, args: argparse.Namespace, workdir: Path) -> lis
 _PEER = r'''
 import json, socket, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {bench!r})
-from crosshost import groups, state_dict
+from crosshost import state_dict
+from vime.weights.nng import grouped
 role, ip, port, total_mb, bucket_mb, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:7])
 tensors = state_dict(total_mb)
 nbytes = sum(t.nbytes for t in tensors.values())
@@ -194,7 +182,7 @@ for _ in range(runs + 1):
         conn.sendall(b"k")
     raw.append(time.perf_counter() - started)
 dist.init_process_group("gloo", init_method=f"tcp://{{ip}}:{{port}}", rank=0 if role == "send" else 1, world_size=2)
-buckets = [torch.cat([t.flatten() for t in part.values()]) for part in groups(tensors, bucket_mb)]
+buckets = [torch.cat([t.flatten() for t in part.values()]) for part in grouped(tensors, bucket_mb << 20)]
 for _ in range(runs + 1):
     dist.barrier()
     started = time.perf_counter()

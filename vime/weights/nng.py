@@ -25,6 +25,20 @@ class WeightsChunk:
     tensors: dict[str, torch.Tensor]
 
 
+def grouped(tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive tensors in groups of at most ``limit_bytes`` each (a larger tensor alone): a version's
+    chunks over nng, a broadcast's buckets."""
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if parts[-1] and size + tensor.nbytes > limit_bytes:
+            parts.append({})
+            size = 0
+        parts[-1][name] = tensor
+        size += tensor.nbytes
+    return parts
+
+
 class Nng(WeightPath):
     name = "nng"
     kinds = (WeightsChunk,)
@@ -55,16 +69,9 @@ class Nng(WeightPath):
         if self.chunked():
             return self.chunks
         engine = self.sender.engine
-        limit = self.sender.run.job.weight_chunk_mb << 20
-        parts: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in tensors.items():
-            if parts[-1] and size + tensor.nbytes > limit:
-                parts.append({})
-                size = 0
-            parts[-1][name] = tensor.to("cpu", copy=engine.device == "cpu")
-            size += tensor.nbytes
-        self.chunks = [WeightsChunk(version=engine.weight_version, index=i, count=len(parts), tensors=p)
+        parts = grouped(tensors, self.sender.run.job.weight_chunk_mb << 20)
+        self.chunks = [WeightsChunk(version=engine.weight_version, index=i, count=len(parts),
+                                    tensors={name: t.to("cpu", copy=engine.device == "cpu") for name, t in p.items()})
                        for i, p in enumerate(parts)]
         return self.chunks
 

@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from vime.architecture import moe_layer_pattern
 from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
-from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel
+from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel, stage_layers
 from vime.backends.megatron.routing import _routing, _stage_moe_layers
 from vime.backends.packing import documents
 
@@ -76,9 +76,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         if isinstance(mlp, MoESubmodules):
             mlp.experts = GroupedExperts
             replaced += 1
-    per_stage = hf_config.num_hidden_layers // pipeline_parallel  # the spec holds this stage's layers only
-    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
-    if replaced != sum(moe_layer_pattern(hf_config)[first:first + per_stage]):
+    held = stage_layers(hf_config.num_hidden_layers)  # the spec holds this stage's layers only
+    if replaced != sum(moe_layer_pattern(hf_config)[held.start:held.stop]):
         raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
                            "its GroupedExperts; install megatron-core 0.19.2")
     rope = hf_config.rope_parameters

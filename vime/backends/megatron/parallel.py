@@ -72,6 +72,15 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
                          "size")
 
 
+def stage_layers(num_layers: int) -> range:
+    """The whole model's layers (0-based) that this rank's pipeline stage holds: an even, contiguous share,
+    megatron-core's own split (``check_pipeline_parallel`` refuses a count the stages do not divide). The one
+    place stages are laid out; a built stage's own layers say the same (``layer_number``)."""
+    per_stage = num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    return range(first, first + per_stage)
+
+
 def _sequence_ranks(model: GPTModel) -> tuple[int, int]:
     """``(rank, ranks)`` among which sequence parallelism splits ``model``'s tokens; ``(0, 1)`` without it."""
     if not model.config.sequence_parallel:

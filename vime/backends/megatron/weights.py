@@ -20,13 +20,14 @@ from megatron.core.models.gpt import GPTModel
 from vime.backends.hf import check_model_folder
 from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_maps
 from vime.backends.megatron.modules import ValueHead
+from vime.backends.megatron.parallel import stage_layers
 
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out). A
     pipeline stage's layers are named by their place in the whole model (``decoder.layers.{offset + i}``), as
     the conversions to Hugging Face names and the checkpoint records know them."""
-    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+    offset = model.decoder.layers[0].layer_number - 1
     return {_whole_model_name(name, offset): tensor for name, tensor in model.state_dict(keep_vars=True).items()
             if isinstance(tensor, torch.Tensor)}
 
@@ -42,16 +43,16 @@ def _whole_model_name(name: str, offset: int) -> str:
 def stage_names(hf_config: Any, lm_head: bool = True) -> set[str]:
     """The Megatron names (whole-model layer indices) of the tensors this pipeline stage holds: the embedding
     on the first stage, its contiguous slice of the layers, the final norm and output layer on the last."""
-    stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
-                     parallel_state.get_pipeline_model_parallel_rank())
-    per_stage = hf_config.num_hidden_layers // stages
+    layers = stage_layers(hf_config.num_hidden_layers)
     names = set()
     for tensor_map in _tensor_maps(hf_config, lm_head):
         name = tensor_map.megatron_name
         if name.startswith("decoder.layers."):
-            held = per_stage * stage <= int(name.split(".")[2]) < per_stage * (stage + 1)
+            held = int(name.split(".")[2]) in layers
+        elif name.startswith("embedding."):
+            held = parallel_state.is_pipeline_first_stage()
         else:
-            held = stage == (0 if name.startswith("embedding.") else stages - 1)
+            held = parallel_state.is_pipeline_last_stage()
         if held:
             names.add(name)
     return names
