@@ -9,10 +9,12 @@ of this package.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -156,6 +158,9 @@ class MegatronTrainEngine(TorchTrainEngine):
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
                          critic_model_path=critic_model_path)
         del self._checkpoint
+        if dist.get_rank() == 0 and importlib.util.find_spec("transformer_engine") is None:
+            structlog.get_logger().info("megatron-core without Transformer Engine or Apex, as vime runs it: its own "
+                                        "layers (SDPA attention, torch's norms, grouped experts) and torch's AdamW")
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
         # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms, routers
         # and the value head act on the rank's share of the tokens, q/k norms on its own heads
