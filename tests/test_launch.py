@@ -124,24 +124,33 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _slurm_conf(folder: Path, cpus: int) -> Path:
-    """A one-node cluster on this host: no munge (auth/none, which Slurm 22.05 still ships), every file in
-    ``folder``, processes tracked without cgroups (a container may not delegate them)."""
+def _node_names(nodes: int) -> list[str]:
+    """One node: localhost, a name that resolves, as a real node's does. Several: n1, n2... (slurmctld refuses
+    localhost beside them), whose names do not resolve, so that the test names the head's interface."""
+    return ["localhost"] if nodes == 1 else [f"n{index}" for index in range(1, nodes + 1)]
+
+
+def _slurm_conf(folder: Path, nodes: int, cpus: int) -> Path:
+    """A cluster of ``nodes`` nodes on this host (one slurmd each, ``slurmd -N``, on ports of their own): no
+    munge (auth/none, which Slurm 22.05 still ships), every file in ``folder``, processes tracked without cgroups
+    (a container may not delegate them)."""
     (folder / "state").mkdir(parents=True)
     (folder / "spool").mkdir()
+    names = _node_names(nodes)
     conf = folder / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=vimetest", "SlurmctldHost=localhost(127.0.0.1)",
         f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
-        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
-        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd.pid'}",
-        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd.log'}",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}/%n",
+        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
+        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU", "MpiDefault=none", "ReturnToService=2",
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""]))
+        *(f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={_free_port()} "
+          f"CPUs={cpus} State=UNKNOWN" for name in names),
+        f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP", ""]))
     return conf
 
 
@@ -150,9 +159,10 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 @contextlib.contextmanager
-def _one_node_slurm(folder: Path) -> Iterator[dict[str, str]]:
-    """slurmctld and slurmd in the foreground (so that this test holds their processes), stopped whatever
-    happens; the environment that points Slurm's commands at them. Skips saying why where they cannot run."""
+def _slurm_on_this_host(folder: Path, nodes: int) -> Iterator[dict[str, str]]:
+    """slurmctld and a slurmd per node, in the foreground (so that this test holds their processes), stopped
+    whatever happens; the environment that points Slurm's commands at them. Skips saying why where they cannot
+    run."""
     commands = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
     missing = [name for name in commands if shutil.which(name) is None]
     if missing:
@@ -160,21 +170,21 @@ def _one_node_slurm(folder: Path) -> Iterator[dict[str, str]]:
                     "launcher against a real Slurm")
     if os.geteuid() != 0:
         pytest.skip("slurmd starts jobs as their user, which needs root; run as root to test against a real Slurm")
-    conf = _slurm_conf(folder, len(os.sched_getaffinity(0)))
+    conf = _slurm_conf(folder, nodes, len(os.sched_getaffinity(0)))
     env = dict(os.environ, SLURM_CONF=str(conf))
     daemons = [subprocess.Popen(command, env=env, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for command in (["slurmctld", "-D", "-i", "-f", str(conf)],
-                               ["slurmd", "-D", "-N", "localhost", "-f", str(conf)])]
+                               *(["slurmd", "-D", "-N", name, "-f", str(conf)] for name in _node_names(nodes)))]
     try:
         deadline = time.monotonic() + 60
         while True:
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
-            if state.stdout.strip() == "idle":
+            state = subprocess.run(["sinfo", "-h", "-o", "%t %D"], env=env, capture_output=True, text=True)
+            if state.stdout.strip() == f"idle {nodes}":
                 break
             if time.monotonic() > deadline or any(daemon.poll() is not None for daemon in daemons):
-                pytest.skip(f"a one-node Slurm did not start here (sinfo: {state.stdout.strip() or state.stderr})"
-                            f"\nslurmctld.log:\n{_tail(folder / 'slurmctld.log')}\nslurmd.log:\n"
-                            f"{_tail(folder / 'slurmd.log')}")
+                logs = "\n".join(f"{path.name}:\n{_tail(path)}" for path in sorted(folder.glob("*.log")))
+                pytest.skip(f"a {nodes}-node Slurm did not start here (sinfo: {state.stdout.strip() or state.stderr})"
+                            f"\n{logs}")
             time.sleep(1)
         yield env
     finally:
@@ -195,13 +205,13 @@ def _job_state(job_id: str, env: dict[str, str]) -> tuple[str, str]:
     return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "?")
 
 
-@pytest.mark.slow
-def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
+def _run_to_the_end(tmp_path: Path, nodes: int, *launch_flags: str) -> tuple[Path, str]:
+    """Launch the default scenario (3 small steps) on a Slurm of ``nodes`` nodes on this host, wait for the job;
+    the run folder and the job's output, once it COMPLETED with status 0 and its summary says 3 steps."""
     run_dir, output = tmp_path / "run", tmp_path / "slurm-%j.out"
-    port = _free_port()
-    with _one_node_slurm(tmp_path / "slurm") as env:
-        launched = _launch("slurm", "--nodes", "1", "--run-dir", str(run_dir), "--time", "10", "--port", str(port),
-                           f"--sbatch-arg=--output={output}", "--", "arithmetic", "--steps", "3",
+    with _slurm_on_this_host(tmp_path / "slurm", nodes) as env:
+        launched = _launch("slurm", "--nodes", str(nodes), "--run-dir", str(run_dir), "--time", "10",
+                           f"--sbatch-arg=--output={output}", *launch_flags, "--", "arithmetic", "--steps", "3",
                            "--rollout-batch-size", "4", env=env)
         assert launched.returncode == 0, launched.stderr
         job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
@@ -209,12 +219,31 @@ def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
         while (state := _job_state(job_id, env))[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
             assert time.monotonic() < deadline, f"job {job_id} still {state[0]} after 300 s"
             time.sleep(2)
-    printed = Path(str(output).replace("%j", job_id))
-    log = _tail(printed, 40)
+    log = _tail(Path(str(output).replace("%j", job_id)), 60)
     assert state == ("COMPLETED", "0:0"), f"job {job_id}: {state}\n{log}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3, summary
+    assert "vime: the driver exited with status 0" in log
+    return run_dir, log
+
+
+@pytest.mark.slow
+def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
+    port = _free_port()
+    run_dir, _ = _run_to_the_end(tmp_path, 1, "--port", str(port))
     join = (run_dir / "join").read_text()
     assert f"--join tcp://127.0.0.1:{port}" in join  # the driver listened where the script said
     assert re.search(r"export VIME_TOKEN=[0-9a-f]{32}\n", join)
-    assert "vime: the driver exited with status 0" in log
+
+
+@pytest.mark.slow
+def test_a_real_two_node_slurm_puts_the_rollout_worker_on_the_node_agent_srun_started(tmp_path):
+    """Two slurmd on this host stand in for two hosts (their addresses are this host's loopback, which the
+    script refuses beyond one node unless an interface is named: --head-interface lo): the script's srun starts
+    the agent on n2 with the token made on the head (n1), and the driver places the rollout worker there."""
+    run_dir, log = _run_to_the_end(tmp_path, 2, "--head-interface", "lo")
+    listed = json.loads((run_dir / "actors.json").read_text())
+    assert [node["name"] for node in listed["nodes"]] == ["node-n2"], listed
+    assert "driver on n1 (127.0.0.1:" in log
+    started = [json.loads(line) for line in log.splitlines() if '"started an actor"' in line]  # the agent's log
+    assert [(entry["actor"], entry["peer"]) for entry in started] == [("node-n2", "rollout-0")], log
