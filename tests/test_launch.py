@@ -205,32 +205,35 @@ def _job_state(job_id: str, env: dict[str, str]) -> tuple[str, str]:
     return (state.group(1) if state else "UNKNOWN"), (code.group(1) if code else "?")
 
 
-def _run_to_the_end(tmp_path: Path, nodes: int, *launch_flags: str) -> tuple[Path, str]:
-    """Launch the default scenario (3 small steps) on a Slurm of ``nodes`` nodes on this host, wait for the job;
-    the run folder and the job's output, once it COMPLETED with status 0 and its summary says 3 steps."""
-    run_dir, output = tmp_path / "run", tmp_path / "slurm-%j.out"
-    with _slurm_on_this_host(tmp_path / "slurm", nodes) as env:
-        launched = _launch("slurm", "--nodes", str(nodes), "--run-dir", str(run_dir), "--time", "10",
-                           f"--sbatch-arg=--output={output}", *launch_flags, "--", "arithmetic", "--steps", "3",
-                           "--rollout-batch-size", "4", env=env)
-        assert launched.returncode == 0, launched.stderr
-        job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
-        deadline = time.monotonic() + 300
-        while (state := _job_state(job_id, env))[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            assert time.monotonic() < deadline, f"job {job_id} still {state[0]} after 300 s"
-            time.sleep(2)
-    log = _tail(Path(str(output).replace("%j", job_id)), 60)
-    assert state == ("COMPLETED", "0:0"), f"job {job_id}: {state}\n{log}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3, summary
-    assert "vime: the driver exited with status 0" in log
-    return run_dir, log
+def _submit_and_wait(env: dict[str, str], output: Path, *launch_args: str) -> tuple[str, str]:
+    """Launch on the Slurm of ``env``, wait for the job to end; its state and exit code (``COMPLETED 0:0``), and
+    its output (the driver's and, through srun, the agents')."""
+    launched = _launch("slurm", "--time", "10", f"--sbatch-arg=--output={output}", *launch_args, env=env)
+    assert launched.returncode == 0, launched.stderr
+    job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
+    deadline = time.monotonic() + 300
+    while (state := _job_state(job_id, env))[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        assert time.monotonic() < deadline, f"job {job_id} still {state[0]} after 300 s"
+        time.sleep(2)
+    return f"{state[0]} {state[1]}", output.read_text(errors="replace") if output.exists() else "(no output)"
+
+
+SMALL_RUN = ("--", "arithmetic", "--steps", "3", "--rollout-batch-size", "4")  # a minute or so on 2 cores
 
 
 @pytest.mark.slow
 def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
     port = _free_port()
-    run_dir, _ = _run_to_the_end(tmp_path, 1, "--port", str(port))
+    run_dir = tmp_path / "run"
+    with _slurm_on_this_host(tmp_path / "slurm", 1) as env:
+        refused = _submit_and_wait(env, tmp_path / "refused.out", "--nodes", "1", "--run-dir",
+                                   str(tmp_path / "refused"), "--", "arithmetic", "--rollout-batch-size", "many")
+        state, log = _submit_and_wait(env, tmp_path / "run.out", "--nodes", "1", "--run-dir", str(run_dir),
+                                      "--port", str(port), *SMALL_RUN)
+    # the job's status is the driver's: 2 for a run refused, 0 for one that ran to the end
+    assert refused[0] == "FAILED 2:0" and "vime: the driver exited with status 2" in refused[1], refused
+    assert state == "COMPLETED 0:0" and "vime: the driver exited with status 0" in log, f"{state}\n{log}"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     join = (run_dir / "join").read_text()
     assert f"--join tcp://127.0.0.1:{port}" in join  # the driver listened where the script said
     assert re.search(r"export VIME_TOKEN=[0-9a-f]{32}\n", join)
@@ -241,9 +244,12 @@ def test_a_real_two_node_slurm_puts_the_rollout_worker_on_the_node_agent_srun_st
     """Two slurmd on this host stand in for two hosts (their addresses are this host's loopback, which the
     script refuses beyond one node unless an interface is named: --head-interface lo): the script's srun starts
     the agent on n2 with the token made on the head (n1), and the driver places the rollout worker there."""
-    run_dir, log = _run_to_the_end(tmp_path, 2, "--head-interface", "lo")
-    listed = json.loads((run_dir / "actors.json").read_text())
-    assert [node["name"] for node in listed["nodes"]] == ["node-n2"], listed
+    run_dir = tmp_path / "run"
+    with _slurm_on_this_host(tmp_path / "slurm", 2) as env:
+        state, log = _submit_and_wait(env, tmp_path / "run.out", "--nodes", "2", "--run-dir", str(run_dir),
+                                      "--head-interface", "lo", *SMALL_RUN)
+    assert state == "COMPLETED 0:0" and "vime: the driver exited with status 0" in log, f"{state}\n{log}"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     assert "driver on n1 (127.0.0.1:" in log
     started = [json.loads(line) for line in log.splitlines() if '"started an actor"' in line]  # the agent's log
     assert [(entry["actor"], entry["peer"]) for entry in started] == [("node-n2", "rollout-0")], log

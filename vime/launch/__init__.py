@@ -32,6 +32,9 @@ OWN_FLAGS = {
     "--host": "nothing: the launcher finds the head's address",
     "--port": "the launcher's --port",
     "--transport": "nothing: the launcher uses tcp (TLS between hosts is not supported by vime.launch yet)",
+    "--save": "the launcher's --run-dir (slime's --save/--load name vime's run folder; --resume RUN_DIR continues "
+              "a run)",
+    "--load": "--resume RUN_DIR among the scenario's flags to continue a run in its folder",
 }
 
 
