@@ -115,6 +115,18 @@ def test_kubernetes_objects_pass_the_schema_and_each_launch_has_its_own_token():
     assert all("token" not in " ".join(c["command"]).lower() for c in (driver, node))  # in the environment only
 
 
+@pytest.mark.slow
+def test_the_driver_listens_on_the_port_and_with_the_token_a_launcher_gives(tmp_path):
+    """What the launchers rely on, without a cluster: --port, and the token in $VIME_TOKEN."""
+    port, token = _free_port(), "ab" * 16
+    done = subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(tmp_path / "run"),
+                           "--transport", "tcp", "--port", str(port), "--steps", "1", "--rollout-batch-size", "4"],
+                          env=dict(os.environ, VIME_TOKEN=token), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    join = (tmp_path / "run" / "join").read_text()
+    assert f"--join tcp://127.0.0.1:{port}" in join and f"export VIME_TOKEN={token}\n" in join
+
+
 # --------------------------------------------------------------------------- a real Slurm
 
 
