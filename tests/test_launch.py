@@ -81,6 +81,8 @@ def test_a_resumed_run_continues_in_its_folder_and_flags_the_launcher_sets_are_r
         refused = _launch("slurm", "--nodes", "2", "--print", "--", "arithmetic", flag, "x")
         assert refused.returncode == 2 and f"{flag} is set by vime.launch" in refused.stderr, refused.stderr
         assert instead in refused.stderr
+    unknown = _launch("slurm", "--nodes", "1", "--print", "--", "arithmetic; rm -rf /")
+    assert unknown.returncode == 2 and "unknown scenario 'arithmetic; rm -rf /'" in unknown.stderr
     blank = _launch("slurm", "--nodes", "1", "--print", "--partition", "a b", "--", "arithmetic")
     assert blank.returncode == 2 and "#SBATCH lines cannot hold blanks" in blank.stderr
     printed = _launch("slurm", "--nodes", "2", "--print", "--run-dir", str(tmp_path / "run"), "--", "arithmetic")
@@ -105,7 +107,8 @@ def test_kubernetes_objects_pass_the_schema_and_each_launch_has_its_own_token():
     assert secret["stringData"]["token"] != other_secret["stringData"]["token"]
     driver = head["spec"]["template"]["spec"]["containers"][0]
     assert driver["command"][:4] == ["python", "-m", "vime.scenario", "arithmetic"]
-    assert driver["command"][4:6] == ["--prompt-template", AWKWARD]  # one word: no shell reads it
+    # one word (no shell reads it), its $ doubled, as the kubelet reads $$ as $ and expands $(NAME)
+    assert driver["command"][4:6] == ["--prompt-template", AWKWARD.replace("$", "$$")]
     assert "--rollout-nodes" in driver["command"] and "$(POD_IP)" in driver["command"]
     assert service["spec"]["selector"] == head["spec"]["template"]["metadata"]["labels"]
     assert agents["spec"]["completionMode"] == "Indexed" and agents["spec"]["completions"] == 2

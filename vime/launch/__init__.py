@@ -21,11 +21,11 @@ items 2-3): what the driver places on the nodes is what ``--rollout-nodes`` plac
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import sys
 from pathlib import Path
 
-DEFAULT_SCENARIO = "arithmetic"  # as vime.scenario's
+from vime.scenario import DEFAULT, SCENARIOS
+
 # flags the launcher sets itself, with what to pass it instead
 OWN_FLAGS = {
     "--out": "the launcher's --run-dir",
@@ -49,8 +49,11 @@ class Scenario:
 
     @classmethod
     def parse(cls, words: list[str]) -> Scenario:
-        """``SCENARIO [FLAGS]`` as given after ``--``; ValueError for a flag the launcher sets itself."""
-        name = words[0] if words and not words[0].startswith("-") else DEFAULT_SCENARIO
+        """``SCENARIO [FLAGS]`` as given after ``--``; ValueError for an unknown scenario (found here, not on the
+        cluster after the job waited in the queue) and for a flag the launcher sets itself."""
+        name = words[0] if words and not words[0].startswith("-") else DEFAULT
+        if name not in SCENARIOS:
+            raise ValueError(f"unknown scenario {name!r}; python -m vime.scenario --list shows them")
         flags = tuple(words[1:] if words and words[0] == name else words)
         resumed = None
         for index, word in enumerate(flags):
@@ -82,12 +85,6 @@ def check_counts(nodes: int, gpus_per_node: int) -> None:
         raise ValueError(f"--nodes {nodes}: pass 1 or more (the first node runs the driver)")
     if gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node {gpus_per_node}: pass 0 (CPU nodes) or more")
-
-
-def quoted(words: list[str] | tuple[str, ...]) -> str:
-    """One shell command line for ``words``, each quoted as the shell reads it back (a flag's value with
-    spaces, quotes or ``$`` stays one word, unexpanded)."""
-    return shlex.join(words)
 
 
 def this_python() -> str:

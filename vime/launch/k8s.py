@@ -101,8 +101,8 @@ def _head(job: KubernetesJob) -> dict[str, Any]:
     """The driver's Job: one pod, never restarted (a run continues with --resume, not from scratch)."""
     run_dir = f"{RUN_ROOT}/{job.job_name}"
     # $(POD_IP) is expanded by the kubelet from the container's environment
-    command = [job.python, *driver_args(job.scenario, job.nodes), "--host", "$(POD_IP)", "--port", str(job.port),
-               "--out", run_dir]
+    command = [_literal(job.python), *map(_literal, driver_args(job.scenario, job.nodes)), "--host", "$(POD_IP)",
+               "--port", str(job.port), "--out", run_dir]
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     container = _container(job, "driver", command, [pod_ip])
     container["ports"] = [{"name": "driver", "containerPort": job.port}]
@@ -113,6 +113,12 @@ def _head(job: KubernetesJob) -> dict[str, Any]:
            "spec": {"restartPolicy": "Never", "containers": [container], "volumes": [volume]}}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job, f"{job.job_name}-head", "head"),
             "spec": {"backoffLimit": 0, "template": pod}}
+
+
+def _literal(word: str) -> str:
+    """A word of the user's as the kubelet passes it on: it expands ``$(NAME)`` in a command from the container's
+    environment, and reads ``$$`` as one ``$``."""
+    return word.replace("$", "$$")
 
 
 def _agents(job: KubernetesJob) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from vime.launch import Scenario, check_counts, driver_args, quoted
+from vime.launch import Scenario, check_counts, driver_args
 
 # The token is made on the head as the job starts: a script holding it would leave it in Slurm's state
 # (``scontrol write batch_script``) and in every copy of the script.
@@ -92,7 +92,7 @@ def _body(job: SlurmJob) -> list[str]:
              "export VIME_TOKEN",
              'rm -f "$run_dir/join"  # a resumed run\'s: it must mean that this driver listens',
              'echo "vime: driver on $head ($head_address:$port), run folder $run_dir"',
-             f'"$python" {quoted(driver_args(job.scenario, job.nodes))} --host "$head_address" --port "$port"'
+             f'"$python" {shlex.join(driver_args(job.scenario, job.nodes))} --host "$head_address" --port "$port"'
              + ('' if job.scenario.resumed else ' --out "$run_dir"') + " &",
              "driver=$!"]
     if job.nodes > 1:
