@@ -1,0 +1,278 @@
+"""Weights over nng as deltas (``--weight-sync nng-delta``): per tensor, only what changed since the version the
+worker holds, for engines on other hosts where the link, not the copy, is what an update costs.
+
+Each tensor goes one of three ways: unchanged (its name only), changed (the bitwise XOR of its new bytes with the
+base's, byte planes apart, compressed with zstd) or whole (no base). XOR is exact for any dtype, NaNs included,
+and at RL learning rates most bf16 elements do not move at all, so the XOR is mostly zero bytes. The worker
+rebuilds every tensor from its own copy of the base, and answers the last chunk of a version with DeltaHeld.
+
+Which base: the version the worker last acknowledged (DeltaHeld). A worker with none (first weights, joined late,
+restarted: the trainer forgets a worker that asks WantWeights again) gets the whole version. A delta against a
+base the worker does not hold is refused by the worker and sent again whole; if that fails too, the worker's
+weights go over the ``nng`` path from then on.
+
+Memory: the trainer keeps a host copy of each version some worker holds as its base, and of the current one (the
+next base); every worker at the same version shares one copy, and only :data:`KEPT_VERSIONS` are kept (a worker
+whose base was dropped gets the whole version next). In the steady state, where every worker acknowledged the
+previous version, that is two copies while a version is published and one after. Each worker keeps one host copy
+of the version it holds. What it leaves out: compressing whole sends (random-looking bf16 gains little), and the
+broadcast path (deltas would need both ends of the group to agree on a base).
+
+Needs the ``zstandard`` package (``pip install zstandard``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import trio
+
+from vime.runtime import RemoteError
+from vime.transports.records import message
+from vime.weights.base import Gathered, WeightPath
+
+if TYPE_CHECKING:
+    import zstandard
+
+KEPT_VERSIONS = 2  # host copies the trainer keeps: the base every worker holds, and the version being published
+ZSTD_LEVEL = 1  # the XOR of a small step is mostly zeros: a higher level saves little and costs the trainer's CPU
+WHOLE = -1  # WeightsDelta.base when the tensors travel whole
+
+
+@message
+class WeightsDelta:
+    """trainer -> rollout worker (``--weight-sync nng-delta``): part ``index`` of ``count`` of the weights of
+    ``version``, against the worker's copy of ``base`` (:data:`WHOLE`: none). The last part is an ask, answered
+    with DeltaHeld once the worker rebuilt the whole version, or an error when it does not hold ``base``."""
+
+    version: int
+    base: int
+    index: int
+    count: int
+    whole: dict[str, torch.Tensor]  # tensors as they are
+    changed: dict[str, np.ndarray]  # name -> zstd frame of the XOR with the base's bytes, byte planes apart
+    unchanged: list[str]  # tensors whose bytes equal the base's
+
+
+@message
+class DeltaHeld:
+    """rollout worker -> trainer, the answer to the last WeightsDelta of a version: the worker holds ``version``
+    bit for bit, and keeps it as the base of the next delta."""
+
+    version: int
+
+
+def _zstd() -> Any:
+    """The zstandard module, or an error that says how to get it."""
+    try:
+        import zstandard
+    except ImportError as err:
+        raise RuntimeError("--weight-sync nng-delta needs the zstandard package: pip install zstandard "
+                           "(or use --weight-sync nng)") from err
+    return zstandard
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (any dtype, bf16 included, which numpy lacks)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def delta(new: torch.Tensor, old: torch.Tensor, compressor: zstandard.ZstdCompressor) -> np.ndarray | None:
+    """The zstd frame of ``new``'s bytes XOR ``old``'s, the i-th byte of every element together (the sign and
+    exponent bytes of a small step are zeros, its low mantissa bytes are not: apart, each compresses as it is);
+    None when the bytes are equal."""
+    new_bytes, old_bytes = _bytes(new), _bytes(old)
+    if torch.equal(new_bytes, old_bytes):
+        return None
+    planes = torch.bitwise_xor(new_bytes, old_bytes).view(-1, new.element_size()).t().contiguous()
+    return np.frombuffer(compressor.compress(planes.numpy()), dtype=np.uint8)
+
+
+def undelta(old: torch.Tensor, frame: Any, decompressor: zstandard.ZstdDecompressor) -> torch.Tensor:
+    """The tensor :func:`delta` was made from, in a new tensor: ``old`` XOR the frame's bytes."""
+    itemsize = old.element_size()
+    planes = torch.frombuffer(bytearray(decompressor.decompress(frame)), dtype=torch.uint8)
+    xor = planes.view(itemsize, -1).t().reshape(-1)
+    return torch.bitwise_xor(_bytes(old), xor).view(old.dtype).reshape(old.shape)
+
+
+def matches(new: torch.Tensor, old: torch.Tensor | None) -> bool:
+    """Whether ``new`` can go as a delta against ``old``: the same dtype and shape (a resized vocabulary, say,
+    goes whole)."""
+    return old is not None and old.dtype == new.dtype and old.shape == new.shape
+
+
+def encode(version: int, base_version: int, base: dict[str, torch.Tensor] | None,
+           tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[WeightsDelta]:
+    """``tensors`` (version ``version``) as WeightsDelta parts of about ``limit_bytes`` each on the wire, against
+    ``base`` (version ``base_version``), or whole when ``base`` is None."""
+    compressor = _zstd().ZstdCompressor(level=ZSTD_LEVEL)
+    parts: list[WeightsDelta] = []
+    size = limit_bytes  # the first tensor opens a part
+
+    def part() -> WeightsDelta:
+        nonlocal size
+        if size >= limit_bytes:
+            parts.append(WeightsDelta(version=version, base=WHOLE if base is None else base_version, index=len(parts),
+                                      count=0, whole={}, changed={}, unchanged=[]))
+            size = 0
+        return parts[-1]
+
+    for name, tensor in tensors.items():
+        old = None if base is None else base.get(name)
+        if not matches(tensor, old):
+            part().whole[name] = tensor
+            size += tensor.nbytes
+            continue
+        frame = delta(tensor, old, compressor)
+        if frame is None:
+            part().unchanged.append(name)
+        else:
+            part().changed[name] = frame
+            size += frame.nbytes
+    if not parts:
+        part()
+    for each in parts:
+        each.count = len(parts)
+    return parts
+
+
+def decode(parts: list[WeightsDelta], base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The tensors of a version from all of its parts (in index order) and the base they were made against."""
+    decompressor = _zstd().ZstdDecompressor()
+    tensors: dict[str, torch.Tensor] = {}
+    for part in parts:
+        tensors.update(part.whole)
+        if part.changed or part.unchanged:
+            assert base is not None  # the caller checked the base
+            tensors.update((name, undelta(base[name], frame, decompressor)) for name, frame in part.changed.items())
+            tensors.update((name, base[name]) for name in part.unchanged)
+    return tensors
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's name, dtype, shape and bytes: two state dicts bit for bit the same have the same."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        hasher.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}".encode())
+        hasher.update(_bytes(tensor).numpy().data)
+    return hasher.hexdigest()
+
+
+class NngDelta(WeightPath):
+    name = "nng-delta"
+    kinds = (WeightsDelta,)
+    priority = -1  # only when named: --weight-sync auto keeps the plain nng path
+
+    held: dict[str, int]  # sender: worker -> the version it acknowledged (its base)
+    versions: dict[int, dict[str, torch.Tensor]]  # sender: host copies of bases and of the current version
+    encoded: dict[int, list[WeightsDelta]]  # sender: base version -> the current version's parts against it
+    base: tuple[int, dict[str, torch.Tensor]] | None  # receiver: the version it holds, bit for bit
+    arriving: dict[int, dict[int, WeightsDelta]]  # receiver: version -> index -> part
+
+    def __init__(self, **halves: Any) -> None:
+        super().__init__(**halves)
+        self.held, self.versions, self.encoded, self.base, self.arriving = {}, {}, {}, None, {}
+
+    @staticmethod
+    def suits(ours: set[str], theirs: set[str]) -> bool:
+        return True
+
+    # The sender half.
+
+    def detach(self, worker: str) -> None:
+        """A worker that asks again (restarted, say) holds no base we know of: its next version goes whole."""
+        self.held.pop(worker, None)
+        self._prune()
+
+    def wants(self) -> Gathered | None:
+        return None if self.sender.engine.weight_version in self.versions else "host"
+
+    def _current(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host copy of the current version, made once per version (the optimizer will write the trainer's own
+        tensors in place, and this copy is the next version's base)."""
+        engine = self.sender.engine
+        version = engine.weight_version
+        if version not in self.versions:
+            self.versions[version] = {name: tensor.to("cpu", copy=engine.device == "cpu").contiguous()
+                                      for name, tensor in tensors.items()}
+            self.encoded = {}
+            self._prune()
+        return self.versions[version]
+
+    def _prune(self) -> None:
+        """Keep the current version and the newest bases workers hold, :data:`KEPT_VERSIONS` in all; a worker
+        whose base goes gets the whole version next time."""
+        current = self.sender.engine.weight_version
+        wanted = sorted({current, *self.held.values()} & set(self.versions), reverse=True)[:KEPT_VERSIONS]
+        self.versions = {version: self.versions[version] for version in wanted}
+
+    async def _parts(self, base_version: int) -> list[WeightsDelta]:
+        """The current version's parts against ``base_version`` (whole when that copy is not kept), encoded once
+        for every worker at that base, in a thread: the trainer's loop must go on answering meanwhile."""
+        version = self.sender.engine.weight_version
+        base_version = base_version if base_version in self.versions and base_version != version else WHOLE
+        if base_version not in self.encoded:
+            self.encoded[base_version] = await trio.to_thread.run_sync(
+                encode, version, base_version, self.versions.get(base_version), self.versions[version],
+                self.sender.run.job.weight_chunk_mb << 20)
+        return self.encoded[base_version]
+
+    async def _send_parts(self, worker: str, parts: list[WeightsDelta]) -> None:
+        """Every part but the last told (queued in the outbox), the last asked: returns once the worker holds the
+        version."""
+        actor, version = self.sender.actor, self.sender.engine.weight_version
+        for part in parts[:-1]:
+            await actor.tell(worker, part, weight_version=version)
+        await actor.ask(worker, parts[-1], timeout=600.0, weight_version=version)
+
+    async def send(self, workers: list[str], tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Against the base each worker acknowledged, or whole; a delta the worker refuses goes again whole, and a
+        worker that refuses that too is returned (it gets the ``nng`` path from then on)."""
+        self._current(tensors)
+        version, failed = self.sender.engine.weight_version, []
+        for worker in workers:
+            parts = await self._parts(self.held.get(worker, WHOLE))
+            try:
+                await self._send_parts(worker, parts)
+            except RemoteError as err:
+                if parts[0].base == WHOLE:
+                    failed.append(worker)
+                    continue
+                self.sender.actor.log.warning("delta refused: sending this version whole", worker=worker,
+                                              weight_version=version, base=parts[0].base, error=str(err))
+                self.held.pop(worker, None)
+                try:
+                    await self._send_parts(worker, await self._parts(WHOLE))
+                except RemoteError:
+                    failed.append(worker)
+                    continue
+            self.held[worker] = version
+        self._prune()
+        return failed
+
+    # The receiver half.
+
+    async def receive(self, msg: WeightsDelta) -> DeltaHeld | None:
+        """A part; once all of a version are in, the version rebuilt from the base (in a thread), kept as the next
+        base and handed to the engine. A delta against a base this worker does not hold raises: the trainer
+        sends that version whole instead."""
+        parts = self.arriving.setdefault(msg.version, {})
+        parts[msg.index] = msg
+        if len(parts) < msg.count:
+            return None
+        self.arriving = {version: older for version, older in self.arriving.items() if version > msg.version}
+        held = self.base[0] if self.base is not None else None
+        if msg.base != WHOLE and msg.base != held:
+            raise ValueError(f"weights of version {msg.version} came as a delta against version {msg.base}, but this "
+                             f"worker holds {held}; the trainer sends them whole next")
+        base = self.base[1] if self.base is not None else None
+        tensors = await trio.to_thread.run_sync(decode, [parts[index] for index in sorted(parts)], base)
+        self.base = (msg.version, tensors)
+        if msg.version > self.receiver.engine.weight_version:
+            self.receiver.arrived(msg.version, tensors)
+        return DeltaHeld(version=msg.version)
