@@ -89,7 +89,7 @@ class _Actor:
     def __init__(self, workers: dict[str, WeightReceiver]) -> None:
         self.workers = workers
         self.sent: list[tuple[str, object]] = []
-        self.log = types.SimpleNamespace(warning=lambda *args, **kwargs: None)
+        self.log = types.SimpleNamespace(warning=lambda *args, **kwargs: None, info=lambda *args, **kwargs: None)
 
     async def tell(self, worker: str, payload, weight_version: int | None = None) -> None:
         await self.ask(worker, payload)

@@ -153,6 +153,11 @@ def decode(parts: list[WeightsDelta], base: dict[str, torch.Tensor] | None) -> d
     return tensors
 
 
+def wire_bytes(part: WeightsDelta) -> int:
+    """The tensor bytes a part carries (its names and msgpack framing aside)."""
+    return sum(t.nbytes for t in part.whole.values()) + sum(frame.nbytes for frame in part.changed.values())
+
+
 def digest(tensors: dict[str, torch.Tensor]) -> str:
     """A hash of every tensor's name, dtype, shape and bytes: two state dicts bit for bit the same have the same."""
     hasher = hashlib.blake2b(digest_size=16)
@@ -229,6 +234,8 @@ class NngDelta(WeightPath):
         for part in parts[:-1]:
             await actor.tell(worker, part, weight_version=version)
         await actor.ask(worker, parts[-1], timeout=600.0, weight_version=version)
+        actor.log.info("weights sent", worker=worker, weight_version=version, base=parts[0].base,
+                       wire_mb=round(sum(map(wire_bytes, parts)) / 2**20, 3))
 
     async def send(self, workers: list[str], tensors: dict[str, torch.Tensor]) -> list[str]:
         """Against the base each worker acknowledged, or whole; a delta the worker refuses goes again whole, and a
