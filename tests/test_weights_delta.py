@@ -17,6 +17,7 @@ from vime.runtime import RemoteError
 from vime.transports.codec import Envelope, decode_frame, encode, encode_frame
 from vime.weights import PATHS, DeltaHeld, Nng, NngDelta, WeightReceiver, WeightsChunk, WeightsDelta, WeightSender
 from vime.weights.nng_delta import WHOLE, delta, digest, undelta
+from vime.weights.nng_delta import encode as encode_delta
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -203,3 +204,24 @@ async def test_a_worker_that_refuses_the_whole_version_too_falls_back_to_nng():
     assert sender.paths["rollout-0"] is Nng
     assert _kinds(sender, "rollout-0") == ["whole", "nng"]
     assert not sender.half(NngDelta).held
+
+
+async def test_a_version_in_many_parts_is_rebuilt_part_by_part_and_a_wrong_base_refused_once_all_are_in():
+    engine = _TrainEngine()
+    old = dict(engine.rollout_weights(torch.bfloat16))
+    engine.step()
+    new = dict(engine.rollout_weights(torch.bfloat16))
+    receiver = _worker()
+    half = receiver.halves[WeightsDelta]
+    half.base = (0, old)
+    parts = encode_delta(1, 0, old, new, limit_bytes=64)  # a part per tensor
+    assert len(parts) == 7 and parts[-1].unchanged == ["norm.weight"] and not parts[-1].changed
+    for part in parts[:-1]:
+        assert await half.receive(_over_the_wire(part)) is None
+    assert await half.receive(_over_the_wire(parts[-1])) == DeltaHeld(version=1)
+    assert _holds(receiver) == digest(new) and half.base[0] == 1
+    for part in parts[:-1]:  # the same delta again: against version 0, which it no longer holds
+        assert await half.receive(_over_the_wire(part)) is None
+    with pytest.raises(ValueError, match="against version 0, but this worker holds 1"):
+        await half.receive(_over_the_wire(parts[-1]))
+    assert half.base[0] == 1 and not half.arriving

@@ -153,7 +153,8 @@ def encode(version: int, base_version: int, base: dict[str, torch.Tensor] | None
 
 
 def decode(parts: list[WeightsDelta], base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The tensors of a version from all of its parts (in index order) and the base they were made against."""
+    """The tensors of ``parts`` (in index order: a whole version, or one part as it arrives) from the base they
+    were made against."""
     zstd = _zstd()
     tensors: dict[str, torch.Tensor] = {}
     changed = {name: frame for part in parts for name, frame in part.changed.items()}
@@ -194,7 +195,8 @@ class NngDelta(WeightPath):
     versions: dict[int, dict[str, torch.Tensor]]  # sender: host copies of bases and of the current version
     encoded: dict[int, list[WeightsDelta]]  # sender: base version -> the current version's parts against it
     base: tuple[int, dict[str, torch.Tensor]] | None  # receiver: the version it holds, bit for bit
-    arriving: dict[int, dict[int, WeightsDelta]]  # receiver: version -> index -> part
+    # receiver: version -> part index -> its tensors rebuilt (None: a delta against a base it does not hold)
+    arriving: dict[int, dict[int, dict[str, torch.Tensor] | None]]
 
     def __init__(self, **halves: Any) -> None:
         super().__init__(**halves)
@@ -282,20 +284,23 @@ class NngDelta(WeightPath):
     # The receiver half.
 
     async def receive(self, msg: WeightsDelta) -> DeltaHeld | None:
-        """A part; once all of a version are in, the version rebuilt from the base (in a thread), kept as the next
-        base and handed to the engine. A delta against a base this worker does not hold raises: the trainer
-        sends that version whole instead."""
+        """A part, rebuilt from the base as it arrives (in a thread: the next parts keep arriving meanwhile); once
+        all of a version are in, the version is kept as the next base and handed to the engine. A delta against
+        a base this worker does not hold raises once all its parts are in: the trainer sends that version whole."""
         parts = self.arriving.setdefault(msg.version, {})
-        parts[msg.index] = msg
+        base = self.base[1] if self.base is not None and self.base[0] == msg.base else None
+        if msg.base == WHOLE or base is not None:
+            parts[msg.index] = await trio.to_thread.run_sync(decode, [msg], base)
+        else:
+            parts[msg.index] = None
         if len(parts) < msg.count:
             return None
         self.arriving = {version: older for version, older in self.arriving.items() if version > msg.version}
-        held = self.base[0] if self.base is not None else None
-        if msg.base != WHOLE and msg.base != held:
+        if any(rebuilt is None for rebuilt in parts.values()):
+            held = self.base[0] if self.base is not None else None
             raise ValueError(f"weights of version {msg.version} came as a delta against version {msg.base}, but this "
                              f"worker holds {held}; the trainer sends them whole next")
-        base = self.base[1] if self.base is not None else None
-        tensors = await trio.to_thread.run_sync(decode, [parts[index] for index in sorted(parts)], base)
+        tensors = {name: tensor for index in sorted(parts) for name, tensor in parts[index].items()}
         self.base = (msg.version, tensors)
         if msg.version > self.receiver.engine.weight_version:
             self.receiver.arrived(msg.version, tensors)
