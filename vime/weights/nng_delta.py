@@ -35,6 +35,7 @@ import trio
 from vime.runtime import RemoteError
 from vime.transports.records import message
 from vime.weights.base import Gathered, WeightPath
+from vime.weights.nng import grouped
 
 if TYPE_CHECKING:
     import zstandard
@@ -112,44 +113,37 @@ def matches(new: torch.Tensor, old: torch.Tensor | None) -> bool:
     return old is not None and old.dtype == new.dtype and old.shape == new.shape
 
 
-def encode(version: int, base_version: int, base: dict[str, torch.Tensor] | None,
-           tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[WeightsDelta]:
-    """``tensors`` (version ``version``) as WeightsDelta parts of about ``limit_bytes`` each on the wire, against
-    ``base`` (version ``base_version``), or whole when ``base`` is None."""
+def encode_part(version: int, base_version: int, base: dict[str, torch.Tensor] | None,
+                tensors: dict[str, torch.Tensor], index: int, count: int) -> WeightsDelta:
+    """Part ``index`` of ``count`` of version ``version``: ``tensors`` against ``base`` (version ``base_version``),
+    or whole when ``base`` is None; its tensors on a pool of threads (numpy, torch and zstd let go of the GIL)."""
     zstd = _zstd()
-    parts: list[WeightsDelta] = []
-    size = limit_bytes  # the first tensor opens a part
-
-    def part() -> WeightsDelta:
-        nonlocal size
-        if size >= limit_bytes:
-            parts.append(WeightsDelta(version=version, base=WHOLE if base is None else base_version, index=len(parts),
-                                      count=0, whole={}, changed={}, unchanged=[]))
-            size = 0
-        return parts[-1]
+    part = WeightsDelta(version=version, base=WHOLE if base is None else base_version, index=index, count=count,
+                        whole={}, changed={}, unchanged=[])
 
     def frame_of(name: str) -> np.ndarray | None:
         return delta(tensors[name], base[name], zstd.ZstdCompressor(level=ZSTD_LEVEL))  # one per thread
 
     deltas = [name for name, tensor in tensors.items() if matches(tensor, None if base is None else base.get(name))]
-    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:  # numpy, torch and zstd let go of the GIL
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
         frames = dict(zip(deltas, pool.map(frame_of, deltas)))
     for name, tensor in tensors.items():
         if name not in frames:
-            part().whole[name] = tensor
-            size += tensor.nbytes
-            continue
-        frame = frames[name]
-        if frame is None:
-            part().unchanged.append(name)
+            part.whole[name] = tensor
+        elif frames[name] is None:
+            part.unchanged.append(name)
         else:
-            part().changed[name] = frame
-            size += frame.nbytes
-    if not parts:
-        part()
-    for each in parts:
-        each.count = len(parts)
-    return parts
+            part.changed[name] = frames[name]
+    return part
+
+
+def encode(version: int, base_version: int, base: dict[str, torch.Tensor] | None,
+           tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[WeightsDelta]:
+    """Every part of a version: ``tensors`` in groups of at most ``limit_bytes`` before encoding (so the count is
+    known before the first part is encoded, and the sender can send each part as it is made), each against
+    ``base``."""
+    groups = grouped(tensors, limit_bytes)
+    return [encode_part(version, base_version, base, group, index, len(groups)) for index, group in enumerate(groups)]
 
 
 def decode(parts: list[WeightsDelta], base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -235,25 +229,27 @@ class NngDelta(WeightPath):
         wanted = sorted({current, *self.held.values()} & set(self.versions), reverse=True)[:KEPT_VERSIONS]
         self.versions = {version: self.versions[version] for version in wanted}
 
-    async def _parts(self, base_version: int) -> list[WeightsDelta]:
-        """The current version's parts against ``base_version`` (whole when that copy is not kept), encoded once
-        for every worker at that base, in a thread: the trainer's loop must go on answering meanwhile."""
-        version = self.sender.engine.weight_version
-        base_version = base_version if base_version in self.versions and base_version != version else WHOLE
-        if base_version not in self.encoded:
-            self.encoded[base_version] = await trio.to_thread.run_sync(
-                encode, version, base_version, self.versions.get(base_version), self.versions[version],
-                self.sender.run.job.weight_chunk_mb << 20)
-        return self.encoded[base_version]
+    def _kept(self, base_version: int) -> int:
+        """``base_version`` if its copy is kept (and it is not the current version), else :data:`WHOLE`."""
+        current = self.sender.engine.weight_version
+        return base_version if base_version in self.versions and base_version != current else WHOLE
 
-    async def _send_parts(self, worker: str, parts: list[WeightsDelta]) -> None:
-        """Every part but the last told (queued in the outbox), the last asked: returns once the worker holds the
-        version."""
-        actor, version = self.sender.actor, self.sender.engine.weight_version
-        for part in parts[:-1]:
-            await actor.tell(worker, part, weight_version=version)
+    async def _send_parts(self, worker: str, base_version: int) -> None:
+        """The current version against ``base_version`` (kept, or WHOLE): each part encoded in a thread while the
+        outbox sends the one before, and kept for the next worker at that base; every part but the last told,
+        the last asked: returns once the worker holds the version."""
+        actor, engine = self.sender.actor, self.sender.engine
+        version, current = engine.weight_version, self.versions[engine.weight_version]
+        groups = grouped(current, self.sender.run.job.weight_chunk_mb << 20)
+        parts = self.encoded.setdefault(base_version, [])
+        for index, group in enumerate(groups):
+            if index == len(parts):
+                parts.append(await trio.to_thread.run_sync(encode_part, version, base_version,
+                                                           self.versions.get(base_version), group, index, len(groups)))
+            if index + 1 < len(groups):
+                await actor.tell(worker, parts[index], weight_version=version)
         await actor.ask(worker, parts[-1], timeout=600.0, weight_version=version)
-        actor.log.info("weights sent", worker=worker, weight_version=version, base=parts[0].base,
+        actor.log.info("weights sent", worker=worker, weight_version=version, base=base_version,
                        wire_mb=round(sum(map(wire_bytes, parts)) / 2**20, 3))
 
     async def send(self, workers: list[str], tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -262,18 +258,18 @@ class NngDelta(WeightPath):
         self._current(tensors)
         version, failed = self.sender.engine.weight_version, []
         for worker in workers:
-            parts = await self._parts(self.held.get(worker, WHOLE))
+            base = self._kept(self.held.get(worker, WHOLE))
             try:
-                await self._send_parts(worker, parts)
+                await self._send_parts(worker, base)
             except RemoteError as err:
-                if parts[0].base == WHOLE:
+                self.held.pop(worker, None)
+                if base == WHOLE:
                     failed.append(worker)
                     continue
                 self.sender.actor.log.warning("delta refused: sending this version whole", worker=worker,
-                                              weight_version=version, base=parts[0].base, error=str(err))
-                self.held.pop(worker, None)
+                                              weight_version=version, base=base, error=str(err))
                 try:
-                    await self._send_parts(worker, await self._parts(WHOLE))
+                    await self._send_parts(worker, WHOLE)
                 except RemoteError:
                     failed.append(worker)
                     continue
