@@ -243,7 +243,7 @@ def main() -> int:
                     "chunk_mb": args.chunk_mb, "rate_mbit": args.rate_mbit, "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         existing = json.loads(args.json.read_text()) if args.json.exists() else {}
-        existing[link] = document
+        existing[f"{link}, {commit}"] = document
         args.json.write_text(json.dumps(existing, indent=2) + "\n")
     return 0
 
