@@ -4,7 +4,8 @@ worker holds, for engines on other hosts where the link, not the copy, is what a
 Each tensor goes one of three ways: unchanged (its name only), changed (the bitwise XOR of its new bytes with the
 base's, byte planes apart, compressed with zstd) or whole (no base). XOR is exact for any dtype, NaNs included,
 and at RL learning rates most bf16 elements do not move at all, so the XOR is mostly zero bytes. The worker
-rebuilds every tensor from its own copy of the base, and answers the last chunk of a version with DeltaHeld.
+rebuilds every tensor from its own copy of the base as its part arrives, and answers the last part of a version
+with DeltaHeld. The trainer encodes each part while the one before is on its way.
 
 Which base: the version the worker last acknowledged (DeltaHeld). A worker with none (first weights, joined late,
 restarted: the trainer forgets a worker that asks WantWeights again) gets the whole version. A delta against a
@@ -14,9 +15,11 @@ weights go over the ``nng`` path from then on.
 Memory: the trainer keeps a host copy of each version some worker holds as its base, and of the current one (the
 next base); every worker at the same version shares one copy, and only :data:`KEPT_VERSIONS` are kept (a worker
 whose base was dropped gets the whole version next). In the steady state, where every worker acknowledged the
-previous version, that is two copies while a version is published and one after. Each worker keeps one host copy
-of the version it holds. What it leaves out: compressing whole sends (random-looking bf16 gains little), and the
-broadcast path (deltas would need both ends of the group to agree on a base).
+previous version, that is two copies while a version is published and one after (1.2 GB each at Qwen3-0.6B in
+bf16), plus the encoded parts of the current version (its bytes on the wire). Each worker keeps one host copy of
+the version it holds (and, while one arrives, the parts rebuilt so far). What it leaves out: compressing whole
+sends (random-looking bf16 gains little), and the broadcast path (deltas would need both ends of the group to
+agree on a base).
 
 Needs the ``zstandard`` package (``pip install zstandard``).
 """
