@@ -131,6 +131,7 @@ async def test_weights_travel_as_deltas_when_asked(tmp_path):
     """--weight-sync nng-delta: each worker gets its first version whole and every later one as the XOR with the
     version it acknowledged; the trainer recomputes exactly the log-probs the workers sampled with, so every
     rebuilt version was the trainer's, bit for bit."""
+    pytest.importorskip("zstandard")  # a dependency since nng-delta; a venv made before may lack it
     run_dir = tmp_path / "run"
     config = config_for(run_dir, steps=6, rollout_workers=2, rollout_batch_size=16, weight_sync="nng-delta",
                         forced_response_lengths="uniform:2", max_new_tokens=6, seed=5)
