@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import torch
 import trio
@@ -120,34 +121,42 @@ class Receiver(Actor):
         return WeightsHeld(version=msg.version)
 
 
-async def time_nng(hosts: Hosts, args: argparse.Namespace, workdir: Path) -> list[float]:
-    """Node agents on b and c, the sender and receiver actors started there; one timed update per run."""
+@contextlib.asynccontextmanager
+async def agents_on_b_and_c(hosts: Hosts, workdir: Path, roles: list[str]) -> AsyncIterator[Any]:
+    """A job on the head and a node agent on each of b and c allowed to start ``roles`` (``module:Class`` under
+    bench/); yields the job, with both agents joined. Shared with bench/crosshost_delta.py."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "bench"),
                                                                       os.environ.get("PYTHONPATH")])))
+    allowed = [flag for role in roles for flag in ("--allow-role", role)]
     async with Cluster.open(workdir / "run", transport="tcp", host=hosts.head_ip) as job:
         agents = []
         for host in ("b", "c"):
             command = hosts.command(host, sys.executable, "-m", "vime.node", "--join", job.address, "--name", host,
-                                    "--allow-role", "crosshost:Sender", "--allow-role", "crosshost:Receiver",
-                                    "--run-dir", str(workdir / host))
+                                    *allowed, "--run-dir", str(workdir / host))
             agents.append(await trio.lowlevel.open_process(command, env=dict(env, VIME_TOKEN=job.token)))
         try:
             for host in ("b", "c"):
                 await job.wait_event("node joined", host, timeout=120)
-            await job.spawn("crosshost:Receiver", "receiver", node="c", timeout=120)
-            await job.spawn("crosshost:Sender", "sender", {"total_mb": args.total_mb, "chunk_mb": args.chunk_mb},
-                            node="b", timeout=300)
-            seconds = []
-            for version in range(args.runs + 1):
-                started = time.perf_counter()
-                await job.ask("sender", SendWeights(to="receiver", version=version), timeout=900)
-                seconds.append(time.perf_counter() - started)
-            return seconds[1:]
+            yield job
         finally:
             for agent in agents:
                 agent.terminate()
             for agent in agents:
                 await agent.wait()
+
+
+async def time_nng(hosts: Hosts, args: argparse.Namespace, workdir: Path) -> list[float]:
+    """Node agents on b and c, the sender and receiver actors started there; one timed update per run."""
+    async with agents_on_b_and_c(hosts, workdir, ["crosshost:Sender", "crosshost:Receiver"]) as job:
+        await job.spawn("crosshost:Receiver", "receiver", node="c", timeout=120)
+        await job.spawn("crosshost:Sender", "sender", {"total_mb": args.total_mb, "chunk_mb": args.chunk_mb},
+                        node="b", timeout=300)
+        seconds = []
+        for version in range(args.runs + 1):
+            started = time.perf_counter()
+            await job.ask("sender", SendWeights(to="receiver", version=version), timeout=900)
+            seconds.append(time.perf_counter() - started)
+        return seconds[1:]
 
 
 # ------------------------------------------------------------------------------------- raw TCP and gloo, in one

@@ -127,7 +127,8 @@ def test_choices_come_from_the_settings_types():
     parser = argparse.ArgumentParser()
     add_flags(parser, RunConfig())
     choices = {action.dest: action.choices for action in parser._actions if action.choices}
-    assert choices["dtype"] == ("fp32", "bf16") and choices["weight_sync"] == ("auto", "nng", "ipc", "broadcast")
+    assert choices["dtype"] == ("fp32", "bf16")
+    assert choices["weight_sync"] == ("auto", "nng", "ipc", "broadcast", "nng-delta")
     assert choices["algo"] == typing.get_args(typing.get_type_hints(type(RunConfig().job))["algo"])
     assert {"rollout_backend", "train_backend", "lr_schedule", "loss_aggregation", "kl_estimator", "tis_level",
             "policy_loss", "ratio_level", "off_policy_correction"} <= set(choices)

@@ -127,6 +127,28 @@ async def test_weights_travel_by_a_broadcast_group_when_asked(tmp_path):
         assert '"event": "joined"' in (run_dir / "logs" / f"{worker}.log").read_text()
 
 
+async def test_weights_travel_as_deltas_when_asked(tmp_path):
+    """--weight-sync nng-delta: each worker gets its first version whole and every later one as the XOR with the
+    version it acknowledged; the trainer recomputes exactly the log-probs the workers sampled with, so every
+    rebuilt version was the trainer's, bit for bit."""
+    pytest.importorskip("zstandard")  # a dependency since nng-delta; a venv made before may lack it
+    run_dir = tmp_path / "run"
+    config = config_for(run_dir, steps=6, rollout_workers=2, rollout_batch_size=16, weight_sync="nng-delta",
+                        forced_response_lengths="uniform:2", max_new_tokens=6, seed=5)
+    await train(config, run_dir, timeout_s=180)
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["weight_version"] for row in rows] == list(range(1, 7))
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) <= 1e-5
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"path": "nng-delta"') == 2 and "delta refused" not in trainer_log, trainer_log[-2000:]
+    assert "weight path failed" not in trainer_log
+    sent = [json.loads(line) for line in trainer_log.splitlines() if '"event": "weights sent"' in line]
+    for worker in ("rollout-0", "rollout-1"):  # whole first, then each version against the one before
+        bases = [(row["weight_version"], row["base"]) for row in sent if row["worker"] == worker]
+        assert bases[0][1] == -1 and all(base == version - 1 for version, base in bases[1:]), bases
+    assert sum(row["base"] != -1 for row in sent) >= 8, sent
+
+
 @pytest.mark.parametrize("mode, trainer, engine, path", [
     ("auto", [], [], "nng"), ("auto", ["GPU-a"], [], "nng"), ("auto", [], ["GPU-a"], "nng"),
     ("auto", ["GPU-a"], ["GPU-a"], "ipc"), ("auto", ["GPU-a"], ["GPU-b"], "broadcast"),

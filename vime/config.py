@@ -32,7 +32,7 @@ Dtype = Literal["fp32", "bf16"]
 RolloutBackend = Literal["torch", "vllm"]
 TrainBackend = Literal["torch", "megatron"]
 LrSchedule = Literal["constant", "linear", "cosine"]
-WeightSync = Literal["auto", "nng", "ipc", "broadcast"]  # the paths of vime.weights, and auto
+WeightSync = Literal["auto", "nng", "ipc", "broadcast", "nng-delta"]  # the paths of vime.weights, and auto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +311,9 @@ class JobConfig:
                            "every actor's seed derives from it (vime.seeds)")
     weight_sync: WeightSync = setting("auto", "how weights reach each rollout worker: auto (CUDA IPC when the "
                                               "engine is on the trainer's GPU, a broadcast group when on other GPUs, "
-                                              "nng otherwise), nng, ipc, or broadcast (NCCL; gloo when both sides "
-                                              "are on CPU)")
+                                              "nng otherwise), nng, ipc, broadcast (NCCL; gloo when both sides "
+                                              "are on CPU), or nng-delta (nng sending only what changed since the "
+                                              "version a worker holds: engines across a slow link; needs zstandard)")
     weight_chunk_mb: int = setting(64, "over nng, weights travel to rollout workers in chunks of about this size")
     weight_bucket_mb: int = setting(1024, "weights over CUDA IPC or broadcast go in buckets of at most this size (a "
                                              "larger tensor alone), one transfer each; with CUDA IPC the trainer "

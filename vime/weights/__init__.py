@@ -9,6 +9,8 @@ one module here holding both its halves (the trainer's sender, the worker's rece
   descriptors of a bucket the trainer packed cross the socket.
 * ``nccl`` (:class:`Broadcast`, ``--weight-sync broadcast``): a broadcast group of their own (NCCL on GPUs,
   gloo on CPU), the engine on other GPUs or hosts.
+* ``nng_delta`` (:class:`NngDelta`, ``--weight-sync nng-delta``): nng chunks of only what changed since the
+  version the worker holds (XOR with it, zstd), exact; for engines across a slow link. Only when named.
 
 The interface (:mod:`vime.weights.base`): a path's sender half attaches a worker, sends it a version and detaches
 it; its receiver half receives the path's messages and has the engine load them between two of its steps.
@@ -22,9 +24,10 @@ GPU path cannot be set up (a broadcast group that cannot form) or fails (a load 
 answer) gets that version and every later one over nng: :meth:`WeightSender.attach` and
 :meth:`WeightSender.publish`, written once for every path.
 
-Adding a path (a delta or compressed sync, a file system shared with the workers) is adding a module here
+Adding a path (a file system shared with the workers) is adding a module here
 with one :class:`WeightPath` subclass: every module of this package is imported below, and a subclass
-registers itself by its ``name``.
+registers itself by its ``name``; its ``--weight-sync`` value is also listed in ``vime.config.WeightSync``, which
+is read without torch (tests/test_weights_delta.py checks the two agree).
 """
 
 import importlib
@@ -38,6 +41,7 @@ for _module in pkgutil.iter_modules(__path__):
 from vime.weights.cuda_ipc import BucketLoaded, CudaIpc, WeightsShared  # noqa: E402
 from vime.weights.nccl import Broadcast, BroadcastJoin, BroadcastJoined, BroadcastLoaded, WeightsBroadcast  # noqa: E402
 from vime.weights.nng import Nng, WeightsChunk  # noqa: E402
+from vime.weights.nng_delta import DeltaHeld, NngDelta, WeightsDelta  # noqa: E402
 
 RECEIVED: tuple[type, ...] = tuple(kind for path in PATHS.values() for kind in path.kinds)  # a worker's handler's
 
@@ -50,7 +54,9 @@ __all__ = [
     "BroadcastLoaded",
     "BucketLoaded",
     "CudaIpc",
+    "DeltaHeld",
     "Nng",
+    "NngDelta",
     "WantWeights",
     "WeightPath",
     "WeightReceiver",
@@ -58,6 +64,7 @@ __all__ = [
     "WeightsBroadcast",
     "WeightsChunk",
     "WeightsComing",
+    "WeightsDelta",
     "WeightsShared",
     "choose",
 ]
