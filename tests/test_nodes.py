@@ -245,3 +245,38 @@ async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):
     config = arithmetic.prepare(tmp_path / "run", arithmetic.defaults().replace(rollout_workers=2, rollout_nodes=2))
     with pytest.raises(Refused, match="--transport tcp"):
         await train(config, tmp_path / "run")
+
+
+def _data_parallel_run(run_dir: Path, **placement) -> object:
+    """The default task, trained by two data-parallel Megatron ranks (fp32, CPU) for a few steps."""
+    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=3, seed=3, rollout_batch_size=16, train_backend="megatron", data_parallel_size=2, **placement))
+
+
+def _trained(run_dir: Path) -> dict[str, list[float]]:
+    """Each step's loss, reward and trainer-rollout log-prob gap, by name."""
+    rows = MetricsFollower(run_dir).new_rows()
+    return {key: [row[key] for row in rows] for key in ("loss", "raw_reward", "train_rollout_logprob_abs_diff")}
+
+
+async def test_trainer_ranks_on_two_hosts_train_as_on_one(tmp_path):
+    """--actor-num-nodes 2 --actor-num-gpus-per-node 1: rank 1 of a TP1 x DP2 Megatron trainer runs on a node
+    agent's host, started through it, in one gloo group with rank 0 (the trainer actor) over the namespaces'
+    network; each step's loss and reward are those of the same run with both ranks on one host."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    await train(_data_parallel_run(one), one, timeout_s=600)
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, two, ["b"], agents, tmp_path)
+                config = _data_parallel_run(two, actor_num_nodes=2, actor_num_gpus_per_node=1,
+                                            wait_for_nodes_s=JOIN_S)
+                await train(config, two, transport="tcp", host=hosts.head_ip, timeout_s=600)
+    ranks = json.loads((two / "actors.json").read_text())["trainer_ranks"]
+    assert [(rank["rank"], rank["node"], rank["host"]) for rank in ranks] == [
+        (0, "head", hosts.head_ip), (1, "node-b", hosts.ips["b"])]
+    assert (tmp_path / "b" / "logs" / "trainer-rank-1.log").exists()  # the node's own copy of the rank's output
+    expected, got = _trained(one), _trained(two)
+    assert len(got["loss"]) == len(expected["loss"]) == 3
+    for key, values in expected.items():
+        assert got[key] == pytest.approx(values, rel=1e-5, abs=1e-6), (key, got, expected)

@@ -19,8 +19,8 @@ exit code), and the trainer stops with the rank and the code, rather than
 waiting on a collective that will never complete. One that dies during a
 call ends the trainer's process a few seconds later, saying which rank, if
 the call has not failed by then (NCCL on one host would wait for the
-group's timeout); followers die with the trainer's process (Linux's
-parent-death signal).
+group's timeout); followers die with the process that started them (the
+trainer's, or the node agent's for a rank on another host: ``vime.trainer_ranks``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import RunConfig
+from vime.trainer_ranks import HEAD, Follower, RankPlan, RankSlot, start_here
 from vime.transports.gpu import Spec, dtype_named, gpu_uuid
 
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
@@ -52,6 +53,7 @@ MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
+PARENT_POLL_S = 0.5  # how often a follower checks that its parent still runs
 
 
 class Orders:
@@ -87,17 +89,27 @@ class Orders:
 
 
 class LeadingEngine(TrainEngine):
-    """Rank 0 of a Megatron trainer of several ranks: each call is ordered to every rank, then made here."""
+    """Rank 0 of a Megatron trainer of several ranks: each call is ordered to every rank, then made here.
 
-    def __init__(self, run: RunConfig, seed: int) -> None:
+    ``plan`` says where the other ranks run (default: all on this host, over loopback); ``launch`` starts one
+    (default: as a child of this process; ``vime.trainer_ranks.NodeRanks`` in the trainer actor, through a node
+    agent for a rank on another host). Either way the rank is the same process, given the same spec."""
+
+    def __init__(self, run: RunConfig, seed: int, plan: RankPlan | None = None,
+                 launch: Callable[[RankSlot, str], Follower] = start_here) -> None:
         size = run.job.trainer_ranks
-        store = _store(0, size)
-        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(size), RANK="0", LOCAL_RANK="0")
-        spec = json.dumps({"config": run.to_dict(), "seed": seed})
-        self.followers = [subprocess.Popen([sys.executable, "-m", __name__, spec], preexec_fn=_die_with_parent,
-                                           env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                          for rank in range(1, size)]
+        self.plan = plan or RankPlan.local(size)
+        store = _store(self.plan.store_host, 0, size, leader=True)
+        os.environ.update(MASTER_ADDR=self.plan.store_host, MASTER_PORT=str(store.port), WORLD_SIZE=str(size),
+                          RANK="0", LOCAL_RANK="0")
+        structlog.get_logger().info("trainer ranks meet", store=f"{self.plan.store_host}:{store.port}",
+                                    ranks=[slot.describe() for slot in self.plan.slots])
+        self.followers: list[Follower] = []
         try:
+            for slot in self.plan.slots:
+                spec = {"config": run.to_dict(), "seed": seed, "rank": slot.rank, "local_rank": slot.local_rank,
+                        "world_size": size, "store": [self.plan.store_host, store.port]}
+                self.followers.append(launch(slot, json.dumps(spec)))
             _join(store, 0, size)
             self.engine = _engine(run, seed)
             self._orders = Orders(store)
@@ -186,25 +198,25 @@ class LeadingEngine(TrainEngine):
             dead = self._dead()
             since = (since or time.monotonic()) if dead and self._lock.locked() else None
             if since is not None and time.monotonic() - since > STUCK_S:
-                rank, code = dead[0]
+                slot, code = dead[0]
                 structlog.get_logger().error(
-                    "a trainer rank died during a call that waits on it; stopping the trainer", rank=rank,
-                    exit_code=code, waited_s=STUCK_S,
+                    "a trainer rank died during a call that waits on it; stopping the trainer", rank=slot.rank,
+                    node=slot.node or HEAD, host=slot.host, exit_code=code, waited_s=STUCK_S,
                     hint="its own error is in the trainer's log; restart the run from its last checkpoint")
                 os._exit(1)
             time.sleep(1)
 
-    def _dead(self) -> list[tuple[int, int]]:
-        """``(rank, exit code)`` of each follower that has exited."""
+    def _dead(self) -> list[tuple[RankSlot, int]]:
+        """``(slot, exit code)`` of each follower that has exited."""
         with self._polling:
-            return [(rank, follower.returncode) for rank, follower in enumerate(self.followers, start=1)
-                    if follower.poll() is not None]
+            return [(slot, code) for slot, follower in zip(self.plan.slots, self.followers)
+                    if (code := follower.poll()) is not None]
 
     def _order(self, name: str, argument: str = "") -> None:
         dead = self._dead()
         if dead:
-            rank, code = dead[0]
-            raise RuntimeError(f"trainer rank {rank} exited with code {code}; its output is in the trainer's "
+            slot, code = dead[0]
+            raise RuntimeError(f"{slot.describe()} exited with code {code}; its output is in the trainer's "
                                "log. Restart the run from its last checkpoint")
         self._orders.send(name, argument)
 
@@ -215,29 +227,58 @@ def _engine(run: RunConfig, seed: int) -> Any:
     return MegatronTrainEngine(**run.train_engine_arguments(seed))
 
 
-def _store(rank: int, size: int) -> dist.TCPStore:
-    """The group's meeting point. Rank 0 binds a port the kernel picks and holds it until the group has
-    formed (a port found free, released and bound again later could be taken in between); the other
-    ranks connect to the port it exported as ``MASTER_PORT``."""
-    port = 0 if rank == 0 else int(os.environ["MASTER_PORT"])
-    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+def _store(host: str, port: int, size: int, *, leader: bool) -> dist.TCPStore:
+    """The group's meeting point, at ``host`` (an address every rank reaches: loopback on one host). Rank 0
+    binds a port the kernel picks (``port`` 0) and holds it until the group has formed (a port found free,
+    released and bound again later could be taken in between); the other ranks connect to the port it got,
+    which their spec names."""
+    return dist.TCPStore(host, port, size, is_master=leader, timeout=GROUP_TIMEOUT, wait_for_workers=False)
 
 
 def _join(store: dist.TCPStore, rank: int, size: int) -> None:
     """Every rank forms the default group the same way, over ``store`` as it is (``init_parallel`` then finds
-    it formed); torch's ``env://`` would add a key prefix that a group over a given store lacks."""
+    it formed); torch's ``env://`` would add a key prefix that a group over a given store lacks. Gloo and
+    NCCL's bootstrap listen on the interface that reaches the store (``interface_towards``): by default they
+    take the address the host name resolves to, which other hosts may not reach. A user's own
+    ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` stays."""
+    interface = interface_towards(os.environ["MASTER_ADDR"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if interface != "lo":  # NCCL on one host needs no socket: leave its own choice
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
                             world_size=size, timeout=GROUP_TIMEOUT)
 
 
+def interface_towards(address: str) -> str:
+    """The name of this host's network interface that packets to ``address`` leave by (a UDP socket connected
+    there, which sends nothing, shows the local address the kernel routes from)."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        local = probe.getsockname()[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.family == socket.AF_INET and entry.address == local for entry in addresses):
+            return name
+    raise RuntimeError(f"no network interface of this host has {local}, the address it reaches the trainer's "
+                       f"store at {address} from; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the one "
+                       "other hosts reach")
+
+
 def follow(spec: dict[str, Any]) -> None:
-    """A follower rank: join the group, build the engine, then carry out rank 0's orders until it says stop."""
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _join(_store(rank, size), rank, size)
+    """A follower rank, on rank 0's host or another (its spec says which rank, and where the store is): join
+    the group, build the engine, then carry out rank 0's orders until it says stop."""
+    _exit_with_parent()
+    rank, size = spec["rank"], spec["world_size"]
+    host, port = spec["store"]
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
+                      LOCAL_RANK=str(spec["local_rank"]))
+    _join(_store(host, port, size, leader=False), rank, size)
     engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
-    orders = Orders(_store(rank, size))
+    orders = Orders(_store(host, port, size, leader=False))
     while True:
         name, argument = orders.receive()
         if name == "stop":
@@ -325,13 +366,19 @@ def _receive_batch(device: str) -> TensorBatch:
     return TensorBatch(**fields)
 
 
-def _die_with_parent() -> None:
-    """In a follower, before it runs: the kernel kills it when the trainer's process ends, however it ends
-    (a follower left waiting in a collective would otherwise wait for the process group's timeout)."""
-    import ctypes
-    import signal
+def _exit_with_parent() -> None:
+    """In a follower, first thing: end it when its parent ends, however that ends: rank 0's process on its host,
+    a node agent on another (a follower left waiting in a collective would otherwise wait for the process
+    group's timeout). Polled, not the kernel's parent-death signal: that fires when the *thread* that started
+    the process ends, and a node agent (trio) starts processes from worker threads that come and go."""
+    parent = os.getppid()
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vime-exit-with-parent", daemon=True).start()
 
 
 if __name__ == "__main__":
