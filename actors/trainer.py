@@ -121,7 +121,7 @@ class Trainer(Actor):
         run = self.run
         self.rows = StepRows(self.run_dir, run.eval.versions(run.job.steps), written=self.first_step)
         self.version_out = self.engine.weight_version  # the newest version sent to the workers
-        self.gpus = self.engine.gpus()  # every rank's
+        self.gpus = self.engine.gpus()  # those of every rank on this host
         self.weights = WeightSender(self, self.engine, run, self._forget)  # every worker's path
         self.gpu = TrainerGpu(self, self.engine, run, self._forget)  # build turns and sleep of the engines beside us
 

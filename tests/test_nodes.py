@@ -21,7 +21,7 @@ import trio
 from conftest import open_job
 from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
 from vime.metrics import MetricsFollower
-from vime.pipeline import Refused, train
+from vime.pipeline import Refused, RunFailed, train
 from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, Ping, Pong
 from vime.transports.shm import pid_alive
@@ -247,10 +247,11 @@ async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):
         await train(config, tmp_path / "run")
 
 
-def _data_parallel_run(run_dir: Path, **placement) -> object:
+def _data_parallel_run(run_dir: Path, **overrides) -> object:
     """The default task, trained by two data-parallel Megatron ranks (fp32, CPU) for a few steps."""
-    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=3, seed=3, rollout_batch_size=16, train_backend="megatron", data_parallel_size=2, **placement))
+    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
+        "steps": 3, "seed": 3, "rollout_batch_size": 16, "train_backend": "megatron", "data_parallel_size": 2,
+        **overrides}))
 
 
 def _trained(run_dir: Path) -> dict[str, list[float]]:
@@ -280,3 +281,35 @@ async def test_trainer_ranks_on_two_hosts_train_as_on_one(tmp_path):
     assert len(got["loss"]) == len(expected["loss"]) == 3
     for key, values in expected.items():
         assert got[key] == pytest.approx(values, rel=1e-5, abs=1e-6), (key, got, expected)
+
+
+def _started_pid(agent_output: Path, name: str) -> int:
+    """The pid of ``name`` as its node agent logged it when it started the process."""
+    for line in agent_output.read_text().splitlines():
+        if line.startswith("{") and (entry := json.loads(line)).get("peer") == name and "pid" in entry:
+            return int(entry["pid"])
+    raise AssertionError(f"{agent_output} shows no start of {name}")
+
+
+async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_path):
+    """Rank 1, on node b, killed after the first step: the trainer stops within 30 s, and the run with it, saying
+    which rank died and on which node."""
+    run_dir = tmp_path / "run"
+    killed_at: list[float] = []
+
+    async def kill_rank_1(job, row: dict) -> None:
+        if row["step"] == 1:
+            os.kill(_started_pid(tmp_path / "node-b.out", "trainer-rank-1"), signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b"], agents, tmp_path)
+                config = _data_parallel_run(run_dir, steps=30, actor_num_nodes=2, actor_num_gpus_per_node=1,
+                                            wait_for_nodes_s=JOIN_S)
+                with pytest.raises(RunFailed, match=rf"trainer rank 1 on node node-b \({re.escape(hosts.ips['b'])}\) "
+                                                    r"exited with code -9"):
+                    await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=kill_rank_1,
+                                timeout_s=600)
+    assert time.monotonic() - killed_at[0] < 30

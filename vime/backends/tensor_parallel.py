@@ -1,21 +1,26 @@
-"""A Megatron trainer of several ranks (tensor and data parallel) that the trainer actor drives as if it
-were one engine.
+"""A Megatron trainer of several ranks (tensor, data and pipeline parallel) that the trainer actor drives as if
+it were one engine.
 
 Rank 0 lives in the trainer actor's process; it starts ranks 1..N-1 as
-processes of its own (``python -m vime.backends.tensor_parallel``), on the
-next GPUs of the trainer's placement (or on CPU, over gloo). Every rank
+processes of their own (``python -m vime.backends.tensor_parallel SPEC``)
+where the trainer's plan puts them (``vime.trainer_ranks``): on its own host,
+on the next GPUs of the trainer's placement (or on CPU, over gloo), or on
+another host, through that host's node agent; the process and its spec are
+the same either way. Every rank
 builds the same :class:`~vime.backends.megatron.MegatronTrainEngine` and must
 make the same collective calls in the same order, so rank 0 leads: before
 each call it gives an order (which call, and its argument: a folder, say),
 and the other ranks follow it. Orders go through the process group's
-key-value store on the host, as msgpack (:class:`Orders`), so that a rank
+key-value store (rank 0's c10d store, on loopback, or on the address the other
+hosts reach when ranks span hosts), as msgpack (:class:`Orders`), so that a rank
 waiting for the next one runs nothing on its GPU; a step's batch follows
 over the process group, integer headers and raw tensors, nothing pickled.
 One lock keeps the orders in sequence when the actor calls from several
 threads.
 
 A follower that dies is noticed before the next order (its process has an
-exit code), and the trainer stops with the rank and the code, rather than
+exit code, or its node agent reported one), and the trainer stops with the
+rank, its host and the code, rather than
 waiting on a collective that will never complete. One that dies during a
 call ends the trainer's process a few seconds later, saying which rank, if
 the call has not failed by then (NCCL on one host would wait for the
@@ -25,6 +30,7 @@ trainer's, or the node agent's for a rank on another host: ``vime.trainer_ranks`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -53,6 +59,7 @@ MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
+EXIT_NEWS_S = 5.0  # how long a failed call waits for news of a rank's exit, to name it
 PARENT_POLL_S = 0.5  # how often a follower checks that its parent still runs
 
 
@@ -131,29 +138,24 @@ class LeadingEngine(TrainEngine):
         return self.engine.weight_version
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        with self._lock:
-            self._order("train_step")
+        with self._call("train_step"):
             _send_batch(batch, self.device)
             return self.engine.train_step(batch)
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
-        with self._lock:
-            self._order("named_weights")
+        with self._call("named_weights"):
             return self.engine.named_weights(device)
 
     def save_hf(self, folder: Path) -> None:
-        with self._lock:
-            self._order("save_hf", str(folder))
+        with self._call("save_hf", str(folder)):
             self.engine.save_hf(folder)
 
     def save(self, folder: Path) -> None:
-        with self._lock:
-            self._order("save", str(folder))
+        with self._call("save", str(folder)):
             self.engine.save(folder)
 
     def load(self, folder: Path) -> None:
-        with self._lock:
-            self._order("load", str(folder))
+        with self._call("load", str(folder)):
             self.engine.load(folder)
 
     def shared_buckets(self, bucket_bytes: int,
@@ -161,17 +163,17 @@ class LeadingEngine(TrainEngine):
         """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
         those of all ranks, so that each GPU of a colocated engine copies from its own. The engine is held
         until the iterator ends or is closed: no other call may be made meanwhile."""
-        with self._lock:
-            self._order("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")]))
+        with self._call("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")])):
             yield from _shared_in_step(self.engine, self._orders, bucket_bytes, dtype)
 
     def gpus(self) -> list[str]:
-        return [gpu_uuid(rank) for rank in range(len(self.followers) + 1)] if self.device == "cuda" else []
+        """The GPUs of the ranks on this host (those on other hosts are no engine's here to share)."""
+        here = 1 + sum(slot.node is None for slot in self.plan.slots)
+        return [gpu_uuid(rank) for rank in range(here)] if self.device == "cuda" else []
 
     def release_memory(self) -> None:
         """Returns once every rank has (a barrier: the engines about to wake count on it)."""
-        with self._lock:
-            self._order("release_memory")
+        with self._call("release_memory"):
             self.engine.release_memory()
             dist.barrier()
 
@@ -203,6 +205,9 @@ class LeadingEngine(TrainEngine):
                     "a trainer rank died during a call that waits on it; stopping the trainer", rank=slot.rank,
                     node=slot.node or HEAD, host=slot.host, exit_code=code, waited_s=STUCK_S,
                     hint="its own error is in the trainer's log; restart the run from its last checkpoint")
+                # the line the driver reports as the trainer's last words (vime.pipeline.last_error)
+                print(f"vime.actor: {slot.describe()} exited with code {code} during a call that waits on it; the "
+                      "trainer stopped. Restart the run from its last checkpoint", file=sys.stderr, flush=True)
                 os._exit(1)
             time.sleep(1)
 
@@ -212,13 +217,43 @@ class LeadingEngine(TrainEngine):
             return [(slot, code) for slot, follower in zip(self.plan.slots, self.followers)
                     if (code := follower.poll()) is not None]
 
+    @contextlib.contextmanager
+    def _call(self, name: str, argument: str = "") -> Iterator[None]:
+        """Hold the engine, order call ``name`` to every rank, and make it here (the body). A call that fails
+        once a rank has died (gloo fails a collective whose peer closed its connection) fails naming the rank
+        and its host: the collective's own error names only an address. The news of a rank on a node comes
+        from its agent, a moment after its connections close: it is waited for up to ``EXIT_NEWS_S``."""
+        with self._lock:
+            self._order(name, argument)
+            try:
+                yield
+            except Exception as err:
+                dead = self._dead_within(EXIT_NEWS_S)
+                if not dead:
+                    raise
+                raise _lost(*dead[0], f"during {name}") from err
+
+    def _dead_within(self, seconds: float) -> list[tuple[RankSlot, int]]:
+        deadline = time.monotonic() + seconds
+        while not (dead := self._dead()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return dead
+
     def _order(self, name: str, argument: str = "") -> None:
         dead = self._dead()
         if dead:
-            slot, code = dead[0]
-            raise RuntimeError(f"{slot.describe()} exited with code {code}; its output is in the trainer's "
-                               "log. Restart the run from its last checkpoint")
+            raise _lost(*dead[0], f"before {name}")
         self._orders.send(name, argument)
+
+
+def _lost(slot: RankSlot, code: int, when: str) -> RuntimeError:
+    """The error for a rank that exited, naming it and its host; logged as well, since the driver reports the
+    trainer's last logged error when it dies."""
+    lost = RuntimeError(f"{slot.describe()} exited with code {code} {when}; its output is in the trainer's log. "
+                        "Restart the run from its last checkpoint")
+    structlog.get_logger().error("a trainer rank exited", rank=slot.rank, node=slot.node or HEAD, host=slot.host,
+                                 exit_code=code, exc_info=lost)
+    return lost
 
 
 def _engine(run: RunConfig, seed: int) -> Any:
