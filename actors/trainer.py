@@ -7,6 +7,10 @@ every rollout worker; tell the buffer the version is out; queue the step's
 row for RUN_DIR/metrics.jsonl. A rollout worker that joins later gets the
 latest published weights as soon as it asks WantWeights.
 
+It registers, then builds its engine (a worker thread; its handlers wait): with several Megatron ranks it is
+rank 0 and starts the others, on this host or through the node agents of the hosts the driver placed them on
+(``vime.trainer_ranks``), whose news of a rank's exit and output it takes (ActorExited, LogLines).
+
 It delegates each concern to its module:
 
 * weight sync -- ``vime.weights``: the path of each worker (CUDA IPC, a

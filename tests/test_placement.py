@@ -14,7 +14,7 @@ from conftest import open_job
 from vime.config import RunConfig
 from vime.gpu_turns import engines_sharing_gpus
 from vime.pipeline import _spawn_rollouts
-from vime.placement import Placement, place, visible_gpus
+from vime.placement import Placement, describe, place, visible_gpus
 from vime.scenarios.selfcheck import ECHO
 from vime.weights import CudaIpc
 
@@ -114,6 +114,10 @@ def test_trainer_ranks_fill_this_host_then_each_node_in_megatrons_order():
                       on_gpu=False).slots[-1].node == "node-b"  # on CPU, ranks per host
     with pytest.raises(ValueError, match="needs 2 node"):
         plan_ranks(6, 2, "10.0.0.1", [node], on_gpu=True)
+    spanning = GPU_RUN.replace(actor_num_nodes=2, actor_num_gpus_per_node=2, tensor_model_parallel_size=2,
+                               data_parallel_size=2, rollout_num_gpus=1)
+    assert "ranks 0-1 on this host, the next 2 on each of 1 node agent(s)" in describe(spanning, place(
+        spanning, ["0", "1", "2"]))[0]
 
 
 def test_engines_on_the_same_gpus_form_a_group():

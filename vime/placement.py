@@ -143,6 +143,11 @@ def describe(config: RunConfig, placed: Placement) -> list[str]:
                                             if job.expert_model_parallel_size > 1 else "")
              + (f", pipeline parallel {job.pipeline_model_parallel_size}"
                 if job.pipeline_model_parallel_size > 1 else ""))
+    layout = config.placement
+    if layout.actor_num_nodes > 1:
+        per_node = layout.actor_num_gpus_per_node
+        ranks += (f"; ranks 0-{per_node - 1} on this host, the next {per_node} on each of {layout.actor_num_nodes - 1} "
+                  "node agent(s) as they join (vime.trainer_ranks)")
     if placed.trainer is None:
         return [f"trainer ({job.train_backend}, {ranks}) and {len(placed.engines)} rollout worker(s) "
                 f"({rollout.rollout_backend}): nothing placed (no GPU flag given), each sees the GPUs this host "
