@@ -143,6 +143,7 @@ class Trainer(Actor):
         await trio.to_thread.run_sync(self.engine.close)
 
     async def on_peer_gone(self, name: str) -> None:
+        self.ranks.node_gone(name)  # a node agent that ran ranks of ours: they are gone with it
         self.gpu.built(name)
         self._forget(name)
 

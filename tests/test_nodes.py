@@ -291,15 +291,19 @@ def _started_pid(agent_output: Path, name: str) -> int:
     raise AssertionError(f"{agent_output} shows no start of {name}")
 
 
-async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_path):
-    """Rank 1, on node b, killed after the first step: the trainer stops within 30 s, and the run with it, saying
-    which rank died and on which node."""
+@pytest.mark.parametrize("killed", ["rank", "node"])
+async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_path, killed):
+    """Rank 1, on node b, killed after the first step, alone or with its node agent: the trainer stops within
+    30 s, and the run with it, saying which rank died and on which node."""
     run_dir = tmp_path / "run"
     killed_at: list[float] = []
 
     async def kill_rank_1(job, row: dict) -> None:
         if row["step"] == 1:
-            os.kill(_started_pid(tmp_path / "node-b.out", "trainer-rank-1"), signal.SIGKILL)
+            if killed == "rank":
+                os.kill(_started_pid(tmp_path / "node-b.out", "trainer-rank-1"), signal.SIGKILL)
+            else:
+                agents[0].kill()
             killed_at.append(time.monotonic())
 
     with _hosts("b") as hosts:

@@ -190,6 +190,14 @@ class NodeRanks:
         if follower is not None and follower.node == node and follower.start == msg.start:
             follower.exit(msg.code)
 
+    def node_gone(self, node: str) -> None:
+        """A node the driver counts lost (its agent dead or cut off) took our ranks there with it (each exits with
+        its agent): they count as killed, as no agent is left to report their exit."""
+        for name, follower in self._followers.items():
+            if follower.node == node and follower.returncode is None:
+                self.actor.log.error("a trainer rank's node was lost", rank=name, node=node)
+                follower.exit(-int(signal.SIGKILL))
+
     def output(self, node: str, msg: LogLines) -> None:
         """What a rank on a node wrote goes where a local rank's goes: the trainer's own output (its log)."""
         if msg.name in self._followers and self._followers[msg.name].node == node:

@@ -59,7 +59,7 @@ MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
-EXIT_NEWS_S = 5.0  # how long a failed call waits for news of a rank's exit, to name it
+EXIT_NEWS_S = 8.0  # how long a failed call waits for news of a rank's exit, to name it (a lost node: heartbeats)
 PARENT_POLL_S = 0.5  # how often a follower checks that its parent still runs
 
 
