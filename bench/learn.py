@@ -47,7 +47,10 @@ from learning import plot, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 STACK = ["--train-backend", "megatron", "--rollout-backend", "vllm", "--save-every", "0", "--eval-every", "0"]
-ON_GPU = ["--dtype", "bf16", "--actor-num-gpus-per-node", "1", "--colocate"]
+# The engine's context: prompts of 4 tokens and 2 new ones. Left to vLLM, it is the shape's own (40,960 for
+# Qwen3), whose KV cache for one full request (4.4 GiB) does not fit the small --vllm-util that lets several
+# runs share the GPU: an engine then fails to start until its worker's restart finds memory free.
+ON_GPU = ["--dtype", "bf16", "--actor-num-gpus-per-node", "1", "--colocate", "--vllm-max-model-len", "64"]
 ON_CPU = ["--dtype", "fp32"]  # --cpu: a check of this script on a machine without a GPU (vLLM's CPU build)
 # name: (placement, max staleness, the run's own flags, dense or MoE model)
 RUNS: dict[str, tuple[str, int, list[str], str]] = {
@@ -57,6 +60,12 @@ RUNS: dict[str, tuple[str, int, list[str], str]] = {
     "d-r3": ("colocated, vLLM awake", 0, ["--use-rollout-routing-replay"], "moe"),
     "d-no-r3": ("colocated, vLLM awake", 0, [], "moe"),
 }
+
+
+LR_HELP = ("every run's --lr. The scenario's own 5e-4 is sized for its 2-layer, hidden-128 model: at 28 layers of "
+           "hidden 1024 its first updates collapse the policy onto one wrong answer (entropy 2.5 -> 1e-4 in 9 steps, "
+           "reward 0 for good). Measured at Qwen3-0.6B's shape (bench/RESULTS.md): 1e-5 reaches 0.98, 3e-5 "
+           "plateaus near 0.7, 1e-4 collapses")
 
 
 def model_folder(args: argparse.Namespace, root: Path, kind: str) -> Path:
@@ -91,7 +100,7 @@ def command_of(name: str, model: Path, args: argparse.Namespace, out: Path) -> l
     _, staleness, flags, _ = RUNS[name]
     placement = [*(ON_CPU if args.cpu else ON_GPU), "--vllm-gpu-memory-utilization", str(args.vllm_util)]
     return [sys.executable, "-m", "vime.scenario", "arithmetic", *STACK, *placement, *flags, "--max-staleness",
-            str(staleness), "--model-path", str(model), "--steps",
+            str(staleness), "--model-path", str(model), "--lr", str(args.lr), "--steps",
             str(args.steps), "--seed", str(args.seed), "--out", str(out), *args.extra]
 
 
@@ -187,6 +196,7 @@ def main() -> None:
     parser.add_argument("--dense-layers", type=int, default=None, help="default: the shape's own depth")
     parser.add_argument("--moe-shape", default="qwen3-30b-a3b")
     parser.add_argument("--moe-layers", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-5, help=LR_HELP)
     parser.add_argument("--vllm-util", type=float, default=0.15,
                         help="each engine's --vllm-gpu-memory-utilization (--cpu: the share of host memory it takes)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once on the GPU")

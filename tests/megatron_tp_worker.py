@@ -116,16 +116,17 @@ def gathered_weights(engine: MegatronTrainEngine, device: str | None = None) -> 
 
 
 def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parallel: int, expert_parallel: int,
-                         data_parallel: int, algo: str, dtype: str, role: str) -> None:
+                         data_parallel: int, pipeline_parallel: int, algo: str, dtype: str, role: str) -> None:
     """One side of a checkpoint that changes layout, with AdamW (its moments are what must carry over). ``save``:
     train on the first batch, save beside ``out``, then go on to the second; ``resume``: load that checkpoint
-    (saved by the test's process, in its layout) and train on the second. Rank 0 writes the weights before the
-    second step, its metrics, the weights after it and, for ppo, the value model's values then. The settings are
-    those the test's ``_engine`` gives its one-process trainer."""
+    (saved by the test's process or by other ranks, in their layout) and train on the second. Rank 0 writes the
+    weights before the second step, its metrics, the weights after it and, for ppo, the value model's values
+    then. The settings are those the test's ``_engine`` gives its one-process trainer."""
     engine = MegatronTrainEngine(folder, algo=algo, optim=OptimConfig(lr=1e-3, updates_per_step=2, micro_batch_size=2),
                                  loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                  temperature=0.7, total_steps=4, dtype=dtype, tensor_parallel=tensor_parallel,
-                                 expert_parallel=expert_parallel, data_parallel=data_parallel)
+                                 expert_parallel=expert_parallel, data_parallel=data_parallel,
+                                 pipeline_parallel=pipeline_parallel)
     first, second = (TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True))
     checkpoint = Path(out).with_name("checkpoint")
     if role == "save":
@@ -374,7 +375,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "share-buckets":
         share_buckets(sys.argv[2])
     elif sys.argv[1] == "layouts":
-        train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:11])
+        train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:9]), *sys.argv[9:12])
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
     elif sys.argv[1] == "pipeline":

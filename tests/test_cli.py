@@ -16,7 +16,8 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_help_of_every_entry_point():
-    for module in ("vime.actor", "vime.replay", "vime.scenario", "vime.inject", "vime.devtools.make_tiny_model"):
+    for module in ("vime.actor", "vime.replay", "vime.scenario", "vime.inject", "vime.launch",
+                   "vime.devtools.make_tiny_model"):
         result = run(module, "--help")
         assert result.returncode == 0 and "usage: python -m " + module in result.stdout
 

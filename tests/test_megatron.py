@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -685,8 +687,9 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, algo, dtyp
 def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models, tmp_path):
     """What a trainer cannot take from a checkpoint is refused before anything is loaded, saying what to pass:
     another model, another algorithm (a value model or none), a state of another layout from vime before shards
-    were recorded, one whose file of a rank is lost, and one of the distributed optimizer's in another layout
-    (these three made here by editing a one-rank state)."""
+    were recorded, one whose file of a rank is lost, one of two pipeline stages whose second stage's file is lost,
+    one of two stages that named the second's layers from 0 (vime before whole-model names), and one of the
+    distributed optimizer's in another layout (these made here by editing a one-rank state)."""
     _, _, folder = hf_models["qwen3"]
     saved = _engine(megatron.MegatronTrainEngine, folder, updates=1)
     saved.train_step(_batch(seed=0))  # Adam's moments: what a lost rank's file lacks
@@ -711,6 +714,18 @@ def test_a_checkpoint_that_cannot_resume_is_refused_saying_what_to_do(hf_models,
                                          r"layout it was written in, \{'train_backend': 'megatron', "
                                          r"'tensor_parallel': 2"):
         saved.load(tmp_path / "unrecorded")
+    whole = torch.load(tmp_path / "one" / "trainer.pt", weights_only=True)
+    for name, (first, second) in _stage_files(whole).items():
+        (tmp_path / name).mkdir()
+        for stage, part in enumerate((first, second)):
+            if part is not None:
+                torch.save(part, tmp_path / name / f"trainer-tp0-pp{stage}.pt")
+    with pytest.raises(ValueError, match=r"lacks the trainer state of the ranks that held decoder\.layers\.1\.\S+: the "
+                                         r"checkpoint is incomplete \(a pipeline stage's files are missing\)"):
+        saved.load(tmp_path / "stage-lost")
+    with pytest.raises(ValueError, match=r"names its parameter decoder\.layers\.0\.\S+ by its pipeline stage's own "
+                                         r"layer numbers .* resume it with the layout it was written in"):
+        saved.load(tmp_path / "stage-numbered")
     (tmp_path / "sharded").mkdir()
     torch.save({**state, "layout": {**state["layout"], "tensor_parallel": 1, "data_parallel": 2,
                                     "distributed_optimizer": True}}, tmp_path / "sharded" / "trainer-tp0-dp0.pt")
@@ -991,15 +1006,18 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     assert ranks["resumed_alike"]
 
 
-@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; two by default
-    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1), True, id="ppo-tp2-to-one"),
-    pytest.param("qwen3", "grpo", "bf16", (2, 1, 1), True, id="bf16-tp2-to-one"),
-    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2), True, id="dp2-to-one", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 1), True, id="moe-tp2-ep2-to-one", marks=pytest.mark.slow),
-    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1), False, id="ppo-one-to-tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; three by default
+    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1, 1), True, id="ppo-tp2-to-one"),
+    pytest.param("qwen3", "grpo", "bf16", (2, 1, 1, 1), True, id="bf16-tp2-to-one"),
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 2, 1), True, id="dp2-to-one", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 1, 1), True, id="moe-tp2-ep2-to-one", marks=pytest.mark.slow),
+    pytest.param("qwen3", "ppo", "fp32", (2, 1, 1, 1), False, id="ppo-one-to-tp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", "grpo", "fp32", (1, 1, 1, 2), True, id="pp2-to-one"),
+    pytest.param("qwen3_moe", "grpo", "fp32", (1, 1, 1, 2), False, id="moe-one-to-pp2", marks=pytest.mark.slow)])
 def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo, dtype, ranks_layout, ranks_save):
-    """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel) resumes in one
-    process, or one saved by one process resumes on those ranks (``ranks_save`` False): the weights it resumes
+    """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel, pipeline
+    stages) resumes in one process, or one saved by one process resumes on those ranks (``ranks_save`` False):
+    the weights it resumes
     from are the saving run's bit for bit, and the step after it is the uninterrupted run's: its metrics, the
     updated weights and, for ppo, the value model's values (its weights and optimizer state resharded with the
     policy's). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
@@ -1010,12 +1028,12 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
     model, _, folder = hf_models[case]
     first, second = _batch(seed=0, config=model.config), _batch(seed=1, config=model.config)
     torch.save([_fields(first), _fields(second)], tmp_path / "batches.pt")
-    tensor_parallel, _, data_parallel = ranks_layout
+    tensor_parallel, _, data_parallel, pipeline_parallel = ranks_layout
     single = _engine(megatron.MegatronTrainEngine, folder, dtype=dtype, algo=algo)
     if not ranks_save:
         single.train_step(first)
         single.save(tmp_path / "checkpoint")
-    ranks = _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
+    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
                       ["layouts", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *ranks_layout, algo, dtype,
                        "save" if ranks_save else "resume"])
     if ranks_save:
@@ -1037,6 +1055,26 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
         forgetful.optimizer.state.clear()
         forgetful.train_step(second)
         assert _update_gap(before, forgetful.named_weights(), ranks["weights"]) > 0.5
+
+
+def test_a_checkpoint_of_tensor_parallel_ranks_resumes_in_pipeline_stages(hf_models, tmp_path):
+    """Two tensor-parallel ranks save after a step; two pipeline stages, another set of ranks, resume from their
+    checkpoint (each stage taking its layers' parts of both ranks' optimizer state and masters, its optimizer's
+    groups rebuilt for the parameters it holds) and take the next step as the saving ranks took it: the same
+    weights to start from, bit for bit, the same metrics and the same weights after it (AdamW: a stage that
+    lost its moments would step elsewhere)."""
+    model, _, folder = hf_models["qwen3"]
+    torch.save([_fields(_batch(seed=seed, config=model.config)) for seed in (0, 1)], tmp_path / "batches.pt")
+    runs = {}
+    for name, layout, role in (("saved", (2, 1, 1, 1), "save"), ("resumed", (1, 1, 1, 2), "resume")):
+        out = tmp_path / f"{name}.pt"
+        runs[name] = _torchrun(2, out, ["layouts", folder, tmp_path / "batches.pt", out, *layout, "grpo", "fp32",
+                                        role])
+    saved, resumed = runs["saved"], runs["resumed"]
+    assert [name for name, tensor in saved["before"].items() if not torch.equal(resumed["before"][name], tensor)] == []
+    for key, value in saved["metrics"].items():
+        assert resumed["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), key
+    assert _update_gap(saved["before"], saved["weights"], resumed["weights"]) <= 1e-4
 
 
 @pytest.mark.parametrize("case,algo,dtype,layout", [  # CI time: one by default
@@ -1094,7 +1132,8 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     over all stages) and the weights after each step are one process's. Plain SGD, so the weights after a step
     show each gradient (as clipped by the global norm). The Hugging Face folder written from the stages loads as
     one process's weights; a trainer resumed from the per-stage checkpoint takes the last step exactly, and one
-    process refuses to resume it, naming the flags of the saving layout. An MoE model (one MoE layer per stage)
+    process resumes it too (resharded: the weights the stages held before the last step, and that step). An
+    MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
     training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole."""
     model, checkpoint, folder = hf_models[case]
@@ -1126,11 +1165,27 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     assert sorted(saved) == sorted(checkpoint)
     assert all((saved[name] - tensor).abs().max() <= 1e-5 for name, tensor in single.named_weights().items())
     assert ranks["resumed"] == pytest.approx(ranks["metrics"][-1], rel=0, abs=0, nan_ok=True)  # exactly
-    with pytest.raises(ValueError, match=f"does not yet resume across pipeline stages .* resume with the saving run's "
-                                         f"--pipeline-model-parallel-size {pipeline_parallel} "
-                                         f"--tensor-model-parallel-size {tensor_parallel} --data-parallel-size "
-                                         f"{data_parallel}"):
-        _engine(megatron.MegatronTrainEngine, folder).load(tmp_path / "checkpoint")
+    one = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
+    plain_sgd(one)
+    one.load(tmp_path / "checkpoint")  # every stage's files, resharded into one process
+    assert all(torch.equal(tensor, ranks["trained"][0][name]) for name, tensor in one.named_weights().items())
+    last = one.train_step(batches[-1])
+    for key, value in ranks["metrics"][-1].items():
+        assert last[key] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), key
+
+
+def _stage_files(whole: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any] | None]]:
+    """A one-rank trainer state of two layers cut into the files of two pipeline stages, the second holding layer
+    1: with the second's file lost (``stage-lost``), and with the second naming its layer 0 in its optimizer's
+    parameters, as vime did before it named layers by their place in the whole model (``stage-numbered``)."""
+    def part(second: bool, number: Callable[[str], str] = str) -> dict[str, Any]:
+        held = {name: record for name, record in whole["shards"][0].items()
+                if name.startswith("decoder.layers.1.") == second}
+        names = [number(name) for name in whole["parameters"][0] if name in held]
+        return {**whole, "layout": {**whole["layout"], "pipeline_parallel": 2}, "shards": [held], "parameters": [names]}
+
+    local = part(True, lambda name: name.replace("decoder.layers.1.", "decoder.layers.0."))
+    return {"stage-lost": (part(False), None), "stage-numbered": (part(False), local)}
 
 
 def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],

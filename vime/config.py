@@ -523,6 +523,8 @@ class LaunchConfig:
     out: Path | None = setting(None, "run folder; none: runs/NAME-TIMESTAMP")
     transport: Transport = setting("ipc", "ipc: one host; tcp, tls+tcp: other hosts may join (see RUN_DIR/join)")
     host: str = setting("127.0.0.1", "with tcp: the address of this machine that other hosts reach")
+    port: int = setting(0, "with tcp: the port the driver listens on (0: any free one); its token is $VIME_TOKEN "
+                           "when set, else a new one (both in RUN_DIR/join)")
     tls_cert_key: str | None = setting(None, "with tls+tcp: PEM with this job's certificate and key")
     tls_ca: str | None = setting(None, "with tls+tcp: PEM of the CA that signs the certificates")
     log_level: str = setting("warning", "debug, info, warning or error")

@@ -54,7 +54,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
                 show: Callable[[dict[str, Any]], None] | None = None, timeout_s: float | None = None,
                 on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None,
                 resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
-                model_flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                model_flags: Mapping[str, Any] | None = None, port: int = 0,
+                token: str | None = None) -> dict[str, Any]:
     """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
 
     Rollout workers are restarted when they die (``--restart-rollouts``; the
@@ -68,7 +69,9 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     :meth:`Cluster.open` takes it), every actor listens on ``host`` (an
     address of this machine that other hosts reach), and RUN_DIR/join
     (readable by its owner only) holds the command that adds a rollout
-    worker from another host. ``model_flags``: Megatron's model flags given
+    worker from another host. ``port`` and ``token``: where the driver listens and the token joins need
+    (0, None: any free port, a new token), for a launcher that starts the nodes beside the driver
+    (``vime.launch``). ``model_flags``: Megatron's model flags given
     (``vime.megatron_flags.given``), checked against config.json first.
     """
     try:
@@ -91,7 +94,7 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     started = time.monotonic()
     try:
         rows, arrived, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, on_step,
-                                                      timeout_s, started, start, host, tls)
+                                                      timeout_s, started, start, host, tls, port, token)
     except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
         cause = _first_leaf(group)
         if isinstance(cause, (RuntimeError, TimeoutError)):
@@ -339,16 +342,16 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
 async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool | Collection[str], transport: str,
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
-               started: float, start: Path | None, host: str,
-               tls: dict[str, str] | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]],
-                                                    float | None]:
+               started: float, start: Path | None, host: str, tls: dict[str, str] | None, port: int,
+               token: str | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]], float | None]:
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
     collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
     document = config.to_dict()
     resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer, buffer and router
     recorded = frozenset(RECORDABLE if record is True else record or ())
-    async with Cluster.open(run_dir, transport=transport, host=host, record="driver" in recorded,
-                            job_config=document, tls=tls, model_folder=config.model.model_path) as job:
+    async with Cluster.open(run_dir, transport=transport, host=host, port=port, token=token,
+                            record="driver" in recorded, job_config=document, tls=tls,
+                            model_folder=config.model.model_path) as job:
         if job.token:
             _write_private(run_dir / "join", join_command(job.address, job.token, tls, config.model.model_path))
         seed = config.job.seed

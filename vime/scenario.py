@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -129,7 +130,8 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     try:
         summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=tls,
-                                         model_flags=megatron_flags.given(args)))
+                                         model_flags=megatron_flags.given(args), port=launch.port,
+                                         token=_given_token(launch.transport)))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)
     except RunFailed as err:
@@ -142,6 +144,12 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
                                               "total_s")}), flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}  report: {run_dir / 'report.png'}", flush=True)
     return 0
+
+
+def _given_token(transport: str) -> str | None:
+    """The join token a launcher chose for this job (``vime.launch`` exports it to the driver and its nodes as
+    $VIME_TOKEN, off every command line); None: the driver makes one. An ipc job takes no joins."""
+    return os.environ.get("VIME_TOKEN") or None if transport != "ipc" else None
 
 
 def _dry_run(scenario: ModuleType, args: argparse.Namespace, training_launch: TrainingLaunchConfig,

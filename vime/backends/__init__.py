@@ -9,6 +9,7 @@ a package of its own) with ``tensor_parallel`` leading its ranks in the pipeline
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,13 @@ from vime.trainer_ranks import Follower, RankPlan, RankSlot, start_here
 if TYPE_CHECKING:
     from vime.backends.base import RolloutEngine, TrainEngine
     from vime.config import RunConfig
+
+# megatron-core warns as each of six modules is imported that Transformer Engine and Apex are missing and it falls
+# back to torch's norms, optimizers and multi-tensor kernels. vime's Megatron trainer needs neither: its layers
+# are its own (``megatron.modules``) and its optimizer torch's AdamW; the trainer says so in one line instead
+# (``MegatronTrainEngine``). Set here, in the package every import of megatron-core in vime goes through first.
+warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed",
+                        category=UserWarning)
 
 
 def train_engine(run: RunConfig, seed: int, plan: RankPlan | None = None,

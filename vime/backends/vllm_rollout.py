@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 from typing import Any
 
@@ -163,10 +164,19 @@ def _routed_experts(completion: Any) -> torch.Tensor:
     return torch.from_numpy(np.asarray(experts, dtype=np.int16))
 
 
+def _sample_without_missing_flashinfer() -> None:
+    """vLLM's sampler is told not to reach for FlashInfer's top-k/top-p kernels where the flashinfer package is
+    not installed (it is not in vime's ``gpu`` extra, nor needed: torch's sampling is what every recorded run
+    used), so that a user need not know ``VLLM_USE_FLASHINFER_SAMPLER=0``; one who sets it decides."""
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
 class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 256, seed: int = 0,
                  record_experts: bool = False, gpus: int = 1, engine_args: dict[str, Any] | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        _sample_without_missing_flashinfer()
         from vllm import EngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine

@@ -9,10 +9,12 @@ of this package.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -28,7 +30,15 @@ from vime.backends.megatron.distributed_optimizer import Part, ShardedAdamW, Sha
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
 from vime.backends.megatron.model import ForwardOutput, build_model, check_pipeline_parallel, forward
 from vime.backends.megatron.parallel import _sum_over
-from vime.backends.megatron.resharding import check_models, resharded_state, shard_records, trained_names
+from vime.backends.megatron.resharding import (
+    Shapes,
+    check_models,
+    model_shapes,
+    resharded_state,
+    saved_shapes,
+    shard_records,
+    trained_names,
+)
 from vime.backends.megatron.routing import _check_replayable, _route_free_tokens, end_replay
 from vime.backends.megatron.weights import (
     hf_tensors,
@@ -124,7 +134,7 @@ class MegatronTrainEngine(TorchTrainEngine):
     layers; megatron-core's schedule runs the step's micro-batches through
     them (:meth:`_pipelined`), the last stage computing the log-probs, the loss
     and the metrics, which every rank then gets; each stage's ranks write
-    their own trainer state, which resumes at the same pipeline size only.
+    their own trainer state, which any other layout reshards too.
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
@@ -148,6 +158,9 @@ class MegatronTrainEngine(TorchTrainEngine):
                          seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
                          critic_model_path=critic_model_path)
         del self._checkpoint
+        if dist.get_rank() == 0 and importlib.util.find_spec("transformer_engine") is None:
+            structlog.get_logger().info("megatron-core without Transformer Engine or Apex, as vime runs it: its own "
+                                        "layers (SDPA attention, torch's norms, grouped experts) and torch's AdamW")
         # the optimizer's tensors (the masters in bf16, the parameters themselves in fp32) that hold a shard, and
         # the whole ones whose gradient each rank sees only part of (marked ``sequence_parallel``): norms, routers
         # and the value head act on the rank's share of the tokens, q/k norms on its own heads
@@ -403,7 +416,7 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _trainer_state(self) -> dict[str, Any]:
         """The reference trainer's state of this rank, and where its shards lie in the whole tensors (for a
         trainer of another layout to reshard it: ``resharding``)."""
-        models = [model.model for model in self._trained_models()]
+        models = self._gpt_models()
         return {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
                 "parameters": [trained_names(model) for model in models]}
 
@@ -415,7 +428,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         if own.exists():
             state = torch.load(own, map_location="cpu", mmap=True, weights_only=True)
             if state.get("layout", self.layout) == self.layout:
-                check_models(state, [model.model for model in self._trained_models()], folder)
+                if "shards" in state:  # one saved before the records were kept passes, as it did
+                    check_models(saved_shapes([state]), model_shapes(self._gpt_models()), folder)
                 return state
         # on the CPU: a GPU's tensors would otherwise be copied back to the GPU each was saved from (or fail on a
         # host with fewer GPUs); the optimizer and the masters move this rank's part to its parameters' device
@@ -429,16 +443,25 @@ class MegatronTrainEngine(TorchTrainEngine):
         if other is not None:  # the reference trainer's: its parameters and optimizer state are of another model
             raise refused_layout(folder, other, self.layout)
         layouts = [state.get("layout", {}) for state in states]
-        staged = next((layout for layout in layouts if layout.get("pipeline_parallel")), None)
-        if staged is not None or self.pipeline_parallel > 1:
-            raise self._unreshardable(folder, staged or layouts[0], "a checkpoint does not yet resume across "
-                                      "pipeline stages (each stage's file holds its own layers' optimizer state)")
         sharded = next((layout for layout in layouts if layout.get("distributed_optimizer")), None)
         if sharded is not None or self.sharded_optimizer:
             raise self._unreshardable(folder, sharded or layouts[0], "a checkpoint resumes in another layout only "
                                       "without --use-distributed-optimizer on either side (its Adam state is divided "
                                       "among the data-parallel ranks, which resharding does not yet join)")
-        return resharded_state(states, self._trained_models(), folder)
+        return resharded_state(states, self._trained_models(), folder, self._whole_shapes())
+
+    def _gpt_models(self) -> list[GPTModel]:
+        return [model.model for model in self._trained_models()]
+
+    def _whole_shapes(self) -> list[Shapes]:
+        """The shapes of the models this trainer trains (:func:`model_shapes`), joined over its pipeline stages:
+        what a checkpoint of another layout must hold, whatever stages saved it."""
+        mine = model_shapes(self._gpt_models())
+        if self.pipeline_parallel == 1:
+            return mine
+        stages: list[list[Shapes]] = [[] for _ in range(self.pipeline_parallel)]
+        dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
+        return [{name: shape for stage in stages for name, shape in stage[role].items()} for role in range(len(mine))]
 
     def _unreshardable(self, folder: Path, saved: dict[str, Any], why: str) -> ValueError:
         """The refusal of a checkpoint that resharding cannot read in this layout: the saving run's layout

@@ -27,9 +27,22 @@ def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out). A
     pipeline stage's layers are named by their place in the whole model (``decoder.layers.{offset + i}``), as
     the conversions to Hugging Face names and the checkpoint records know them."""
-    offset = model.decoder.layers[0].layer_number - 1
+    offset = layer_offset(model)
     return {_whole_model_name(name, offset): tensor for name, tensor in model.state_dict(keep_vars=True).items()
             if isinstance(tensor, torch.Tensor)}
+
+
+def named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
+    """``model.named_parameters()`` in their order, the layers named by their place in the whole model (as
+    :func:`model_tensors` names them): the names a checkpoint's optimizer state is recorded by, which a trainer
+    of other pipeline stages can find its own parameters among."""
+    offset = layer_offset(model)
+    return {_whole_model_name(name, offset): param for name, param in model.named_parameters()}
+
+
+def layer_offset(model: GPTModel) -> int:
+    """How many layers of the whole model come before this pipeline stage's first (0 without stages)."""
+    return model.decoder.layers[0].layer_number - 1
 
 
 def _whole_model_name(name: str, offset: int) -> str:

@@ -1,0 +1,5 @@
+import sys
+
+from vime.launch.cli import main
+
+sys.exit(main())
