@@ -7,6 +7,10 @@ every rollout worker; tell the buffer the version is out; queue the step's
 row for RUN_DIR/metrics.jsonl. A rollout worker that joins later gets the
 latest published weights as soon as it asks WantWeights.
 
+It registers, then builds its engine (a worker thread; its handlers wait): with several Megatron ranks it is
+rank 0 and starts the others, on this host or through the node agents of the hosts the driver placed them on
+(``vime.trainer_ranks``), whose news of a rank's exit and output it takes (ActorExited, LogLines).
+
 It delegates each concern to its module:
 
 * weight sync -- ``vime.weights``: the path of each worker (CUDA IPC, a
@@ -63,9 +67,11 @@ from vime.messages.gpu_turns import (
     EnginesStarted,
     MayBuildEngine,
 )
+from vime.messages.nodes import ActorExited, LogLines
 from vime.messages.pipeline import EvalResult, SnapshotQuery, TrainBatch, WantBatch, WeightsPublished
 from vime.metrics import StepRows, step_row, trainer_memory_mib
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.trainer_ranks import NodeRanks, RankPlan
 from vime.transports.codec import Envelope
 from vime.weights import WantWeights, WeightPath, WeightsComing, WeightSender
 
@@ -75,11 +81,12 @@ class Trainer(Actor):
 
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
-        start = ActorStart.from_dict(self.config)
-        self.run = run = start.run
+        self.started_with = ActorStart.from_dict(self.config)
+        self.run = run = self.started_with.run
         if run.job.train_threads:
             torch.set_num_threads(run.job.train_threads)
-        self.engine = train_engine(run, settings.seed)
+        plan = self.config.get("rank_plan")  # where the driver placed the ranks after 0 (None: all on this host)
+        self.rank_plan = None if plan is None else RankPlan.from_dict(plan)
         self.workers: set[str] = set()  # those sent every new version
         # Held while the weights change or travel: the training loop's publication and a joining worker's
         # first weights (a task of its own) must not interleave (see vime.tasks).
@@ -90,26 +97,53 @@ class Trainer(Actor):
         self.model_config = transformers.AutoConfig.from_pretrained(run.model.model_path)  # for train_tflops_per_gpu
         self.pad_token_id = self.tokenizer.pad_token_id or 0  # what padding holds is masked out anyway
         self.first_step = 0
-        if start.resume_from is not None:
-            self.engine.load(start.resume_from)
-            self.first_step = checkpoint.step_of(start.resume_from)
-            self.log.info("resumed", checkpoint=str(start.resume_from), step=self.first_step,
+        self.ranks = NodeRanks(self)  # starts each rank after 0, here or through its node's agent
+
+    async def on_start(self) -> None:
+        """Build the engine once registered, in a worker thread: rank 0 starts the ranks the plan puts on other
+        hosts through their node agents, which takes this actor's messages (the loop runs meanwhile; handlers
+        wait until it is built)."""
+        await trio.to_thread.run_sync(self._build_engine)
+        self._attach_engine()
+        self.start_soon(self._train_loop)
+        self.start_soon(self.rows.write_loop)
+
+    def build(self) -> None:
+        """What :meth:`on_start` builds, at once, for a trainer driven outside a job (tests): all ranks here."""
+        self._build_engine()
+        self._attach_engine()
+
+    def _build_engine(self) -> None:
+        self.engine = train_engine(self.run, self.settings.seed, self.rank_plan, self.ranks)
+        if self.started_with.resume_from is not None:
+            self.engine.load(self.started_with.resume_from)
+            self.first_step = checkpoint.step_of(self.started_with.resume_from)
+            self.log.info("resumed", checkpoint=str(self.started_with.resume_from), step=self.first_step,
                           weight_version=self.engine.weight_version)
+
+    def _attach_engine(self) -> None:
+        run = self.run
         self.rows = StepRows(self.run_dir, run.eval.versions(run.job.steps), written=self.first_step)
         self.version_out = self.engine.weight_version  # the newest version sent to the workers
-        self.gpus = self.engine.gpus()  # every rank's
+        self.gpus = self.engine.gpus()  # those of every rank on this host
         self.weights = WeightSender(self, self.engine, run, self._forget)  # every worker's path
         self.gpu = TrainerGpu(self, self.engine, run, self._forget)  # build turns and sleep of the engines beside us
 
-    async def on_start(self) -> None:
-        self.start_soon(self._train_loop)
-        self.start_soon(self.rows.write_loop)
+    @handles(ActorExited)
+    async def _on_rank_exited(self, msg: ActorExited, envelope: Envelope) -> None:
+        """A node agent reports that a trainer rank it ran for us exited: the engine stops on it."""
+        self.ranks.exited(envelope.sender, msg)
+
+    @handles(LogLines)
+    async def _on_rank_output(self, msg: LogLines, envelope: Envelope) -> None:
+        self.ranks.output(envelope.sender, msg)
 
     async def on_stop(self) -> None:
         self.rows.close()
         await trio.to_thread.run_sync(self.engine.close)
 
     async def on_peer_gone(self, name: str) -> None:
+        self.ranks.node_gone(name)  # a node agent that ran ranks of ours: they are gone with it
         self.gpu.built(name)
         self._forget(name)
 

@@ -172,7 +172,10 @@ def build_actor(spec: dict[str, Any]) -> Actor:
     if role not in STARTED_ROLES:
         cls = type(cls.__name__, (cls,), {"on_start": _no_start})
     config = json.loads(Path(spec["config"]).read_text())
-    return cls(settings, config)
+    actor = cls(settings, config)
+    if role == "trainer":  # what its skipped on_start builds: the engine its handlers and on_stop use
+        actor.build()
+    return actor
 
 
 async def _no_start(self: Actor) -> None:

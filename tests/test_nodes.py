@@ -21,7 +21,7 @@ import trio
 from conftest import open_job
 from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
 from vime.metrics import MetricsFollower
-from vime.pipeline import Refused, train
+from vime.pipeline import Refused, RunFailed, train
 from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, Ping, Pong
 from vime.transports.shm import pid_alive
@@ -245,3 +245,75 @@ async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):
     config = arithmetic.prepare(tmp_path / "run", arithmetic.defaults().replace(rollout_workers=2, rollout_nodes=2))
     with pytest.raises(Refused, match="--transport tcp"):
         await train(config, tmp_path / "run")
+
+
+def _data_parallel_run(run_dir: Path, **overrides) -> object:
+    """The default task, trained by two data-parallel Megatron ranks (fp32, CPU) for a few steps."""
+    return arithmetic.prepare(run_dir, arithmetic.defaults().replace(**{
+        "steps": 3, "seed": 3, "rollout_batch_size": 16, "train_backend": "megatron", "data_parallel_size": 2,
+        **overrides}))
+
+
+def _trained(run_dir: Path) -> dict[str, list[float]]:
+    """Each step's loss, reward and trainer-rollout log-prob gap, by name."""
+    rows = MetricsFollower(run_dir).new_rows()
+    return {key: [row[key] for row in rows] for key in ("loss", "raw_reward", "train_rollout_logprob_abs_diff")}
+
+
+async def test_trainer_ranks_on_two_hosts_train_as_on_one(tmp_path):
+    """--actor-num-nodes 2 --actor-num-gpus-per-node 1: rank 1 of a TP1 x DP2 Megatron trainer runs on a node
+    agent's host, started through it, in one gloo group with rank 0 (the trainer actor) over the namespaces'
+    network; each step's loss and reward are those of the same run with both ranks on one host."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    await train(_data_parallel_run(one), one, timeout_s=600)
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, two, ["b"], agents, tmp_path)
+                config = _data_parallel_run(two, actor_num_nodes=2, actor_num_gpus_per_node=1,
+                                            wait_for_nodes_s=JOIN_S)
+                await train(config, two, transport="tcp", host=hosts.head_ip, timeout_s=600)
+    ranks = json.loads((two / "actors.json").read_text())["trainer_ranks"]
+    assert [(rank["rank"], rank["node"], rank["host"]) for rank in ranks] == [
+        (0, "head", hosts.head_ip), (1, "node-b", hosts.ips["b"])]
+    assert (tmp_path / "b" / "logs" / "trainer-rank-1.log").exists()  # the node's own copy of the rank's output
+    expected, got = _trained(one), _trained(two)
+    assert len(got["loss"]) == len(expected["loss"]) == 3
+    for key, values in expected.items():
+        assert got[key] == pytest.approx(values, rel=1e-5, abs=1e-6), (key, got, expected)
+
+
+def _started_pid(agent_output: Path, name: str) -> int:
+    """The pid of ``name`` as its node agent logged it when it started the process."""
+    for line in agent_output.read_text().splitlines():
+        if line.startswith("{") and (entry := json.loads(line)).get("peer") == name and "pid" in entry:
+            return int(entry["pid"])
+    raise AssertionError(f"{agent_output} shows no start of {name}")
+
+
+@pytest.mark.parametrize("killed", ["rank", "node"])
+async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_path, killed):
+    """Rank 1, on node b, killed after the first step, alone or with its node agent: the trainer stops within
+    30 s, and the run with it, saying which rank died and on which node."""
+    run_dir = tmp_path / "run"
+    killed_at: list[float] = []
+
+    async def kill_rank_1(job, row: dict) -> None:
+        if row["step"] == 1:
+            if killed == "rank":
+                os.kill(_started_pid(tmp_path / "node-b.out", "trainer-rank-1"), signal.SIGKILL)
+            else:
+                agents[0].kill()
+            killed_at.append(time.monotonic())
+
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b"], agents, tmp_path)
+                config = _data_parallel_run(run_dir, steps=30, actor_num_nodes=2, actor_num_gpus_per_node=1,
+                                            wait_for_nodes_s=JOIN_S)
+                with pytest.raises(RunFailed, match=rf"trainer rank 1 on node node-b \({re.escape(hosts.ips['b'])}\) "
+                                                    r"exited with code -9"):
+                    await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=kill_rank_1,
+                                timeout_s=600)
+    assert time.monotonic() - killed_at[0] < 30

@@ -14,7 +14,7 @@ from conftest import open_job
 from vime.config import RunConfig
 from vime.gpu_turns import engines_sharing_gpus
 from vime.pipeline import _spawn_rollouts
-from vime.placement import Placement, place, visible_gpus
+from vime.placement import Placement, describe, place, visible_gpus
 from vime.scenarios.selfcheck import ECHO
 from vime.weights import CudaIpc
 
@@ -51,6 +51,8 @@ def test_without_gpu_flags_every_process_inherits_the_drivers_view():
      [str(gpu) for gpu in range(8)], "0,1,2,3,4,5,6,7", ["0,1,2,3,4,5,6,7"]),  # slime's: two copies of TP 4
     ({"actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "colocate": True,
       "vllm_args": {"enable_sleep_mode": True}}, ["0", "1"], "0,1", ["0", "1"]),  # engines sleep beside both ranks
+    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 2, "tensor_model_parallel_size": 2, "data_parallel_size": 2,
+      "rollout_num_gpus": 1}, ["0", "1", "2"], "0,1", ["2"]),  # this host holds the first copy of two ranks
 ])
 def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     assert place(GPU_RUN.replace(**flags), gpus) == Placement(trainer, engines, "")
@@ -60,7 +62,12 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
     ({"actor_num_gpus_per_node": 1, "rollout_num_gpus": 2}, ["0", "1"],
      r"needs 3 GPUs \(trainer 1, rollout 2\) but this host shows 2 \(CUDA_VISIBLE_DEVICES=0,1\)"),
     ({"actor_num_gpus_per_node": 1}, [], "needs 1 GPUs .* shows 0$"),
-    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"], "one host so far; add rollout workers"),
+    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1}, ["0"],
+     r"--actor-num-nodes 2 x --actor-num-gpus-per-node 1 \(ranks per host on CPU\) must be the trainer's 1 ranks"),
+    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1, "train_backend": "torch"}, ["0"],
+     "only the Megatron trainer spans hosts; pass --train-backend megatron"),
+    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1, "tensor_model_parallel_size": 2}, ["0"],
+     "would split a tensor-parallel group of --tensor-model-parallel-size 2 over hosts"),
     ({"actor_num_gpus_per_node": 2}, ["0", "1"], r"one rank per GPU, .* \(1 x 1 x 1\); make the product the GPU"),
     ({"actor_num_gpus_per_node": 8, "tensor_model_parallel_size": 2, "data_parallel_size": 2}, ["0"] * 8,
      r"\(2 x 2 x 1\)"),
@@ -86,6 +93,31 @@ def test_separate_and_colocated_layouts(flags, gpus, trainer, engines):
 def test_impossible_layouts_are_refused_with_what_to_change(flags, gpus, said):
     with pytest.raises(ValueError, match=said):
         place(GPU_RUN.replace(**flags), gpus)
+
+
+def test_trainer_ranks_fill_this_host_then_each_node_in_megatrons_order():
+    """Four ranks, two a host: this host keeps ranks 0 and 1 (a tensor-parallel pair), the node the next pair;
+    a node short of GPUs, or missing, is refused by name."""
+    from types import SimpleNamespace
+
+    from vime.trainer_ranks import RankSlot, plan_ranks
+
+    node = SimpleNamespace(name="node-b", address_host="10.0.0.2", gpus=2)
+    plan = plan_ranks(4, 2, "10.0.0.1", [node], on_gpu=True)
+    assert plan.slots == (RankSlot(1, 1, None, "10.0.0.1"), RankSlot(2, 0, "node-b", "10.0.0.2"),
+                          RankSlot(3, 1, "node-b", "10.0.0.2"))
+    assert [(row["rank"], row["node"]) for row in plan.rows("10.0.0.1")] == [
+        (0, "head"), (1, "head"), (2, "node-b"), (3, "node-b")]
+    with pytest.raises(ValueError, match="node-b offers 1 GPU"):
+        plan_ranks(4, 2, "10.0.0.1", [SimpleNamespace(name="node-b", address_host="10.0.0.2", gpus=1)], on_gpu=True)
+    assert plan_ranks(4, 2, "10.0.0.1", [SimpleNamespace(name="node-b", address_host="10.0.0.2", gpus=0)],
+                      on_gpu=False).slots[-1].node == "node-b"  # on CPU, ranks per host
+    with pytest.raises(ValueError, match="needs 2 node"):
+        plan_ranks(6, 2, "10.0.0.1", [node], on_gpu=True)
+    spanning = GPU_RUN.replace(actor_num_nodes=2, actor_num_gpus_per_node=2, tensor_model_parallel_size=2,
+                               data_parallel_size=2, rollout_num_gpus=1)
+    assert "ranks 0-1 on this host, the next 2 on each of 1 node agent(s)" in describe(spanning, place(
+        spanning, ["0", "1", "2"]))[0]
 
 
 def test_engines_on_the_same_gpus_form_a_group():
@@ -184,6 +216,7 @@ def _trainer(tmp_path: Path, colocate: bool):
 
     config = arithmetic.prepare(tmp_path, arithmetic.defaults().replace(colocate=colocate)).to_dict()
     trainer = Trainer(ActorSettings(name="trainer", listen="ipc:///none", run_dir=str(tmp_path)), config)
+    trainer.build()
     sent: list[Envelope] = []
     trainer._send_hook = sent.append
 

@@ -194,6 +194,7 @@ class Cluster:
         self.run_id = uuid.uuid4().hex[:12]
         self.actors: dict[str, ActorInfo] = {}
         self.nodes: dict[str, NodeInfo] = {}
+        self.trainer_ranks: list[dict[str, Any]] = []  # where each trainer rank runs, when they span hosts
         self._starts = itertools.count(1)  # numbers the starts on nodes (StartActor.start)
         self._turned_away: set[str] = set()  # actors counted dead that still send heartbeats, told to stop
         self.events: list[ActorEvent] = []
@@ -506,6 +507,11 @@ class Cluster:
             entry.remote_start = None
             self._nursery.start_soon(self._exited, name, entry, -signal.SIGKILL, f"its node {node} was lost ({how})")
 
+    def record_trainer_ranks(self, rows: list[dict[str, Any]]) -> None:
+        """Note where the trainer's ranks run (``vime.trainer_ranks.RankPlan.rows``), in RUN_DIR/actors.json."""
+        self.trainer_ranks = rows
+        self._write_actors_json()
+
     def _log_from_node(self, node: str, msg: LogLines) -> None:
         """Append what a node's actor wrote to its log here; a node writes only the logs of actors it runs."""
         entry = self._spawned.get(msg.name)
@@ -544,7 +550,7 @@ class Cluster:
                  "joined": i.joined, "started_at": i.started_at} for i in self.actors.values()]
         nodes = [dataclasses.asdict(node) for node in self.nodes.values()]
         document = {"run_id": self.run_id, "driver": self.address, "updated_at": time.time(), "actors": rows,
-                    "nodes": nodes}
+                    "nodes": nodes, "trainer_ranks": self.trainer_ranks}
         path = self.run_dir / "actors.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(document, indent=2))

@@ -279,8 +279,9 @@ class AgentConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
-    actor_num_nodes: int = setting(1, "hosts the trainer spans (1 so far; rollout workers on other hosts join "
-                                      "with RUN_DIR/join)")
+    actor_num_nodes: int = setting(1, "hosts the Megatron trainer spans, --actor-num-gpus-per-node ranks each (ranks "
+                                      "per host on CPU): this one and N-1 node agents (python -m vime.node, the "
+                                      "command in RUN_DIR/join); needs --transport tcp or tls+tcp")
     actor_num_gpus_per_node: int = setting(0, "GPUs of the trainer (0: on CPU); with --rollout-num-gpus, each actor "
                                               "process sees only the GPUs it is given")
     rollout_num_gpus: int = setting(0, "GPUs for rollout engines, --rollout-num-gpus-per-engine each (0: on CPU, or "
@@ -289,7 +290,8 @@ class PlacementConfig:
     rollout_nodes: int = setting(0, "put the rollout workers on this many node agents (python -m vime.node "
                                     "--join, the command in RUN_DIR/join), spread over them, none on this host; "
                                     "needs --transport tcp or tls+tcp (CPU engines so far)")
-    wait_for_nodes_s: float = setting(600.0, "with --rollout-nodes: how long the run waits for its nodes to join")
+    wait_for_nodes_s: float = setting(600.0, "with --rollout-nodes or --actor-num-nodes: how long the run waits for "
+                                             "its nodes to join")
 
     def __post_init__(self) -> None:
         _at_least(self, actor_num_nodes=1, actor_num_gpus_per_node=0, rollout_num_gpus=0, rollout_nodes=0)

@@ -6,8 +6,9 @@ Run on each extra host (by hand, by Slurm's ``srun``, by a Kubernetes pod), the 
 
 The agent joins the job as an actor of role ``node`` (the same token and TLS checks as any join: a refused one
 exits 2 saying why), tells the driver what the host offers (:class:`~vime.messages.nodes.NodeFacts`), then
-starts the actors the driver places here, each as ``python -m vime.actor`` joined to the driver, and
-supervises them as the driver supervises its own spawns:
+starts the actors the driver places here, each as ``python -m vime.actor`` joined to the driver (and the
+trainer ranks its rank 0 places here, each as ``python -m vime.backends.tensor_parallel``: ``vime.trainer_ranks``),
+and supervises them as the driver supervises its own spawns (reporting a rank's exit and output to the trainer):
 
 * every exit is reported at once (ActorExited); the driver decides what follows (a restart is started here
   again, through this agent);
@@ -46,10 +47,11 @@ import structlog
 import trio
 
 from vime import actor as actor_cli
-from vime.messages.nodes import ActorExited, ActorStarted, LogLines, NodeFacts, StartActor, StopActor
+from vime.messages.nodes import ActorExited, ActorStarted, LogLines, NodeFacts, StartActor, StartRank, StopActor
 from vime.messages.runtime import StatusQuery
 from vime.roles import ROLES
 from vime.runtime import Actor, PeerGone, RemoteError, handles
+from vime.trainer_ranks import rank_command
 from vime.transports.codec import Envelope
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL, for the actors of a stopping node
@@ -65,6 +67,7 @@ class _Child:
     process: trio.Process
     log_path: Path
     log_from: int  # where this process's part of the log starts (a restart appends to its predecessor's)
+    reporter: str  # who asked for it, and is told its output and exit: the driver, or the trainer for its ranks
 
 
 class NodeAgent(Actor):
@@ -76,7 +79,7 @@ class NodeAgent(Actor):
         super().__init__(settings, config)
         self.allowed_roles = (frozenset(ROLES) - {self.role}) | frozenset(config.get("allow_roles", ()))
         self.driver_lost_s = float(config.get("driver_lost_s", 15.0))
-        self.children: dict[int, _Child] = {}  # by the driver's number for each start
+        self.children: dict[tuple[str, int], _Child] = {}  # by who asked and their number for the start
         self.run_dir = Path(settings.run_dir or tempfile.mkdtemp(prefix=f"vime-node-{settings.name}-"))
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -100,14 +103,27 @@ class NodeAgent(Actor):
             parent_pid=os.getpid(), run_dir=str(self.run_dir), config=msg.config, settings=msg.settings,
             seed=msg.seed, record=msg.record, tls=self._tls_files(), node=self.name)
         env = dict(os.environ, **msg.env, VIME_TOKEN=self.settings.token or "", PYTHONUNBUFFERED="1")
-        log_path = self.run_dir / "logs" / f"{msg.name}.log"
-        with open(log_path, "ab") as log:  # the actor writes its log here itself: no pipe through this agent
+        return await self._start_child(envelope.sender, msg.start, msg.name, command, env)
+
+    @handles(StartRank)
+    async def _on_start_rank(self, msg: StartRank, envelope: Envelope) -> ActorStarted:
+        """A trainer rank, the process rank 0 starts on its own host: no token (it joins the trainer's process
+        group, not the job), supervised as an actor, reported to the trainer that asked."""
+        env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
+        return await self._start_child(envelope.sender, msg.start, msg.name, rank_command(msg.spec), env)
+
+    async def _start_child(self, reporter: str, start: int, name: str, command: list[str],
+                           env: dict[str, str]) -> ActorStarted:
+        """Start a process for ``reporter`` (the driver, or the trainer for its ranks) and supervise it, telling
+        ``reporter`` its output and exit."""
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        with open(log_path, "ab") as log:  # the process writes its log here itself: no pipe through this agent
             log_from = log.tell()
             process = await trio.lowlevel.open_process(command, stdout=log, stderr=log, env=env,
                                                        start_new_session=True)
-        child = self.children[msg.start] = _Child(msg.name, process, log_path, log_from)
-        self.log.info("started an actor", peer=msg.name, role=msg.role, pid=process.pid, start=msg.start)
-        self.start_soon(self._supervise, msg.start, child)
+        child = self.children[reporter, start] = _Child(name, process, log_path, log_from, reporter)
+        self.log.info("started a process", peer=name, pid=process.pid, start=start, reporter=reporter)
+        self.start_soon(self._supervise, start, child)
         return ActorStarted(pid=process.pid)
 
     def _tls_files(self) -> dict[str, str]:
@@ -118,7 +134,7 @@ class NodeAgent(Actor):
     async def _on_stop_actor(self, msg: StopActor, envelope: Envelope) -> None:
         """Signal at once and answer nothing: a stopped (SIGSTOP) or slow-to-stop actor must not hold this
         agent's handlers; its exit, when it comes, is reported by :meth:`_supervise`."""
-        child = self.children.get(msg.start)
+        child = self.children.get((envelope.sender, msg.start))
         if child is not None:
             _signal_group(child.process, msg.signal)
 
@@ -129,27 +145,27 @@ class NodeAgent(Actor):
             log.seek(child.log_from)
             while True:
                 exited = child.process.poll() is not None
-                while await self._forward(child.name, log, waiting_ok=exited):
+                while await self._forward(child, log, waiting_ok=exited):
                     pass
                 if exited:
                     break
                 with trio.move_on_after(LOG_POLL_S):
                     await child.process.wait()
-        del self.children[start]
+        del self.children[child.reporter, start]
         code = child.process.returncode
-        self.log.info("an actor exited", peer=child.name, pid=child.process.pid, code=code)
+        self.log.info("a process exited", peer=child.name, pid=child.process.pid, code=code)
         with contextlib.suppress(LookupError, PeerGone):
-            await self.tell("driver", ActorExited(name=child.name, start=start, code=code))
+            await self.tell(child.reporter, ActorExited(name=child.name, start=start, code=code))
 
-    async def _forward(self, name: str, log: BinaryIO, *, waiting_ok: bool) -> bool:
-        """Send the driver the next part of a log; whether there was any. While the actor runs, nothing is
-        read when the driver is behind (``LOG_BACKLOG``): the file keeps it for the next read."""
-        if not waiting_ok and self.unsent_to("driver") > LOG_BACKLOG:
+    async def _forward(self, child: _Child, log: BinaryIO, *, waiting_ok: bool) -> bool:
+        """Send the child's reporter the next part of its log; whether there was any. While it runs, nothing is
+        read when the reporter is behind (``LOG_BACKLOG``): the file keeps it for the next read."""
+        if not waiting_ok and self.unsent_to(child.reporter) > LOG_BACKLOG:
             return False
         data = log.read(LOG_READ)
         if data:
-            with contextlib.suppress(LookupError, PeerGone):  # the driver is gone: this host's copy is all there is
-                await self.tell("driver", LogLines(name=name, data=data))
+            with contextlib.suppress(LookupError, PeerGone):  # the reporter is gone: this host's copy is all there is
+                await self.tell(child.reporter, LogLines(name=child.name, data=data))
         return bool(data)
 
     async def _watch_driver(self) -> None:

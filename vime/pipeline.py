@@ -45,6 +45,7 @@ from vime.plugins import import_function
 from vime.report import write_report
 from vime.reward_workers import RewardWorkers
 from vime.seeds import actor_seed
+from vime.trainer_ranks import plan_ranks
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
 
@@ -74,9 +75,11 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     (``vime.megatron_flags.given``), checked against config.json first.
     """
     try:
-        if config.placement.rollout_nodes and transport == "ipc":
-            raise ValueError("--rollout-nodes: nodes on other hosts reach this job over tcp; pass --transport tcp "
-                             "(or tls+tcp) and --host, this machine's address they reach")
+        for flag, asked in (("--rollout-nodes", config.placement.rollout_nodes),
+                            ("--actor-num-nodes", config.placement.actor_num_nodes > 1)):
+            if asked and transport == "ipc":
+                raise ValueError(f"{flag}: nodes on other hosts reach this job over tcp; pass --transport tcp "
+                                 "(or tls+tcp) and --host, this machine's address they reach")
         placed, row = preflight(config, model_flags=model_flags)
         await check_reward(config, row)
         make_run_folder(run_dir)
@@ -352,16 +355,20 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         if job.token:
             _write_private(run_dir / "join", join_command(job.address, job.token, tls, config.model.model_path))
         seed = config.job.seed
+        trainer_nodes = await _wait_for_nodes(job, config.placement.actor_num_nodes - 1,
+                                              config.placement.wait_for_nodes_s, "--actor-num-nodes")
+        trainer = {**resumed, **_rank_plan(job, config, placed, trainer_nodes)}
         # in dependency order; the buffer's start issues the first prompts, which wait for a rollout worker
         for role, role_config, gpus in (("router", resumed, placed.others), ("reward", document, placed.others),
-                                        ("trainer", resumed, placed.trainer), ("buffer", resumed, placed.others)):
+                                        ("trainer", trainer, placed.trainer), ("buffer", resumed, placed.others)):
             await job.spawn(role, role, role_config, seed=actor_seed(seed, role), record=role in recorded,
                             env=environment(gpus))
         ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
             nonlocal ready_s
-            nodes = await _wait_for_nodes(job, config.placement.rollout_nodes, config.placement.wait_for_nodes_s)
+            nodes = await _wait_for_nodes(job, config.placement.rollout_nodes, config.placement.wait_for_nodes_s,
+                                          "--rollout-nodes", taken=trainer_nodes)
             await _spawn_rollouts(job, config, document, placed, nodes, record="rollout" in recorded)
             ready_s = time.monotonic() - started
 
@@ -376,17 +383,39 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
     return rows, arrived, counters, ready_s
 
 
-async def _wait_for_nodes(job: Cluster, count: int, timeout_s: float) -> list[str]:
-    """The first ``count`` node agents to join (none wanted: none), waiting up to ``timeout_s`` for them;
-    RuntimeError saying how many came and how to start the rest."""
+async def _wait_for_nodes(job: Cluster, count: int, timeout_s: float, flag: str,
+                          taken: Sequence[str] = ()) -> list[str]:
+    """``count`` node agents (none wanted: none) for what ``flag`` asks, beside those already ``taken`` (the
+    trainer's), the first by name, waiting up to ``timeout_s`` for them; RuntimeError saying how many came and
+    how to start the rest."""
+    def free() -> list[str]:
+        return sorted(set(job.nodes) - set(taken))
+
     with trio.move_on_after(timeout_s):
-        while len(job.nodes) < count:
+        while len(free()) < count:
             await trio.sleep(0.2)
-    if len(job.nodes) < count:
-        raise RuntimeError(f"--rollout-nodes {count}: {len(job.nodes)} node(s) joined within --wait-for-nodes-s "
-                           f"{timeout_s:g} ({', '.join(sorted(job.nodes)) or 'none'}); start one on each host with "
+    if len(free()) < count:
+        beside = f" beside the trainer's {', '.join(taken)}" if taken else ""
+        raise RuntimeError(f"{flag}: {count} node(s) wanted{beside}, {len(free())} joined within --wait-for-nodes-s "
+                           f"{timeout_s:g} ({', '.join(free()) or 'none'}); start one on each host with "
                            f"the node command in {job.run_dir / 'join'}")
-    return sorted(job.nodes)[:count]
+    return free()[:count]
+
+
+def _rank_plan(job: Cluster, config: RunConfig, placed: Placement, nodes: Sequence[str]) -> dict[str, Any]:
+    """The trainer's extra config when its ranks span hosts: where each rank after 0 runs
+    (``vime.trainer_ranks``), its store on this job's address, which the nodes reach; also recorded in
+    RUN_DIR/actors.json, every rank with its host. Nothing for a trainer on this host alone."""
+    if not nodes:
+        return {}
+    layout = config.placement
+    try:
+        plan = plan_ranks(config.job.trainer_ranks, layout.actor_num_gpus_per_node, job.host,
+                          [job.nodes[name] for name in nodes], on_gpu=bool(placed.trainer))
+    except ValueError as err:  # the nodes joined cannot hold the plan: the run stops before it starts
+        raise RuntimeError(str(err)) from err
+    job.record_trainer_ranks(plan.rows(job.host))
+    return {"rank_plan": plan.to_dict()}
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement,

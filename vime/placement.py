@@ -54,10 +54,11 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     """Where each process goes on a host with ``gpus``; a ValueError says which flags to change."""
     layout, rollout = config.placement, config.rollout
     per_engine = rollout.rollout_num_gpus_per_engine
-    if layout.actor_num_nodes != 1:
-        raise ValueError("--actor-num-nodes: the trainer runs on one host so far; add rollout workers on other "
-                         "hosts with the command in RUN_DIR/join")
-    trainer_gpus = layout.actor_num_gpus_per_node
+    nodes, per_node = layout.actor_num_nodes, layout.actor_num_gpus_per_node
+    if nodes > 1:
+        check_trainer_nodes(config)
+    # a trainer over several hosts whose head shows no GPU runs on CPU, per_node ranks a host (gloo)
+    trainer_gpus = per_node if nodes == 1 or gpus else 0
     if layout.rollout_nodes and (layout.rollout_num_gpus or layout.colocate):
         raise ValueError("--rollout-nodes places CPU rollout workers on the nodes so far: leave --rollout-num-gpus "
                          "and --colocate out, or run GPU engines on this host")
@@ -66,7 +67,7 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
                          f"{rollout.rollout_workers} over the nodes: give at least one worker per node")
     if not (trainer_gpus or layout.rollout_num_gpus or layout.colocate):
         return Placement(None, [None] * rollout.rollout_workers, None)
-    if trainer_gpus and trainer_gpus != config.job.trainer_ranks:
+    if trainer_gpus and trainer_gpus * nodes != config.job.trainer_ranks:
         raise ValueError(f"--actor-num-gpus-per-node {trainer_gpus}: the trainer runs one rank per GPU, "
                          f"--tensor-model-parallel-size x --data-parallel-size x --pipeline-model-parallel-size of "
                          f"them ({config.job.tensor_model_parallel_size} x {config.job.data_parallel_size} x "
@@ -110,6 +111,26 @@ def place(config: RunConfig, gpus: list[str]) -> Placement:
     return Placement(",".join(trainer), engine_gpus, "")
 
 
+def check_trainer_nodes(config: RunConfig) -> None:
+    """A trainer over ``--actor-num-nodes`` hosts: Megatron's, ``--actor-num-gpus-per-node`` ranks on each (GPUs,
+    or processes on CPU), its ranks all placed, tensor-parallel groups within a host (``vime.trainer_ranks``
+    places them over the nodes that join). ValueError naming the flag to change."""
+    layout, job = config.placement, config.job
+    nodes, per_node = layout.actor_num_nodes, layout.actor_num_gpus_per_node
+    if job.train_backend != "megatron":
+        raise ValueError(f"--actor-num-nodes {nodes}: only the Megatron trainer spans hosts; pass --train-backend "
+                         "megatron")
+    if per_node * nodes != job.trainer_ranks:
+        raise ValueError(f"--actor-num-nodes {nodes} x --actor-num-gpus-per-node {per_node} (ranks per host on CPU) "
+                         f"must be the trainer's {job.trainer_ranks} ranks (--tensor-model-parallel-size "
+                         f"{job.tensor_model_parallel_size} x --data-parallel-size {job.data_parallel_size} x "
+                         f"--pipeline-model-parallel-size {job.pipeline_model_parallel_size})")
+    if per_node % job.tensor_model_parallel_size:
+        raise ValueError(f"--actor-num-gpus-per-node {per_node} would split a tensor-parallel group of "
+                         f"--tensor-model-parallel-size {job.tensor_model_parallel_size} over hosts; make it a "
+                         "multiple of it")
+
+
 def describe(config: RunConfig, placed: Placement) -> list[str]:
     """What ``placed`` means, a line per process: its GPUs and, for each rollout worker, the weight path
     ``--weight-sync`` takes to it (as the trainer will choose it from the GPUs the engine reports; ValueError
@@ -122,6 +143,11 @@ def describe(config: RunConfig, placed: Placement) -> list[str]:
                                             if job.expert_model_parallel_size > 1 else "")
              + (f", pipeline parallel {job.pipeline_model_parallel_size}"
                 if job.pipeline_model_parallel_size > 1 else ""))
+    layout = config.placement
+    if layout.actor_num_nodes > 1:
+        per_node = layout.actor_num_gpus_per_node
+        ranks += (f"; ranks 0-{per_node - 1} on this host, the next {per_node} on each of {layout.actor_num_nodes - 1} "
+                  "node agent(s) as they join (vime.trainer_ranks)")
     if placed.trainer is None:
         return [f"trainer ({job.train_backend}, {ranks}) and {len(placed.engines)} rollout worker(s) "
                 f"({rollout.rollout_backend}): nothing placed (no GPU flag given), each sees the GPUs this host "

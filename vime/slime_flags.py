@@ -323,11 +323,8 @@ def run_folder(args: argparse.Namespace, out: Path | None, resume: Path | None) 
 
 def refuse_missing_features(args: argparse.Namespace, given: dict[str, Any]) -> None:
     """ValueError naming, in one message, every flag given that asks for something vime lacks: the
-    :data:`LAYOUT_FLAGS` with another value than vime's, and a trainer on several hosts (``--actor-num-nodes``)."""
+    :data:`LAYOUT_FLAGS` with another value than vime's."""
     refused: dict[str, list[str]] = {}  # what is missing: the flags that ask for it, as given
-    if given.get("actor_num_nodes", 1) > 1:
-        refused["a trainer on several hosts; rollout workers on other hosts join with RUN_DIR/join"] = [
-            f"--actor-num-nodes {given['actor_num_nodes']}"]
     for layout in LAYOUT_FLAGS:
         value = getattr(args, _dest(layout), None)
         if value is not None and value != layout.accepted:

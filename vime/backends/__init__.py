@@ -10,7 +10,10 @@ a package of its own) with ``tensor_parallel`` leading its ranks in the pipeline
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from vime.trainer_ranks import Follower, RankPlan, RankSlot, start_here
 
 if TYPE_CHECKING:
     from vime.backends.base import RolloutEngine, TrainEngine
@@ -24,9 +27,11 @@ warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex
                         category=UserWarning)
 
 
-def train_engine(run: RunConfig, seed: int) -> TrainEngine:
+def train_engine(run: RunConfig, seed: int, plan: RankPlan | None = None,
+                 launch: Callable[[RankSlot, str], Follower] = start_here) -> TrainEngine:
     """The trainer engine of ``--train-backend``; megatron-core is imported only when asked for. With
-    several ranks (tensor x data parallel) this process is rank 0 and starts the others."""
+    several ranks (tensor x data parallel) this process is rank 0 and starts the others where ``plan`` puts
+    them (default: all here), each with ``launch`` (``vime.trainer_ranks``)."""
     arguments = run.train_engine_arguments(seed)
     if run.job.train_backend != "megatron":
         from vime.backends.torch_train import TorchTrainEngine
@@ -35,7 +40,7 @@ def train_engine(run: RunConfig, seed: int) -> TrainEngine:
     if run.job.trainer_ranks > 1:
         from vime.backends.tensor_parallel import LeadingEngine
 
-        return LeadingEngine(run, seed)
+        return LeadingEngine(run, seed, plan, launch)
     from vime.backends.megatron import MegatronTrainEngine
 
     return MegatronTrainEngine(**arguments)

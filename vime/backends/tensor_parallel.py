@@ -1,39 +1,45 @@
-"""A Megatron trainer of several ranks (tensor and data parallel) that the trainer actor drives as if it
-were one engine.
+"""A Megatron trainer of several ranks (tensor, data and pipeline parallel) that the trainer actor drives as if
+it were one engine.
 
 Rank 0 lives in the trainer actor's process; it starts ranks 1..N-1 as
-processes of its own (``python -m vime.backends.tensor_parallel``), on the
-next GPUs of the trainer's placement (or on CPU, over gloo). Every rank
+processes of their own (``python -m vime.backends.tensor_parallel SPEC``)
+where the trainer's plan puts them (``vime.trainer_ranks``): on its own host,
+on the next GPUs of the trainer's placement (or on CPU, over gloo), or on
+another host, through that host's node agent; the process and its spec are
+the same either way. Every rank
 builds the same :class:`~vime.backends.megatron.MegatronTrainEngine` and must
 make the same collective calls in the same order, so rank 0 leads: before
 each call it gives an order (which call, and its argument: a folder, say),
 and the other ranks follow it. Orders go through the process group's
-key-value store on the host, as msgpack (:class:`Orders`), so that a rank
+key-value store (rank 0's c10d store, on loopback, or on the address the other
+hosts reach when ranks span hosts), as msgpack (:class:`Orders`), so that a rank
 waiting for the next one runs nothing on its GPU; a step's batch follows
 over the process group, integer headers and raw tensors, nothing pickled.
 One lock keeps the orders in sequence when the actor calls from several
 threads.
 
 A follower that dies is noticed before the next order (its process has an
-exit code), and the trainer stops with the rank and the code, rather than
+exit code, or its node agent reported one), and the trainer stops with the
+rank, its host and the code, rather than
 waiting on a collective that will never complete. One that dies during a
 call ends the trainer's process a few seconds later, saying which rank, if
 the call has not failed by then (NCCL on one host would wait for the
-group's timeout); followers die with the trainer's process (Linux's
-parent-death signal).
+group's timeout); followers die with the process that started them (the
+trainer's, or the node agent's for a rank on another host: ``vime.trainer_ranks``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import subprocess
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,7 @@ import torch.distributed as dist
 
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import RunConfig
+from vime.trainer_ranks import HEAD, Follower, RankPlan, RankSlot, start_here
 from vime.transports.gpu import Spec, dtype_named, gpu_uuid
 
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
@@ -52,6 +59,8 @@ MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
+EXIT_NEWS_S = 8.0  # how long a failed call waits for news of a rank's exit, to name it (a lost node: heartbeats)
+PARENT_POLL_S = 0.5  # how often a follower checks that its parent still runs
 
 
 class Orders:
@@ -87,17 +96,27 @@ class Orders:
 
 
 class LeadingEngine(TrainEngine):
-    """Rank 0 of a Megatron trainer of several ranks: each call is ordered to every rank, then made here."""
+    """Rank 0 of a Megatron trainer of several ranks: each call is ordered to every rank, then made here.
 
-    def __init__(self, run: RunConfig, seed: int) -> None:
+    ``plan`` says where the other ranks run (default: all on this host, over loopback); ``launch`` starts one
+    (default: as a child of this process; ``vime.trainer_ranks.NodeRanks`` in the trainer actor, through a node
+    agent for a rank on another host). Either way the rank is the same process, given the same spec."""
+
+    def __init__(self, run: RunConfig, seed: int, plan: RankPlan | None = None,
+                 launch: Callable[[RankSlot, str], Follower] = start_here) -> None:
         size = run.job.trainer_ranks
-        store = _store(0, size)
-        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(size), RANK="0", LOCAL_RANK="0")
-        spec = json.dumps({"config": run.to_dict(), "seed": seed})
-        self.followers = [subprocess.Popen([sys.executable, "-m", __name__, spec], preexec_fn=_die_with_parent,
-                                           env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                          for rank in range(1, size)]
+        self.plan = plan or RankPlan.local(size)
+        store = _store(self.plan.store_host, 0, size, leader=True)
+        os.environ.update(MASTER_ADDR=self.plan.store_host, MASTER_PORT=str(store.port), WORLD_SIZE=str(size),
+                          RANK="0", LOCAL_RANK="0")
+        structlog.get_logger().info("trainer ranks meet", store=f"{self.plan.store_host}:{store.port}",
+                                    ranks=[slot.describe() for slot in self.plan.slots])
+        self.followers: list[Follower] = []
         try:
+            for slot in self.plan.slots:
+                spec = {"config": run.to_dict(), "seed": seed, "rank": slot.rank, "local_rank": slot.local_rank,
+                        "world_size": size, "store": [self.plan.store_host, store.port]}
+                self.followers.append(launch(slot, json.dumps(spec)))
             _join(store, 0, size)
             self.engine = _engine(run, seed)
             self._orders = Orders(store)
@@ -119,29 +138,24 @@ class LeadingEngine(TrainEngine):
         return self.engine.weight_version
 
     def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        with self._lock:
-            self._order("train_step")
+        with self._call("train_step"):
             _send_batch(batch, self.device)
             return self.engine.train_step(batch)
 
     def named_weights(self, device: str | None = None) -> dict[str, torch.Tensor]:
-        with self._lock:
-            self._order("named_weights")
+        with self._call("named_weights"):
             return self.engine.named_weights(device)
 
     def save_hf(self, folder: Path) -> None:
-        with self._lock:
-            self._order("save_hf", str(folder))
+        with self._call("save_hf", str(folder)):
             self.engine.save_hf(folder)
 
     def save(self, folder: Path) -> None:
-        with self._lock:
-            self._order("save", str(folder))
+        with self._call("save", str(folder)):
             self.engine.save(folder)
 
     def load(self, folder: Path) -> None:
-        with self._lock:
-            self._order("load", str(folder))
+        with self._call("load", str(folder)):
             self.engine.load(folder)
 
     def shared_buckets(self, bucket_bytes: int,
@@ -149,17 +163,17 @@ class LeadingEngine(TrainEngine):
         """Every rank gathers each bucket on its own GPU and offers it there: the descriptors of a bucket are
         those of all ranks, so that each GPU of a colocated engine copies from its own. The engine is held
         until the iterator ends or is closed: no other call may be made meanwhile."""
-        with self._lock:
-            self._order("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")]))
+        with self._call("shared_buckets", json.dumps([bucket_bytes, str(dtype).removeprefix("torch.")])):
             yield from _shared_in_step(self.engine, self._orders, bucket_bytes, dtype)
 
     def gpus(self) -> list[str]:
-        return [gpu_uuid(rank) for rank in range(len(self.followers) + 1)] if self.device == "cuda" else []
+        """The GPUs of the ranks on this host (those on other hosts are no engine's here to share)."""
+        here = 1 + sum(slot.node is None for slot in self.plan.slots)
+        return [gpu_uuid(rank) for rank in range(here)] if self.device == "cuda" else []
 
     def release_memory(self) -> None:
         """Returns once every rank has (a barrier: the engines about to wake count on it)."""
-        with self._lock:
-            self._order("release_memory")
+        with self._call("release_memory"):
             self.engine.release_memory()
             dist.barrier()
 
@@ -186,27 +200,60 @@ class LeadingEngine(TrainEngine):
             dead = self._dead()
             since = (since or time.monotonic()) if dead and self._lock.locked() else None
             if since is not None and time.monotonic() - since > STUCK_S:
-                rank, code = dead[0]
+                slot, code = dead[0]
                 structlog.get_logger().error(
-                    "a trainer rank died during a call that waits on it; stopping the trainer", rank=rank,
-                    exit_code=code, waited_s=STUCK_S,
+                    "a trainer rank died during a call that waits on it; stopping the trainer", rank=slot.rank,
+                    node=slot.node or HEAD, host=slot.host, exit_code=code, waited_s=STUCK_S,
                     hint="its own error is in the trainer's log; restart the run from its last checkpoint")
+                # the line the driver reports as the trainer's last words (vime.pipeline.last_error)
+                print(f"vime.actor: {slot.describe()} exited with code {code} during a call that waits on it; the "
+                      "trainer stopped. Restart the run from its last checkpoint", file=sys.stderr, flush=True)
                 os._exit(1)
             time.sleep(1)
 
-    def _dead(self) -> list[tuple[int, int]]:
-        """``(rank, exit code)`` of each follower that has exited."""
+    def _dead(self) -> list[tuple[RankSlot, int]]:
+        """``(slot, exit code)`` of each follower that has exited."""
         with self._polling:
-            return [(rank, follower.returncode) for rank, follower in enumerate(self.followers, start=1)
-                    if follower.poll() is not None]
+            return [(slot, code) for slot, follower in zip(self.plan.slots, self.followers)
+                    if (code := follower.poll()) is not None]
+
+    @contextlib.contextmanager
+    def _call(self, name: str, argument: str = "") -> Iterator[None]:
+        """Hold the engine, order call ``name`` to every rank, and make it here (the body). A call that fails
+        once a rank has died (gloo fails a collective whose peer closed its connection) fails naming the rank
+        and its host: the collective's own error names only an address. The news of a rank on a node comes
+        from its agent, a moment after its connections close: it is waited for up to ``EXIT_NEWS_S``."""
+        with self._lock:
+            self._order(name, argument)
+            try:
+                yield
+            except Exception as err:
+                dead = self._dead_within(EXIT_NEWS_S)
+                if not dead:
+                    raise
+                raise _lost(*dead[0], f"during {name}") from err
+
+    def _dead_within(self, seconds: float) -> list[tuple[RankSlot, int]]:
+        deadline = time.monotonic() + seconds
+        while not (dead := self._dead()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return dead
 
     def _order(self, name: str, argument: str = "") -> None:
         dead = self._dead()
         if dead:
-            rank, code = dead[0]
-            raise RuntimeError(f"trainer rank {rank} exited with code {code}; its output is in the trainer's "
-                               "log. Restart the run from its last checkpoint")
+            raise _lost(*dead[0], f"before {name}")
         self._orders.send(name, argument)
+
+
+def _lost(slot: RankSlot, code: int, when: str) -> RuntimeError:
+    """The error for a rank that exited, naming it and its host; logged as well, since the driver reports the
+    trainer's last logged error when it dies."""
+    lost = RuntimeError(f"{slot.describe()} exited with code {code} {when}; its output is in the trainer's log. "
+                        "Restart the run from its last checkpoint")
+    structlog.get_logger().error("a trainer rank exited", rank=slot.rank, node=slot.node or HEAD, host=slot.host,
+                                 exit_code=code, exc_info=lost)
+    return lost
 
 
 def _engine(run: RunConfig, seed: int) -> Any:
@@ -215,29 +262,58 @@ def _engine(run: RunConfig, seed: int) -> Any:
     return MegatronTrainEngine(**run.train_engine_arguments(seed))
 
 
-def _store(rank: int, size: int) -> dist.TCPStore:
-    """The group's meeting point. Rank 0 binds a port the kernel picks and holds it until the group has
-    formed (a port found free, released and bound again later could be taken in between); the other
-    ranks connect to the port it exported as ``MASTER_PORT``."""
-    port = 0 if rank == 0 else int(os.environ["MASTER_PORT"])
-    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+def _store(host: str, port: int, size: int, *, leader: bool) -> dist.TCPStore:
+    """The group's meeting point, at ``host`` (an address every rank reaches: loopback on one host). Rank 0
+    binds a port the kernel picks (``port`` 0) and holds it until the group has formed (a port found free,
+    released and bound again later could be taken in between); the other ranks connect to the port it got,
+    which their spec names."""
+    return dist.TCPStore(host, port, size, is_master=leader, timeout=GROUP_TIMEOUT, wait_for_workers=False)
 
 
 def _join(store: dist.TCPStore, rank: int, size: int) -> None:
     """Every rank forms the default group the same way, over ``store`` as it is (``init_parallel`` then finds
-    it formed); torch's ``env://`` would add a key prefix that a group over a given store lacks."""
+    it formed); torch's ``env://`` would add a key prefix that a group over a given store lacks. Gloo and
+    NCCL's bootstrap listen on the interface that reaches the store (``interface_towards``): by default they
+    take the address the host name resolves to, which other hosts may not reach. A user's own
+    ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` stays."""
+    interface = interface_towards(os.environ["MASTER_ADDR"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if interface != "lo":  # NCCL on one host needs no socket: leave its own choice
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
                             world_size=size, timeout=GROUP_TIMEOUT)
 
 
+def interface_towards(address: str) -> str:
+    """The name of this host's network interface that packets to ``address`` leave by (a UDP socket connected
+    there, which sends nothing, shows the local address the kernel routes from)."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        local = probe.getsockname()[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.family == socket.AF_INET and entry.address == local for entry in addresses):
+            return name
+    raise RuntimeError(f"no network interface of this host has {local}, the address it reaches the trainer's "
+                       f"store at {address} from; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the one "
+                       "other hosts reach")
+
+
 def follow(spec: dict[str, Any]) -> None:
-    """A follower rank: join the group, build the engine, then carry out rank 0's orders until it says stop."""
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _join(_store(rank, size), rank, size)
+    """A follower rank, on rank 0's host or another (its spec says which rank, and where the store is): join
+    the group, build the engine, then carry out rank 0's orders until it says stop."""
+    _exit_with_parent()
+    rank, size = spec["rank"], spec["world_size"]
+    host, port = spec["store"]
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
+                      LOCAL_RANK=str(spec["local_rank"]))
+    _join(_store(host, port, size, leader=False), rank, size)
     engine = _engine(RunConfig.from_dict(spec["config"]), spec["seed"])
-    orders = Orders(_store(rank, size))
+    orders = Orders(_store(host, port, size, leader=False))
     while True:
         name, argument = orders.receive()
         if name == "stop":
@@ -325,13 +401,19 @@ def _receive_batch(device: str) -> TensorBatch:
     return TensorBatch(**fields)
 
 
-def _die_with_parent() -> None:
-    """In a follower, before it runs: the kernel kills it when the trainer's process ends, however it ends
-    (a follower left waiting in a collective would otherwise wait for the process group's timeout)."""
-    import ctypes
-    import signal
+def _exit_with_parent() -> None:
+    """In a follower, first thing: end it when its parent ends, however that ends: rank 0's process on its host,
+    a node agent on another (a follower left waiting in a collective would otherwise wait for the process
+    group's timeout). Polled, not the kernel's parent-death signal: that fires when the *thread* that started
+    the process ends, and a node agent (trio) starts processes from worker threads that come and go."""
+    parent = os.getppid()
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vime-exit-with-parent", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ The flow::
     driver --StartActor--> node --ActorStarted--> driver; the actor then registers with the driver itself
     node --LogLines--> driver (what its actors write), node --ActorExited--> driver (one of them exited)
     driver --StopActor--> node (a signal: a kill, a restart, SIGSTOP/SIGCONT; its exit comes as ActorExited)
+    trainer --StartRank--> node --ActorStarted--> trainer: a trainer rank, whose ActorExited, LogLines go to the
+    trainer (and StopActor comes from it)
 
 Each start carries the driver's number for it (``start``), echoed in ActorExited and required by StopActor:
 the exit of a process already replaced, or a signal meant for it, never touches its successor. A node agent's
@@ -64,6 +66,21 @@ class StartActor:
 
     def __post_init__(self) -> None:
         check_placeable(self.name, self.env)
+
+
+@message
+class StartRank:
+    """trainer (rank 0) -> node (ask, answered with ActorStarted): start a trainer rank here, as rank 0 starts
+    those of its own host (``python -m vime.backends.tensor_parallel SPEC``, ``vime.trainer_ranks``), under
+    ``name`` (``trainer-rank-N``), and supervise it as the node's actors; its exit (ActorExited) and output
+    (LogLines) go to the trainer, not the driver. ``start`` is the trainer's number for it, as StopActor takes."""
+
+    name: str
+    start: int
+    spec: str
+
+    def __post_init__(self) -> None:
+        check_placeable(self.name, {})
 
 
 @message
