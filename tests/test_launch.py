@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from vime.launch import Scenario, slurm
+from vime.launch import Scenario, driver_args, slurm
 
 AWKWARD = "it's \"$HOME\" `date`; rm -rf /"  # a flag value a shell would otherwise split, expand or run
 
@@ -61,6 +61,21 @@ def test_sbatch_script_asks_for_the_nodes_and_runs_the_driver_on_the_head_and_ag
     assert lines[-2:] == ['echo "vime: the driver exited with status $status"', 'exit "$status"']
     one = slurm.script(_job(nodes=1, gpus_per_node=0))
     assert "srun" not in one and "--rollout-nodes" not in one and "--gpus-per-node" not in one
+
+
+@pytest.mark.parametrize("flags,rollout_nodes", [((), ["--rollout-nodes", "3"]),
+                                                 (("--actor-num-nodes", "2"), ["--rollout-nodes", "2"]),
+                                                 (("--actor-num-nodes=4",), []),
+                                                 (("--rollout-nodes", "1"), [])])
+def test_the_nodes_the_trainer_does_not_take_run_the_rollout_workers(flags, rollout_nodes):
+    """A job of 4 nodes: the trainer takes the head and as many more as --actor-num-nodes says; the rollout
+    workers go on the rest, unless the user said where; a trainer over more nodes than the job has is refused."""
+    scenario = Scenario.parse(["arithmetic", *flags])
+    assert driver_args(scenario, 4) == ["-m", "vime.scenario", "arithmetic", *flags, "--transport", "tcp",
+                                        *rollout_nodes]
+    with pytest.raises(ValueError, match="--actor-num-nodes 5 puts the trainer on more nodes than the job's --nodes "
+                                         "4: pass --nodes 5 or more"):
+        driver_args(Scenario.parse(["arithmetic", "--actor-num-nodes", "5"]), 4)
 
 
 def test_the_token_is_made_as_each_job_starts_and_never_written_in_the_script():

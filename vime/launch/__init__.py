@@ -12,10 +12,10 @@ The launcher only writes what the cluster's own tools start; it runs nothing its
 What both do the same way (this module): the driver listens over tcp on a known port, with a join token
 that the job alone knows (made when the job starts on Slurm, at launch for Kubernetes, never a fixed one),
 passed in the environment as ``VIME_TOKEN`` and never on a command line; with more than one node, the
-driver waits for ``--rollout-nodes`` (nodes - 1) agents and puts the rollout workers on them.
+trainer takes the first ``--actor-num-nodes`` (1 unless given: the head) and the driver waits for
+``--rollout-nodes`` (the nodes left) agents and puts the rollout workers on them.
 
-Left out: TLS (``--transport tls+tcp``) between the hosts, and trainer ranks on other nodes (issue 35,
-items 2-3): what the driver places on the nodes is what ``--rollout-nodes`` places today.
+Left out: TLS (``--transport tls+tcp``) between the hosts.
 """
 
 from __future__ import annotations
@@ -67,15 +67,32 @@ class Scenario:
 
     def sets(self, flag: str) -> bool:
         """Whether the user's flags give ``flag`` (``--flag VALUE`` or ``--flag=VALUE``)."""
-        return any(word == flag or word.startswith(f"{flag}=") for word in self.flags)
+        return self.value(flag) is not None
+
+    def value(self, flag: str) -> str | None:
+        """The value the user's flags give ``flag`` (the last one given), or None."""
+        found = None
+        for index, word in enumerate(self.flags):
+            if word.startswith(f"{flag}="):
+                found = word.split("=", 1)[1]
+            elif word == flag:
+                found = self.flags[index + 1] if index + 1 < len(self.flags) else ""
+        return found
 
 
 def driver_args(scenario: Scenario, nodes: int) -> list[str]:
     """The driver's arguments to Python, less what only the cluster knows (the head's address, the port, the run
-    folder): the user's flags, and ``--rollout-nodes`` for the agents on the other nodes unless the user gave it."""
+    folder): the user's flags, and ``--rollout-nodes`` for the agents on the nodes the trainer does not take
+    (``--actor-num-nodes``, the head among them) unless the user gave it. ValueError for a trainer over more
+    nodes than the job has."""
     command = ["-m", "vime.scenario", scenario.name, *scenario.flags, "--transport", "tcp"]
-    if nodes > 1 and not scenario.sets("--rollout-nodes"):
-        command += ["--rollout-nodes", str(nodes - 1)]
+    given = scenario.value("--actor-num-nodes")
+    trainer_nodes = int(given) if given and given.isdigit() else 1
+    if trainer_nodes > nodes:
+        raise ValueError(f"--actor-num-nodes {trainer_nodes} puts the trainer on more nodes than the job's "
+                         f"--nodes {nodes}: pass --nodes {trainer_nodes} or more")
+    if nodes > trainer_nodes and not scenario.sets("--rollout-nodes"):
+        command += ["--rollout-nodes", str(nodes - trainer_nodes)]
     return command
 
 
