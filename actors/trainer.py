@@ -129,14 +129,19 @@ class Trainer(Actor):
         self.weights = WeightSender(self, self.engine, run, self._forget)  # every worker's path
         self.gpu = TrainerGpu(self, self.engine, run, self._forget)  # build turns and sleep of the engines beside us
 
-    @handles(ActorExited)
-    async def _on_rank_exited(self, msg: ActorExited, envelope: Envelope) -> None:
-        """A node agent reports that a trainer rank it ran for us exited: the engine stops on it."""
-        self.ranks.exited(envelope.sender, msg)
-
-    @handles(LogLines)
-    async def _on_rank_output(self, msg: LogLines, envelope: Envelope) -> None:
-        self.ranks.output(envelope.sender, msg)
+    def on_arrival(self, envelope: Envelope) -> bool:
+        """A node agent's news of a trainer rank it runs for us, taken as it arrives: its exit (the engine stops
+        on it) and its output (into this log). Handlers wait until the engine is built (:meth:`on_start`), and
+        the build waits on every rank: a rank that dies as it starts must reach ``LeadingEngine``'s watch then,
+        not after the group's 30-minute timeout."""
+        payload = envelope.payload
+        if type(payload) is ActorExited:
+            self.ranks.exited(envelope.sender, payload)
+        elif type(payload) is LogLines:
+            self.ranks.output(envelope.sender, payload)
+        else:
+            return False
+        return True
 
     async def on_stop(self) -> None:
         self.rows.close()
@@ -228,7 +233,7 @@ class Trainer(Actor):
                      "time_drain_s": drained or 0.0, "time_train_s": train_s, "time_weight_sync_s": synced - trained,
                      "time_checkpoint_s": time.perf_counter() - synced}
             tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
-                      / max(train_s, 1e-9) / 1e12 / max(len(self.gpus), 1))
+                      / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
                            trainer_memory_mib(self.gpus), batch.stats, metrics)
             if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint

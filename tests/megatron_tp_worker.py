@@ -296,6 +296,21 @@ def lead_and_lose_a_follower(folder: str) -> None:
     print("NOT STOPPED", flush=True)
 
 
+def lead_a_follower_that_dies_starting(folder: str) -> None:
+    """Rank 0 starts a rank 1 that exits before it joins the group (as one out of memory, or without the model
+    on its host, would): the leader, waiting for it to join, must end within seconds, not the group's timeout."""
+    import subprocess
+
+    from vime import logs
+    from vime.backends.tensor_parallel import LeadingEngine
+    from vime.config import RunConfig
+
+    logs.configure()
+    run = RunConfig().replace(model_path=folder, train_backend="megatron", tensor_model_parallel_size=2)
+    LeadingEngine(run, seed=0, launch=lambda slot, spec: subprocess.Popen([sys.executable, "-c", "exit(3)"]))
+    print("NOT STOPPED", flush=True)
+
+
 def lead_and_release(folder: str, out: str) -> None:
     """Rank 0 as the trainer actor holds it orders its follower to give its cached memory back, then gathers the
     weights: the follower must have come out of the first order in step to join the second."""
@@ -368,6 +383,8 @@ def share_buckets(out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "lose-a-follower":
         lead_and_lose_a_follower(sys.argv[2])
+    elif sys.argv[1] == "lose-a-starting-follower":
+        lead_a_follower_that_dies_starting(sys.argv[2])
     elif sys.argv[1] == "relay-a-batch":
         relay_a_batch(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "lead-and-release":

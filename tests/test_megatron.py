@@ -1273,3 +1273,21 @@ def test_a_dead_tensor_parallel_rank_stops_the_leader_with_a_clear_error(hf_mode
     assert [(line["event"], line["rank"], line["exit_code"]) for line in logged if line.get("level") == "error"] == [
         ("a trainer rank exited", 1, -9), ("a trainer rank died during a call that waits on it; stopping the trainer",
                                            1, -9)]
+
+
+def test_a_rank_that_dies_before_joining_stops_the_leader_within_seconds(hf_models):
+    """A rank that exits as it starts (out of memory building its model, say, or on a host without the model)
+    leaves rank 0 waiting for it in the group's forming; the leader's watch runs from the first start, so the
+    trainer's process ends some seconds later naming the rank, not after the group's 30-minute timeout."""
+    import subprocess
+    import sys
+    import time
+
+    _, _, folder = hf_models["qwen3"]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_tp_worker.py")),
+                           "lose-a-starting-follower", str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "NOT STOPPED" not in done.stdout, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "trainer rank 1 exited with code 3" in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - started < 120
+

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import trio
 
 from vime.messages.gpu_turns import (
+    BUILD_TURN_ASK_S,
     BUILD_TURN_KEPT_S,
     BUILD_TURN_RETRY_S,
     ENGINE_BUILD_S,
@@ -205,7 +206,7 @@ async def wait_for_build_turn(actor: Actor) -> None:
     """Build the engine only once the trainer lets us (MayBuildEngine); with no trainer, nothing trains."""
     ask = MayBuildEngine(host=os.uname().nodename, gpus=visible_gpus())
     with contextlib.suppress(PeerGone, LookupError):
-        while not (await actor.ask("trainer", ask, timeout=60.0)).granted:
+        while not (await actor.ask("trainer", ask, timeout=BUILD_TURN_ASK_S)).granted:
             await trio.sleep(BUILD_TURN_RETRY_S)
     actor.log.info("building the engine")
 

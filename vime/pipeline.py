@@ -17,6 +17,7 @@ from the checkpoint's state; the rollout workers get its weights.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import os
 import re
@@ -80,6 +81,9 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
             if asked and transport == "ipc":
                 raise ValueError(f"{flag}: nodes on other hosts reach this job over tcp; pass --transport tcp "
                                  "(or tls+tcp) and --host, this machine's address they reach")
+            if asked and not _reachable_address(host):
+                raise ValueError(f"{flag} with --host {host}: the nodes, and the trainer's ranks there, are told "
+                                 "this address to reach this machine at; pass its IPv4 address that they reach")
         placed, row = preflight(config, model_flags=model_flags)
         await check_reward(config, row)
         make_run_folder(run_dir)
@@ -381,6 +385,16 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
         counters = {name: (await job.ask(name, StatusQuery(), timeout=10)).counters for name in ("buffer", "router")}
         counters["driver"] = {"refused_joins": job.driver.errors["unauthorized"] if job.driver else 0}
     return rows, arrived, counters, ready_s
+
+
+def _reachable_address(host: str) -> bool:
+    """Whether ``host`` can be given to other hosts as this machine's: an IPv4 address, not one that means any
+    address (0.0.0.0: each would reach itself). The trainer's ranks find their network interface over IPv4."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return True  # a host name: resolved where it is used
+    return address.version == 4 and not address.is_unspecified
 
 
 async def _wait_for_nodes(job: Cluster, count: int, timeout_s: float, flag: str,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -106,8 +107,9 @@ def plan_ranks(ranks: int, per_node: int, store_host: str, nodes: Sequence[NodeF
 
 def rank_command(spec: str) -> list[str]:
     """The process of a trainer rank after 0, on the head and on a node alike: this Python, the rank's module, its
-    spec (JSON: the run's config, its seed, its rank and where the store is)."""
-    return [sys.executable, "-m", RANK_MODULE, spec]
+    spec (JSON: the run's config, its seed, its rank and where the store is) and the pid of the process that
+    starts it (this one: rank 0's, or a node agent's), which the rank ends with."""
+    return [sys.executable, "-m", RANK_MODULE, spec, str(os.getpid())]
 
 
 class Follower(Protocol):

@@ -112,22 +112,26 @@ class LeadingEngine(TrainEngine):
         structlog.get_logger().info("trainer ranks meet", store=f"{self.plan.store_host}:{store.port}",
                                     ranks=[slot.describe() for slot in self.plan.slots])
         self.followers: list[Follower] = []
+        self._lock = threading.Lock()  # held for the length of each call, and of the build
+        self._polling = threading.Lock()  # Popen.poll in two threads at once can miss an exit
+        self._closing = False
+        # watched from the first start: the group's forming and the engine's build wait on every rank as a call
+        # does, and a rank that dies meanwhile (out of memory, a model folder missing on its host) stops them
+        threading.Thread(target=self._watch, name="vime-trainer-ranks", daemon=True).start()
         try:
-            for slot in self.plan.slots:
-                spec = {"config": run.to_dict(), "seed": seed, "rank": slot.rank, "local_rank": slot.local_rank,
-                        "world_size": size, "store": [self.plan.store_host, store.port]}
-                self.followers.append(launch(slot, json.dumps(spec)))
-            _join(store, 0, size)
-            self.engine = _engine(run, seed)
-            self._orders = Orders(store)
+            with self._lock:
+                for slot in self.plan.slots:
+                    spec = {"config": run.to_dict(), "seed": seed, "rank": slot.rank, "local_rank": slot.local_rank,
+                            "world_size": size, "store": [self.plan.store_host, store.port]}
+                    self.followers.append(launch(slot, json.dumps(spec)))
+                _join(store, 0, size)
+                self.engine = _engine(run, seed)
+                self._orders = Orders(store)
         except BaseException:
+            self._closing = True
             for follower in self.followers:  # else they wait in the group for its timeout
                 follower.kill()
             raise
-        self._lock = threading.Lock()  # held for the length of each call
-        self._polling = threading.Lock()  # Popen.poll in two threads at once can miss an exit
-        self._closing = False
-        threading.Thread(target=self._watch, name="vime-trainer-ranks", daemon=True).start()
 
     @property
     def device(self) -> str:  # type: ignore[override]
@@ -277,12 +281,11 @@ def _join(store: dist.TCPStore, rank: int, size: int) -> None:
     take the address the host name resolves to, which other hosts may not reach. A user's own
     ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` stays."""
     interface = interface_towards(os.environ["MASTER_ADDR"])
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # on GPUs too: megatron-core makes gloo groups beside
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         if interface != "lo":  # NCCL on one host needs no socket: leave its own choice
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-    else:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
                             world_size=size, timeout=GROUP_TIMEOUT)
 
@@ -303,10 +306,11 @@ def interface_towards(address: str) -> str:
                        "other hosts reach")
 
 
-def follow(spec: dict[str, Any]) -> None:
+def follow(spec: dict[str, Any], parent: int) -> None:
     """A follower rank, on rank 0's host or another (its spec says which rank, and where the store is): join
-    the group, build the engine, then carry out rank 0's orders until it says stop."""
-    _exit_with_parent()
+    the group, build the engine, then carry out rank 0's orders until it says stop. ``parent``: the pid of the
+    process that started it, which it ends with."""
+    _exit_with_parent(parent)
     rank, size = spec["rank"], spec["world_size"]
     host, port = spec["store"]
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
@@ -401,13 +405,13 @@ def _receive_batch(device: str) -> TensorBatch:
     return TensorBatch(**fields)
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(parent: int) -> None:
     """In a follower, first thing: end it when its parent ends, however that ends: rank 0's process on its host,
     a node agent on another (a follower left waiting in a collective would otherwise wait for the process
     group's timeout). Polled, not the kernel's parent-death signal: that fires when the *thread* that started
-    the process ends, and a node agent (trio) starts processes from worker threads that come and go."""
-    parent = os.getppid()
-
+    the process ends, and a node agent (trio) starts processes from worker threads that come and go. The parent
+    is the pid its starter gave, not ``os.getppid()`` read now: a parent killed while this module's imports
+    took their seconds has already left this process to another."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
@@ -417,4 +421,4 @@ def _exit_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    follow(json.loads(sys.argv[1]))
+    follow(json.loads(sys.argv[1]), int(sys.argv[2]))

@@ -42,6 +42,9 @@ class EnginesStarted:
 
 ENGINE_BUILD_S = 1800.0  # the longest anyone waits for one rollout worker to build its engine
 BUILD_TURN_RETRY_S = 0.5  # a refused worker asks for its turn again this often
+# how long a worker waits for the answer: the trainer answers once its own engine is built, which takes
+# minutes for a large checkpoint or ranks on other hosts (it fails at once if the trainer dies: PeerGone)
+BUILD_TURN_ASK_S = 1800.0
 BUILD_TURN_KEPT_S = 30.0  # a refused worker's place is kept this long after it last asked
 
 
