@@ -281,5 +281,5 @@ def test_a_real_two_node_slurm_puts_the_rollout_worker_on_the_node_agent_srun_st
     assert state == "COMPLETED 0:0" and "vime: the driver exited with status 0" in log, f"{state}\n{log}"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     assert "driver on n1 (127.0.0.1:" in log
-    started = [json.loads(line) for line in log.splitlines() if '"started an actor"' in line]  # the agent's log
+    started = [json.loads(line) for line in log.splitlines() if '"started a process"' in line]  # the agent's log
     assert [(entry["actor"], entry["peer"]) for entry in started] == [("node-n2", "rollout-0")], log
