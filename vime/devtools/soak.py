@@ -90,6 +90,13 @@ class Plan:
         self.next_step = step + self._gap()
         return kind
 
+    def again(self, kind: str, step: int) -> None:
+        """``kind``, due at ``step``, had no live actor to kill (a resumed launch not started yet, its
+        actors.json still the killed launch's): in order, it is due again at once rather than dropped."""
+        if self.order:
+            self._done -= 1
+            self.next_step = step
+
 
 def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic", stall_s: float = 300.0,
          say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -164,7 +171,9 @@ class _Watch:
                                  f"see {self.run_dir}/logs/")
             if ending is None and checkpoint.latest(self.run_dir) is not None and (kind := self.plan.due(step)):
                 kill = self._kill(kind, step)
-                if kill is not None and kind != "rollout":
+                if kill is None:
+                    self.plan.again(kind, step)
+                elif kind != "rollout":
                     ending = kill  # the launch ends: no more kills until the run is resumed
             time.sleep(0.2)
         return ending
@@ -180,7 +189,7 @@ class _Watch:
         else:
             alive = [row for row in _actors(self.run_dir) if row["role"] == kind and _alive(row["pid"])]
             if not alive:
-                return None  # not started yet: the next due kill takes another
+                return None  # not started yet: due again (Plan.again)
             chosen = random.Random(step).choice(alive)
             name, pid = chosen["name"], chosen["pid"]
         os.kill(pid, signal.SIGKILL)
