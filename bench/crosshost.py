@@ -243,14 +243,19 @@ def main() -> int:
         print(f"{path:<6} {row['median_s']:>9.3f} {row['gb_per_s']:>7.2f} "
               f"{row['median_s'] / rows['raw']['median_s']:>7.2f}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-        document = {"date": datetime.date.today().isoformat(), "commit": commit,
-                    "command": " ".join(["python", "bench/crosshost.py", *sys.argv[1:]]),
-                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "total_mb": args.total_mb,
-                    "chunk_mb": args.chunk_mb, "bucket_mb": args.bucket_mb, "rows": rows}
+        document = {**provenance("bench/crosshost.py"), "total_mb": args.total_mb, "chunk_mb": args.chunk_mb,
+                    "bucket_mb": args.bucket_mb, "rows": rows}
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
+
+
+def provenance(script: str) -> dict[str, str]:
+    """Where a JSON record of these benches comes from: the date, the commit, the command and the machine."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    return {"date": datetime.date.today().isoformat(), "commit": commit,
+            "command": " ".join(["python", script, *sys.argv[1:]]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
 
 
 if __name__ == "__main__":

@@ -22,10 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 import trio
-from crosshost import REPO, TENSOR_MB, agents_on_b_and_c
+from crosshost import TENSOR_MB, agents_on_b_and_c, provenance
 
 from vime.devtools.netns import Hosts, make_hosts
 from vime.runtime import Actor, handles
@@ -235,15 +232,11 @@ def main() -> int:
         print(f"{row['path']:<10} {row['lr']:>7g} {row['unchanged']:>10.4f} {row['wire_mb']:>9.1f} "
               f"{row['median_s']:>9.3f} {row['median_s'] / full['median_s']:>7.2f} {str(row['bit_identical']):>6}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-        document = {"date": datetime.date.today().isoformat(), "commit": commit,
-                    "command": " ".join(["python", "bench/crosshost_delta.py", *sys.argv[1:]]),
-                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "total_mb": args.total_mb,
-                    "chunk_mb": args.chunk_mb, "rate_mbit": args.rate_mbit, "rows": rows}
+        document = {**provenance("bench/crosshost_delta.py"), "total_mb": args.total_mb, "chunk_mb": args.chunk_mb,
+                    "rate_mbit": args.rate_mbit, "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         existing = json.loads(args.json.read_text()) if args.json.exists() else {}
-        existing[f"{link}, {commit}"] = document
+        existing[f"{link}, {document['commit']}"] = document
         args.json.write_text(json.dumps(existing, indent=2) + "\n")
     return 0
 
