@@ -148,10 +148,15 @@ class _Rejoin:
     def __init__(self, states: Sequence[dict[str, Any]], folder: Path) -> None:
         self.states, self.folder = states, folder
         self.slots = [_slots(state, folder) for state in states]
+        self.holding: dict[tuple[int, str], list[int]] = {}  # the saved states holding a part of each tensor
+        for at, state in enumerate(states):
+            for role, records in enumerate(state["shards"]):
+                for name in records:
+                    self.holding.setdefault((role, name), []).append(at)
 
     def optimizer_state(self, role: int, name: str) -> dict[str, Any] | None:
         """AdamW's state of parameter ``name`` as a saved rank holding it kept it (None: it had no gradient)."""
-        at = self._holding(role, name)[0]
+        at = self.holding[role, name][0]
         return self.states[at]["optimizer"]["state"].get(self.slots[at][role, name])
 
     def __call__(self, role: int, name: str, live: torch.Tensor,
@@ -159,7 +164,7 @@ class _Rejoin:
         """This rank's part of tensor ``name`` of model ``role`` (``live``: as this rank holds it), from the part
         that ``read`` finds in each saved rank's state (given its state and the parameter's place in that
         state's optimizer); a new tensor, not a view of a memory-mapped file."""
-        holding = self._holding(role, name)
+        holding = self.holding[role, name]
         _, split = self.states[holding[0]]["shards"][role][name]
         if split is None:
             return _shard(name, self._read(holding[0], role, name, read).clone(), live)
@@ -171,10 +176,6 @@ class _Rejoin:
                              f"{ranks} of {name}: the checkpoint is incomplete; resume from an earlier one")
         pieces = [self._read(holders[rank], role, name, read) for rank in range(ranks)]
         return _shard(name, _joined(pieces, dim, parts), live)
-
-    def _holding(self, role: int, name: str) -> list[int]:
-        """The saved states holding a part of ``name`` (:func:`check_models` has made sure there is one)."""
-        return [at for at, state in enumerate(self.states) if name in state["shards"][role]]
 
     def _read(self, at: int, role: int, name: str,
               read: Callable[[dict[str, Any], int | None], torch.Tensor]) -> torch.Tensor:
