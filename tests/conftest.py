@@ -174,6 +174,15 @@ def leaked_processes(mark: str, linger_s: float = 0.0) -> list[tuple[int, str]]:
         time.sleep(0.2)
 
 
+def _ends_with_this_process(parent: int, command: str) -> bool:
+    """Whether a process is a helper that a library started for this very process and that ends when it does,
+    hence no leak of a test's: multiprocessing's resource tracker (our child), or one of torch.compile's pool of
+    compile workers (a GPU test's compiled log-probs start 16), which watch the process their --parent names."""
+    if "multiprocessing.resource_tracker" in command:
+        return parent == os.getpid()
+    return "torch/_inductor/compile_worker" in command and f"--parent={os.getpid()} " in f"{command} "
+
+
 def marked_processes(mark: str) -> list[tuple[int, str]]:
     """Live processes (not zombies) but this one carrying ``VIME_TEST_SESSION=mark``; each with its command."""
     needle = f"{SESSION_MARK}={mark}".encode()
@@ -189,8 +198,8 @@ def marked_processes(mark: str) -> list[tuple[int, str]]:
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if int(parent) == os.getpid() and "multiprocessing.resource_tracker" in command:
-            continue  # multiprocessing's helper of this very process: it ends when this process does
+        if _ends_with_this_process(int(parent), command):
+            continue
         if needle in environ.split(b"\0") and state != "Z":
             found.append((int(entry.name), command))
     return found

@@ -212,3 +212,34 @@ def _wait_gone_sync(left: Callable[[], list[Any]]) -> list[Any]:
 async def _wait_gone(left: Callable[[], list[Any]], message: str) -> None:
     found = await trio.to_thread.run_sync(_wait_gone_sync, left)
     assert not found, f"{message}: {found}"
+
+
+def test_the_leak_check_leaves_out_compile_workers_serving_this_process_only():
+    """torch.compile's worker pool (GPU tests compile the log-probs) watches the process named by its --parent
+    flag and ends with it: the end-of-session check must not call it a leak, which made a passing GPU run
+    exit 1. A worker serving another process is still one."""
+    mark = uuid.uuid4().hex
+    environment = {**os.environ, SESSION_MARK: mark}
+    worker = "torch/_inductor/compile_worker/__main__.py"
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", worker, f"--parent={os.getpid()}"],
+                            env=environment)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", worker, f"--parent={ours.pid}"],
+                             env=environment)
+    try:
+        deadline = time.monotonic() + 10
+        while not all(_started(process, worker) for process in (ours, other)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid, _ in marked_processes(mark)] == [other.pid]
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()
+
+
+
+def _started(process: subprocess.Popen, argument: str) -> bool:
+    """Whether ``process`` runs its own command yet (its command line holds ``argument``), not its parent's fork."""
+    try:
+        return argument in Path(f"/proc/{process.pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
