@@ -57,6 +57,9 @@ DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch'
 FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
 MAX_DIMS = 4
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # ranks load a whole checkpoint between collectives
+# How long a follower tries to reach rank 0's store, which is up before any follower starts: past this, the
+# address is one its host cannot reach, and saying so beats 30 minutes of silence.
+STORE_REACH = datetime.timedelta(seconds=60)
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
 EXIT_NEWS_S = 8.0  # how long a failed call waits for news of a rank's exit, to name it (a lost node: heartbeats)
@@ -270,8 +273,19 @@ def _store(host: str, port: int, size: int, *, leader: bool) -> dist.TCPStore:
     """The group's meeting point, at ``host`` (an address every rank reaches: loopback on one host). Rank 0
     binds a port the kernel picks (``port`` 0) and holds it until the group has formed (a port found free,
     released and bound again later could be taken in between); the other ranks connect to the port it got,
-    which their spec names."""
-    return dist.TCPStore(host, port, size, is_master=leader, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+    which their spec names, and fail within ``STORE_REACH`` saying what to check when it cannot be reached."""
+    if leader:
+        return dist.TCPStore(host, port, size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=STORE_REACH)
+    except RuntimeError as err:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
+        raise RuntimeError(
+            f"this trainer rank could not reach rank 0's store at {host}:{port} within "
+            f"{STORE_REACH.total_seconds():.0f} s ({err}). Rank 0 listens on the run's --host: give it an address "
+            "this host reaches (not a loopback or a private address of the head's own network), and let TCP "
+            "through from the trainer's nodes to the head on any port") from err
+    store.set_timeout(GROUP_TIMEOUT)
+    return store
 
 
 def _join(store: dist.TCPStore, rank: int, size: int) -> None:
