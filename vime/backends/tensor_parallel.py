@@ -63,6 +63,7 @@ STORE_REACH = datetime.timedelta(seconds=60)
 IDLE = datetime.timedelta(days=7)  # how long a follower waits for its next order: a rollout may take hours
 STUCK_S = 10.0  # a call still running this long after a follower died is waiting on that follower for good
 EXIT_NEWS_S = 8.0  # how long a failed call waits for news of a rank's exit, to name it (a lost node: heartbeats)
+LOCAL_EXIT_NEWS_S = 1.0  # the same when every rank is a child of this process: their exits are seen at once
 PARENT_POLL_S = 0.5  # how often a follower checks that its parent still runs
 
 
@@ -229,13 +230,15 @@ class LeadingEngine(TrainEngine):
         """Hold the engine, order call ``name`` to every rank, and make it here (the body). A call that fails
         once a rank has died (gloo fails a collective whose peer closed its connection) fails naming the rank
         and its host: the collective's own error names only an address. The news of a rank on a node comes
-        from its agent, a moment after its connections close: it is waited for up to ``EXIT_NEWS_S``."""
+        from its agent, a moment after its connections close: it is waited for up to ``EXIT_NEWS_S``; with every
+        rank on this host, up to ``LOCAL_EXIT_NEWS_S`` (a call failing for a reason of its own is not held 8 s)."""
         with self._lock:
             self._order(name, argument)
             try:
                 yield
             except Exception as err:
-                dead = self._dead_within(EXIT_NEWS_S)
+                remote = any(slot.node for slot in self.plan.slots)
+                dead = self._dead_within(EXIT_NEWS_S if remote else LOCAL_EXIT_NEWS_S)
                 if not dead:
                     raise
                 raise _lost(*dead[0], f"during {name}") from err
