@@ -20,6 +20,7 @@ import trio
 
 from conftest import open_job
 from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
+from vime.messages.runtime import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.pipeline import Refused, RunFailed, train
 from vime.scenarios import arithmetic
@@ -197,17 +198,21 @@ async def test_a_node_with_a_wrong_token_is_refused_on_both_sides(tmp_path, toke
             await job.spawn(ECHO, "echo-x", node="intruder")
 
 
-async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
-                                          tmp_path: Path, env: dict[str, str] | None = None) -> None:
-    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
-    host as its user would (``env``: more of its environment)."""
+async def _join_file(run_dir: Path) -> tuple[str, str]:
+    """The driver's address and the job's token, from RUN_DIR/join once the driver writes it."""
     join = run_dir / "join"
     with trio.fail_after(JOIN_S):
         while not join.exists():
             await trio.sleep(0.1)
     text = join.read_text()
-    token = re.search(r"VIME_TOKEN=(\S+)", text).group(1)
-    address = re.search(r"vime-node --join (\S+)", text).group(1)
+    return re.search(r"vime-node --join (\S+)", text).group(1), re.search(r"VIME_TOKEN=(\S+)", text).group(1)
+
+
+async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
+                                          tmp_path: Path, env: dict[str, str] | None = None) -> None:
+    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
+    host as its user would (``env``: more of its environment)."""
+    address, token = await _join_file(run_dir)
     for host in names:
         agents.append(await _start_node(_node_command(hosts, host, address, tmp_path / host), token,
                                         tmp_path / f"node-{host}.out", env=env))
@@ -215,8 +220,8 @@ async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str]
 
 async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_lost(tmp_path):
     """--rollout-nodes 2: the run waits for two node agents, starts a rollout worker on each, and trains; node c
-    killed at step 3 takes its worker with it (stranded: not restarted), the router re-issues that worker's
-    groups to the other, and every step is still trained, no group lost or trained twice."""
+    killed at step 3 takes its worker with it (stranded: not restarted while c is away), the router re-issues
+    that worker's groups to the other, and every step is still trained, no group lost or trained twice."""
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
         steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
@@ -241,6 +246,68 @@ async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_l
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
     assert addresses["rollout-0"].startswith(f"tcp://{hosts.ips['b']}:")
     assert addresses["rollout-1"].startswith(f"tcp://{hosts.ips['c']}:")
+
+
+async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_again(tmp_path):
+    """--rollout-nodes 2, node c's agent and worker killed after step 2 (its host going down): once it is counted
+    lost, an agent started there again with the same name but a wrong token is refused, then one with the job's
+    token joins, and the driver restarts the stranded worker there, which finishes groups the router sends it
+    before the run ends, with no group lost or trained twice. Until the worker is back, rollout-0 is frozen
+    (SIGSTOP; spawned actors are watched through their node, not by heartbeats), so that training, held to the
+    batches ready, cannot end first."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
+        max_staleness=1, rollout_capacity=2))
+    seen: dict[str, object] = {}
+
+    async def router_counters(job) -> dict[str, int]:
+        return (await job.ask("router", StatusQuery(), timeout=10)).counters
+
+    with _hosts("b", "c") as hosts:
+        async with _agents() as agents:
+            async def take_node_c_down_and_back(job, row: dict) -> None:
+                if row["step"] == 8:  # the router still runs: what it sent the new rollout-1, what that holds
+                    seen["at_end"] = await router_counters(job)
+                if row["step"] != 2:
+                    return
+                address, token = await _join_file(run_dir)
+                job.kill("rollout-0", signal.SIGSTOP)
+                agents[1].kill()
+                await job.wait_event("node lost", "node-c", timeout=15)
+                seen["stranded"] = (await job.wait_event("stranded", "rollout-1", timeout=5)).detail
+                seen["sent_before"] = (await router_counters(job)).get("dispatched_to:rollout-1", 0)
+
+                command = _node_command(hosts, "c", address, tmp_path / "c")
+                intruder = await _start_node(command, "not-the-token", tmp_path / "node-c-wrong-token.out")
+                agents.append(intruder)
+                with trio.fail_after(JOIN_S):
+                    assert await intruder.wait() == 2
+                seen["refused"] = "node-c" not in job.nodes and job.driver.errors["unauthorized"] >= 1
+
+                agents.append(await _start_node(command, token, tmp_path / "node-c-again.out"))
+                await job.wait_event("restarted", "rollout-1", timeout=JOIN_S)
+                seen["address"] = job.actors["rollout-1"].address
+                with trio.fail_after(JOIN_S):  # until the router has it as a worker again
+                    while "assigned:rollout-1" not in await router_counters(job):
+                        await trio.sleep(0.2)
+                job.kill("rollout-0", signal.SIGCONT)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b", "c"], agents, tmp_path)
+                summary = await train(config, run_dir, transport="tcp", host=hosts.head_ip,
+                                      on_step=take_node_c_down_and_back, timeout_s=300)
+    assert "restarted there when it joins again" in seen["stranded"]
+    assert seen["refused"]
+    assert "token" in (tmp_path / "node-c-wrong-token.out").read_text()
+    assert seen["address"].startswith(f"tcp://{hosts.ips['c']}:")
+    at_end = seen["at_end"]
+    finished_after_rejoin = at_end["dispatched_to:rollout-1"] - seen["sent_before"] - at_end["assigned:rollout-1"]
+    assert finished_after_rejoin > 0, at_end
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, 9))
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
+    ready = [e["worker"] for e in _events(run_dir / "logs" / "router.log", "rollout worker ready")]
+    assert sorted(ready) == ["rollout-0", "rollout-1", "rollout-1"]
 
 
 def _events(log: Path, event: str) -> list[dict]:
