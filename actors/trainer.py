@@ -163,7 +163,6 @@ class Trainer(Actor):
         A path its placement does not allow is refused here, and the worker stops with the reason."""
         self.gpu.built(envelope.sender)
         path = self.weights.choose(self.gpus, msg.gpus)
-        self.log.info("weight path", worker=envelope.sender, path=path.name, gpus=msg.gpus)
         self.start_soon(self._bring_in, envelope.sender, path, msg.gpus, msg.weight_version)
         return WeightsComing(version=self.version_out)
 
@@ -173,9 +172,11 @@ class Trainer(Actor):
         (and, when its engine shares our GPU, a SleepEngine before every step)."""
         self._forget(worker)
         try:
-            path = await self.weights.attach(worker, path, gpus)
+            served = await self.weights.attach(worker, path, gpus)
+            self.log.info("weight path", worker=worker, path=served.name, gpus=gpus,
+                          **({} if served is path else {"instead_of": path.name}))
             async with self.weights_lock:
-                self.weights.serve(worker, path)
+                self.weights.serve(worker, served)
                 if version < self.version_out:
                     await self.weights.publish([worker])
                     if not self.weights.serves(worker):  # gone meanwhile
@@ -225,7 +226,7 @@ class Trainer(Actor):
                 if drained is not None:  # what training cached goes back to the engines about to wake
                     await trio.to_thread.run_sync(self.engine.release_memory)
                 trained = time.perf_counter()
-                await self._publish()
+                weight_paths = await self._publish()
             synced = time.perf_counter()
             await self._write_checkpoints(step)
             train_s = trained - train_started
@@ -235,7 +236,7 @@ class Trainer(Actor):
             tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
                       / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
-                           trainer_memory_mib(self.gpus), batch.stats, metrics)
+                           trainer_memory_mib(self.gpus), batch.stats, metrics, weight_paths)
             if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
                 await self._export(self.run_dir / "checkpoint")
             await self.rows.add(row)
@@ -259,9 +260,11 @@ class Trainer(Actor):
         await trio.to_thread.run_sync(checkpoint.export_hf, folder, self.engine, self.tokenizer)
         self.log.info("model exported", path=str(folder), weight_version=self.engine.weight_version)
 
-    async def _publish(self) -> None:
-        """Weights of the new version to every worker, then the news to the buffer."""
+    async def _publish(self) -> dict[str, str]:
+        """Weights of the new version to every worker, then the news to the buffer; the path that took them to
+        each worker still served (a worker whose path failed got them over nng)."""
         await self.weights.publish(sorted(self.workers))  # none: nothing gathered, nothing converted
         self.version_out = self.engine.weight_version
         await self.tell("buffer", WeightsPublished(version=self.version_out))
+        return {worker: self.weights.paths[worker].name for worker in sorted(self.workers)}
 

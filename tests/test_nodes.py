@@ -20,6 +20,7 @@ import trio
 
 from conftest import open_job
 from vime.devtools.netns import Hosts, NoNamespaces, make_hosts
+from vime.messages.runtime import StatusQuery
 from vime.metrics import MetricsFollower
 from vime.pipeline import Refused, RunFailed, train
 from vime.scenarios import arithmetic
@@ -39,9 +40,11 @@ def _hosts(*names: str) -> Iterator[Hosts]:
         pytest.skip(str(err))
 
 
-async def _start_node(command: list[str], token: str, log: Path, *, token_flag: bool = False) -> trio.Process:
-    """A node agent as a user starts one: the token in the environment, or (``token_flag``) as ``--token``."""
-    env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
+async def _start_node(command: list[str], token: str, log: Path, *, token_flag: bool = False,
+                      env: dict[str, str] | None = None) -> trio.Process:
+    """A node agent as a user starts one: the token in the environment, or (``token_flag``) as ``--token``;
+    ``env``: more of its environment (its actors inherit it)."""
+    env = {k: v for k, v in os.environ.items() if k != "VIME_TOKEN"} | {"PYTHONUNBUFFERED": "1"} | (env or {})
     if token_flag:
         command = [*command, "--token", token]
     else:
@@ -195,26 +198,30 @@ async def test_a_node_with_a_wrong_token_is_refused_on_both_sides(tmp_path, toke
             await job.spawn(ECHO, "echo-x", node="intruder")
 
 
-async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
-                                          tmp_path: Path) -> None:
-    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
-    host as its user would."""
+async def _join_file(run_dir: Path) -> tuple[str, str]:
+    """The driver's address and the job's token, from RUN_DIR/join once the driver writes it."""
     join = run_dir / "join"
     with trio.fail_after(JOIN_S):
         while not join.exists():
             await trio.sleep(0.1)
     text = join.read_text()
-    token = re.search(r"VIME_TOKEN=(\S+)", text).group(1)
-    address = re.search(r"vime-node --join (\S+)", text).group(1)
+    return re.search(r"vime-node --join (\S+)", text).group(1), re.search(r"VIME_TOKEN=(\S+)", text).group(1)
+
+
+async def _start_nodes_when_the_job_is_up(hosts, run_dir: Path, names: list[str], agents: list[trio.Process],
+                                          tmp_path: Path, env: dict[str, str] | None = None) -> None:
+    """Read the address and token from RUN_DIR/join once the driver writes it, and start a node agent on each
+    host as its user would (``env``: more of its environment)."""
+    address, token = await _join_file(run_dir)
     for host in names:
         agents.append(await _start_node(_node_command(hosts, host, address, tmp_path / host), token,
-                                        tmp_path / f"node-{host}.out"))
+                                        tmp_path / f"node-{host}.out", env=env))
 
 
 async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_lost(tmp_path):
     """--rollout-nodes 2: the run waits for two node agents, starts a rollout worker on each, and trains; node c
-    killed at step 3 takes its worker with it (stranded: not restarted), the router re-issues that worker's
-    groups to the other, and every step is still trained, no group lost or trained twice."""
+    killed at step 3 takes its worker with it (stranded: not restarted while c is away), the router re-issues
+    that worker's groups to the other, and every step is still trained, no group lost or trained twice."""
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
         steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
@@ -239,6 +246,125 @@ async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_l
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
     assert addresses["rollout-0"].startswith(f"tcp://{hosts.ips['b']}:")
     assert addresses["rollout-1"].startswith(f"tcp://{hosts.ips['c']}:")
+
+
+async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_again(tmp_path):
+    """--rollout-nodes 2, node c's agent and worker killed after step 2 (its host going down): once it is counted
+    lost, an agent started there again with the same name but a wrong token is refused, then one with the job's
+    token joins, and the driver restarts the stranded worker there, which finishes groups the router sends it
+    before the run ends, with no group lost or trained twice. Until the worker is back, rollout-0 is frozen
+    (SIGSTOP; spawned actors are watched through their node, not by heartbeats), so that training, held to the
+    batches ready, cannot end first."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
+        max_staleness=1, rollout_capacity=2))
+    seen: dict[str, object] = {}
+
+    async def router_counters(job) -> dict[str, int]:
+        return (await job.ask("router", StatusQuery(), timeout=10)).counters
+
+    with _hosts("b", "c") as hosts:
+        async with _agents() as agents:
+            async def take_node_c_down_and_back(job, row: dict) -> None:
+                if row["step"] == 8:  # the router still runs: what it sent the new rollout-1, what that holds
+                    seen["at_end"] = await router_counters(job)
+                if row["step"] != 2:
+                    return
+                address, token = await _join_file(run_dir)
+                job.kill("rollout-0", signal.SIGSTOP)
+                agents[1].kill()
+                await job.wait_event("node lost", "node-c", timeout=15)
+                seen["stranded"] = (await job.wait_event("stranded", "rollout-1", timeout=5)).detail
+                seen["sent_before"] = (await router_counters(job)).get("dispatched_to:rollout-1", 0)
+
+                command = _node_command(hosts, "c", address, tmp_path / "c")
+                intruder = await _start_node(command, "not-the-token", tmp_path / "node-c-wrong-token.out")
+                agents.append(intruder)
+                with trio.fail_after(JOIN_S):
+                    assert await intruder.wait() == 2
+                seen["refused"] = "node-c" not in job.nodes and job.driver.errors["unauthorized"] >= 1
+
+                agents.append(await _start_node(command, token, tmp_path / "node-c-again.out"))
+                await job.wait_event("restarted", "rollout-1", timeout=JOIN_S)
+                seen["address"] = job.actors["rollout-1"].address
+                with trio.fail_after(JOIN_S):  # until the router has it as a worker again
+                    while "assigned:rollout-1" not in await router_counters(job):
+                        await trio.sleep(0.2)
+                job.kill("rollout-0", signal.SIGCONT)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b", "c"], agents, tmp_path)
+                summary = await train(config, run_dir, transport="tcp", host=hosts.head_ip,
+                                      on_step=take_node_c_down_and_back, timeout_s=300)
+    assert "restarted there when it joins again" in seen["stranded"]
+    assert seen["refused"]
+    assert "token" in (tmp_path / "node-c-wrong-token.out").read_text()
+    assert seen["address"].startswith(f"tcp://{hosts.ips['c']}:")
+    at_end = seen["at_end"]
+    finished_after_rejoin = at_end["dispatched_to:rollout-1"] - seen["sent_before"] - at_end["assigned:rollout-1"]
+    assert finished_after_rejoin > 0, at_end
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, 9))
+    assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
+    ready = [e["worker"] for e in _events(run_dir / "logs" / "router.log", "rollout worker ready")]
+    assert sorted(ready) == ["rollout-0", "rollout-1", "rollout-1"]
+
+
+def _events(log: Path, event: str) -> list[dict]:
+    """The structured lines of an actor's log that are ``event`` (not a library's plain-text warnings)."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line["event"] == event]
+
+
+async def _broadcast_to_a_node(tmp_path: Path, node_env: dict[str, str] | None = None) -> tuple[list[dict], str]:
+    """Four synchronous steps (--max-staleness 0: each batch generated with the version before it) under
+    --weight-sync broadcast, the one rollout worker on node b (its agent started with ``node_env`` added to
+    its environment); the rows and the trainer's log."""
+    run_dir = tmp_path / "run"
+    config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
+        steps=4, rollout_workers=1, rollout_nodes=1, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
+        max_staleness=0, weight_sync="broadcast"))
+    addresses: dict[str, str] = {}
+
+    async def note_addresses(job, row: dict) -> None:
+        addresses.update({name: info.address for name, info in job.actors.items()})
+
+    with _hosts("b") as hosts:
+        async with _agents() as agents:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b"], agents, tmp_path,
+                                   node_env)
+                await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=note_addresses,
+                            timeout_s=120)
+    assert addresses["rollout-0"].startswith(f"tcp://{hosts.ips['b']}:")
+    rows = MetricsFollower(run_dir).new_rows()
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["staleness_max"] for row in rows] == [0.0] * 4  # generated with versions 0, 1, 2 and 3
+    assert max(row["train_rollout_logprob_abs_diff"] for row in rows) < 1e-4  # with the weights trained, exactly
+    return rows, (run_dir / "logs" / "trainer.log").read_text()
+
+
+async def test_a_rollout_worker_on_another_host_gets_every_version_over_a_gloo_broadcast(tmp_path):
+    """The group meets on the trainer's --host, and gloo listens there too (not on 127.0.0.1, where the host
+    name resolves): every version reaches the worker on node b by broadcast, none falls back to nng."""
+    rows, trainer_log = await _broadcast_to_a_node(tmp_path)
+    assert [row["weight_paths"] for row in rows] == [{"rollout-0": "broadcast"}] * 4
+    paths = [(e["worker"], e["path"], e.get("instead_of")) for e in _events(tmp_path / "run" / "logs" / "trainer.log",
+                                                                             "weight path")]
+    assert paths == [("rollout-0", "broadcast", None)]
+    assert "weight path failed" not in trainer_log and "no broadcast group" not in trainer_log
+
+
+async def test_a_broadcast_group_that_cannot_form_leaves_the_worker_on_nng(tmp_path):
+    """Node b told to run gloo on an interface it lacks (GLOO_SOCKET_IFNAME copied from another host): the
+    worker's side of the group fails as it forms, at the first broadcast; that version and every later one go
+    over nng, and the run ends."""
+    rows, trainer_log = await _broadcast_to_a_node(tmp_path, {"GLOO_SOCKET_IFNAME": "ens9f1"})
+    assert [row["weight_paths"] for row in rows] == [{"rollout-0": "nng"}] * 4
+    paths = [(e["worker"], e["path"], e.get("instead_of")) for e in _events(tmp_path / "run" / "logs" / "trainer.log",
+                                                                             "weight path")]
+    assert paths == [("rollout-0", "broadcast", None), ("rollout-0", "nng", "broadcast")]
+    assert trainer_log.count("weight path failed") == 1
 
 
 async def test_rollout_nodes_need_a_transport_other_hosts_reach(tmp_path):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -245,6 +247,14 @@ def unpack(flat: torch.Tensor, spec_list: list[Spec]) -> list[tuple[str, torch.T
     return views
 
 
+def address_towards(host: str) -> str:
+    """This host's address that packets to ``host`` leave from (a UDP socket connected there, which sends
+    nothing, shows the local address the kernel routes from): ``host`` itself when it is one of ours."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
 class BroadcastGroup:
     """A process group of its own between one sender (rank 0) and receivers (ranks 1..n-1).
 
@@ -263,6 +273,7 @@ class BroadcastGroup:
         self.store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
         self.address = f"tcp://{url.hostname}:{self.store.port}"
+        self.host = url.hostname
         self.rank, self.world_size = rank, world_size
         if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -277,8 +288,19 @@ class BroadcastGroup:
             if self.device.type == "cuda":
                 self._group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size)
             else:
-                self._group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
+                self._group = self._gloo()
         return self._group
+
+    def _gloo(self) -> dist.ProcessGroup:
+        """Gloo listening on this host's address towards the store (the sender's own, where the group meets).
+        By default gloo takes the address the host name resolves to, often 127.0.0.1, which a member on
+        another host cannot reach. A user's own ``GLOO_SOCKET_IFNAME`` stays."""
+        if os.environ.get("GLOO_SOCKET_IFNAME"):
+            return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.timeout)
+        options = dist.ProcessGroupGloo._Options()  # torch's only way to give a group its device (its tests' too)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(self.host))]
+        options._timeout = self.timeout
+        return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, options)
 
     def abort(self) -> None:
         """Tear the group down, so that a collective waiting on a dead member stops waiting (on NCCL, it

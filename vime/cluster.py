@@ -11,7 +11,8 @@ heartbeats stop for ``dead_after_s``. Either way the driver logs it, removes
 it from the directory it sends to everyone (asks waiting on it fail with
 PeerGone), records an event, and restarts it if it was spawned with
 ``restart=True`` and did not exit cleanly (exit status 0 is a deliberate
-leave, after SIGTERM say), or when :meth:`Cluster.restart` is called. An
+leave, after SIGTERM say), or when :meth:`Cluster.restart` is called; one whose
+node was lost is stranded, and restarted there when that node joins again. An
 actor that fails by itself (a non-zero exit, or a crash: SIGABRT, SIGSEGV,
 SIGBUS) within ``QUICK_DEATH_S`` of starting, ``GIVE_UP_AFTER`` times in a
 row, is not restarted again: its start-up is broken (a bad engine argument,
@@ -201,6 +202,7 @@ class Cluster:
         self._event_posted = trio.lowlevel.ParkingLot()
         self._spawned: dict[str, _Spawned] = {}
         self._gone: set[str] = set()  # spawned actors dead and not to be restarted
+        self._stranded: set[str] = set()  # of those, the ones to restart when their lost node joins again
         self._socket_dir = Path(tempfile.mkdtemp(prefix=f"vime-{os.getpid()}-ipc-", dir=segment_dir()))
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -373,8 +375,9 @@ class Cluster:
             return
         if entry.node is not None and entry.node not in self.nodes:
             self._gone.add(name)
-            self._post(ActorEvent("stranded", name, f"its node {entry.node} is not in the job; call "
-                                                     f"restart({name!r}) once it has joined again", time.time()))
+            self._stranded.add(name)
+            self._post(ActorEvent("stranded", name, f"its node {entry.node} is not in the job; restarted there "
+                                                     "when it joins again", time.time()))
             return
         if entry.quick_failures >= GIVE_UP_AFTER:
             log_path = self.run_dir / "logs" / f"{name}.log"
@@ -397,6 +400,7 @@ class Cluster:
         """Start a spawned actor again with its role and config (after it died, or killing it first)."""
         entry = self._spawned[name]
         self._gone.discard(name)
+        self._stranded.discard(name)
         if entry.process is not None and entry.process.returncode is None:
             old = entry.process
             entry.process = None
@@ -494,6 +498,18 @@ class Cluster:
         self._post(ActorEvent("node joined", name, f"{facts.gpus} GPUs, {facts.cpus} CPUs at {facts.address_host}",
                               time.time()))
         self._write_actors_json()
+        self._restart_stranded(name)
+
+    def _restart_stranded(self, node: str) -> None:
+        """A node that joins again (the same ``--name``: its host restarted, its link back) takes back the actors
+        its loss stranded, restarted there as a restart after a death is, so that the job uses the host again."""
+        stranded = sorted(name for name in self._stranded if self._spawned[name].node == node)
+        if stranded:
+            self.driver.log.info("restarting the actors stranded on a node that joined again", node=node,
+                                 actors=stranded)
+        for name in stranded:
+            self._stranded.discard(name)
+            self._nursery.start_soon(self._restart, name)
 
     def _node_lost(self, node: str, how: str) -> None:
         """A node's agent died or went silent: so did every actor it ran for us, as far as the job knows (each

@@ -103,11 +103,12 @@ class StepRows:
 
 def step_row(step: int, weight_version: int, samples: list[Sample], tensors: TensorBatch, times: dict[str, float],
              tflops: float, memory: dict[str, float], stats: dict[str, float],
-             metrics: dict[str, Any]) -> dict[str, Any]:
+             metrics: dict[str, Any], weight_paths: dict[str, str]) -> dict[str, Any]:
     """The row of step ``step`` (counted from 1: step N publishes weight version N and writes checkpoint step_N):
     what it trained on, its time split (``times``: the ``time_*`` seconds and
-    ``step_time_s``), ``train_tflops_per_gpu``, the trainer's memory, the batch's stats and the engine's
-    metrics."""
+    ``step_time_s``), ``train_tflops_per_gpu``, the trainer's memory, the batch's stats, the engine's
+    metrics, and the path that took the version to each rollout worker (``weight_paths``: which a worker on
+    another host got is otherwise only in the trainer's log)."""
     response_tokens = int(tensors.response_mask.sum())
     return {
         "step": step,
@@ -121,6 +122,7 @@ def step_row(step: int, weight_version: int, samples: list[Sample], tensors: Ten
         "train_tflops_per_gpu": tflops,
         **{key: times[key] for key in ("time_weight_sync_s", "time_checkpoint_s")},
         "group_ids": sorted({s.group_id for s in samples}),
+        "weight_paths": weight_paths,
         **memory,
         **stats,
         **metrics,

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.config import RunConfig
 from vime.trainer_ranks import HEAD, Follower, RankPlan, RankSlot, start_here
-from vime.transports.gpu import Spec, dtype_named, gpu_uuid
+from vime.transports.gpu import Spec, address_towards, dtype_named, gpu_uuid
 
 DTYPES = (torch.int64, torch.float32, torch.int16)  # the dtypes of TensorBatch's fields
 FIELDS = [field.name for field in dataclasses.fields(TensorBatch)]
@@ -308,13 +308,11 @@ def _join(store: dist.TCPStore, rank: int, size: int) -> None:
 
 
 def interface_towards(address: str) -> str:
-    """The name of this host's network interface that packets to ``address`` leave by (a UDP socket connected
-    there, which sends nothing, shows the local address the kernel routes from)."""
+    """The name of this host's network interface that packets to ``address`` leave by (the one holding
+    :func:`~vime.transports.gpu.address_towards` it)."""
     import psutil
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))
-        local = probe.getsockname()[0]
+    local = address_towards(address)
     for name, addresses in psutil.net_if_addrs().items():
         if any(entry.family == socket.AF_INET and entry.address == local for entry in addresses):
             return name

@@ -146,8 +146,10 @@ class WeightSender:
         served (forgotten meanwhile: it is not brought back)."""
         if worker not in self.paths:
             raise LookupError(f"{worker} is no longer served")
+        failed = self.paths[worker]
         self.detach(worker)
         self.paths[worker] = self.fallback
+        self.actor.log.info("weight path", worker=worker, path=self.fallback.name, instead_of=failed.name)
 
     def outgoing(self, host: bool) -> dict[str, torch.Tensor]:
         """The weights as rollout engines load them (:meth:`TrainEngine.rollout_weights`), on the trainer's

@@ -2,10 +2,12 @@
 CPU (gloo, with ``--weight-sync broadcast``).
 
 When a worker joins, the trainer forms a group of their own with it (:class:`~vime.transports.gpu.BroadcastGroup`:
-the trainer rank 0, the engine's GPUs the next ranks), meeting on the trainer's host; a group that cannot form
-(a port the worker cannot reach, say) leaves the worker on nng. Each version, the trainer names the tensors
-(WeightsBroadcast) and broadcasts them in buckets of ``--weight-bucket-mb``; the worker's engine receives them
-between two steps and answers once it has loaded them.
+the trainer rank 0, the engine's GPUs the next ranks), meeting on the trainer's host (its ``--host``; gloo
+listens on each member's address towards it); a group that cannot form (a port the worker cannot reach, say)
+leaves the worker on nng, and the trainer logs the path that serves each worker ("weight path"). Each
+version, the trainer names the tensors (WeightsBroadcast) and broadcasts them in buckets of
+``--weight-bucket-mb``; the worker's engine receives them between two steps and answers once it has loaded
+them.
 """
 
 from __future__ import annotations
