@@ -52,6 +52,7 @@ from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, Worke
 from vime.model_files import local_model_folder
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
 from vime.seeds import sampling_seed
+from vime.startup import timed
 from vime.transports.codec import Envelope
 from vime.transports.msglog import STEP
 from vime.weights import RECEIVED, WantWeights, WeightReceiver
@@ -83,9 +84,11 @@ class RolloutWorker(Actor):
         if self.run.rollout.rollout_threads:  # several workers and a trainer share the CPU: do not oversubscribe
             torch.set_num_threads(self.run.rollout.rollout_threads)
         if self.run.placement.colocate:
-            await wait_for_build_turn(self)
+            with timed(self.startup, "build_turn_wait_s"):
+                await wait_for_build_turn(self)
         # Loading takes seconds: in a thread, so that heartbeats keep telling the driver we are alive.
-        self.engine = await trio.to_thread.run_sync(self._build_engine)
+        with timed(self.startup, "engine_build_s"):
+            self.engine = await trio.to_thread.run_sync(self._build_engine)
         self.weights = WeightReceiver(self.engine, self.engine_calls.call, self.wake.set)
         self.gpu = EngineSleep(self.engine, self.stepped, self.engine_calls.call, self.wake.set)
         self.tokenizer = load_tokenizer(self.run.model.model_path)

@@ -71,6 +71,7 @@ from vime.messages.nodes import ActorExited, LogLines
 from vime.messages.pipeline import EvalResult, SnapshotQuery, TrainBatch, WantBatch, WeightsPublished
 from vime.metrics import StepRows, step_row, trainer_memory_mib
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
+from vime.startup import timed
 from vime.trainer_ranks import NodeRanks, RankPlan
 from vime.transports.codec import Envelope
 from vime.weights import WantWeights, WeightPath, WeightsComing, WeightSender
@@ -114,9 +115,12 @@ class Trainer(Actor):
         self._attach_engine()
 
     def _build_engine(self) -> None:
-        self.engine = train_engine(self.run, self.settings.seed, self.rank_plan, self.ranks)
+        """Build the engine, then read the checkpoint when resuming, each timed for the start-up breakdown."""
+        with timed(self.startup, "engine_build_s"):
+            self.engine = train_engine(self.run, self.settings.seed, self.rank_plan, self.ranks)
         if self.started_with.resume_from is not None:
-            self.engine.load(self.started_with.resume_from)
+            with timed(self.startup, "checkpoint_read_s"):
+                self.engine.load(self.started_with.resume_from)
             self.first_step = checkpoint.step_of(self.started_with.resume_from)
             self.log.info("resumed", checkpoint=str(self.started_with.resume_from), step=self.first_step,
                           weight_version=self.engine.weight_version)

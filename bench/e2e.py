@@ -30,7 +30,9 @@ measured steps):
   steps, warm-up included (a drift check), on the tokens sampled by the
   weights the trainer holds (sync runs; async runs only where some are), and
   the same of ``train_rollout_logprob_abs_diff_stale``, on tokens of older
-  versions (async runs: the mismatch plus the policy's movement since).
+  versions (async runs: the mismatch plus the policy's movement since);
+* where the start-up went (``startup``, summary.json's breakdown, ``vime.startup``) and ``startup_s``, its
+  ``first_step_s``: from the command to the first step's row.
 
 Across runs with the same ``--placement`` and ``--settings`` labels, against
 their sync run (K = 0) in this invocation:
@@ -175,6 +177,7 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
     gpus = placed_gpus(config)
     tflops = _median([row["train_tflops_per_gpu"] for row in measured if row.get("train_tflops_per_gpu")])
     peak = labels.get("peak_tflops")
+    startup = (_json(run_dir / "summary.json") or {}).get("startup")
     return {
         "placement": labels["placement"],
         "colocated": config.get("placement", {}).get("colocate", False),
@@ -200,6 +203,8 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "gpu_memory_max_mib": memory,
         "gpu_note": labels.get("gpu_note") or note,
         "weight_sync_share": _median([row["time_weight_sync_s"] / row["step_time_s"] for row in measured]),
+        "startup_s": (startup or {}).get("first_step_s"),
+        "startup": startup,
         "run_dir": str(run_dir),
         "complete": (run_dir / "summary.json").exists() and not labels.get("timed_out"),
         "scenario_flags": labels.get("scenario_flags"),

@@ -375,6 +375,43 @@ def test_steps_count_from_one_on_the_console_in_metrics_and_in_checkpoints(tmp_p
     assert checkpoint.step_of(checkpoint.latest(run_dir)) == 2
 
 
+def test_the_start_up_breakdown_is_on_the_console_and_in_the_summary(tmp_path):
+    """Where the start-up goes (issue 36): from the command to the first step, the driver's own phases, each
+    actor's spawn until it registered, the engine builds as the trainer and each rollout worker timed them, the
+    first step's own time, and their sum beside the wall time; printed as the first step comes, and in
+    summary.json beside ``startup_s``."""
+    run_dir = tmp_path / "run"
+    result = scenario_run("--out", str(run_dir), *SMALL)
+    assert result.returncode == 0, result.stdout + result.stderr[-800:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    startup = summary["startup"]
+    workers = [f"rollout-{index}" for index in
+               range(json.loads((run_dir / "config.json").read_text())["rollout"]["rollout_workers"])]
+    driver = ("command_s", "preflight_s", "cluster_open_s", "wait_for_nodes_s")
+    assert list(startup) == [*driver, "spawn_s", "engine_build_s", "step_time_s", "phases_sum_s", "first_step_s"]
+    assert list(startup["spawn_s"]) == ["router", "reward", "trainer", "buffer", *workers]
+    assert list(startup["engine_build_s"]) == ["trainer", *workers]  # reported by the actors themselves
+    first = startup["first_step_s"]
+    assert all(startup[phase] >= 0 for phase in driver) and startup["command_s"] > 0  # imports count
+    assert all(0 < seconds <= first for seconds in [*startup["spawn_s"].values(), *startup["engine_build_s"].values()])
+    # the driver's phases and the first four spawns run one after another, before any step
+    in_series = sum(startup[phase] for phase in driver) + sum(startup["spawn_s"][role] for role in
+                                                               ("router", "reward", "trainer", "buffer"))
+    assert in_series < first
+    assert 0 < startup["step_time_s"] < first
+    parts = [startup[phase] for phase in (*driver, "step_time_s")] + [
+        seconds for phase in ("spawn_s", "engine_build_s") for seconds in startup[phase].values()]
+    assert startup["phases_sum_s"] == pytest.approx(sum(parts))
+    assert summary["startup_s"] is not None  # kept for what reads it
+    lines = result.stdout.splitlines()
+    head = next(index for index, line in enumerate(lines) if line.startswith("start-up: "))
+    assert lines[head - 1].startswith("step 1/3") and lines[head + 8].startswith("step 3/3"), result.stdout
+    assert f"first step {first:.1f} s after the command; phases sum to {startup['phases_sum_s']:.1f} s" in lines[head]
+    built = next(line for line in lines[head:head + 8] if line.split()[:2] == ["engine", "build"])
+    assert built.split()[2:] == [word for name, seconds in startup["engine_build_s"].items()
+                                 for word in (name, f"{seconds:.2f}")]
+
+
 def test_an_error_after_the_run_does_not_take_its_folder_back(tmp_path, monkeypatch):
     """Only a run refused before anything started is undone: a ValueError from after the training (a torn
     line read for the summary, a report that cannot be drawn) once made the refusal path remove the finished

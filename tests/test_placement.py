@@ -16,6 +16,7 @@ from vime.gpu_turns import engines_sharing_gpus
 from vime.pipeline import _spawn_rollouts
 from vime.placement import Placement, describe, place, visible_gpus
 from vime.scenarios.selfcheck import ECHO
+from vime.startup import StartupClock
 from vime.weights import CudaIpc
 
 GPU_RUN = RunConfig().replace(train_backend="megatron", rollout_backend="vllm")
@@ -142,7 +143,8 @@ async def test_engines_on_the_same_gpus_start_one_after_another():
         async def tell(self, name: str, message) -> None:
             calls.append((type(message).__name__, name))
 
-    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
+    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""),
+                          StartupClock())
     assert set(calls[:2]) == {("spawn", "rollout-0"), ("spawn", "rollout-1")}
     assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))
     assert calls.index(("spawn", "rollout-3")) > calls.index(("built", "rollout-1"))
@@ -170,7 +172,8 @@ async def test_the_next_engine_waits_through_a_restart_but_not_for_one_given_up_
         async def tell(self, name: str, message) -> None:
             raise PeerGone(name)  # the trainer died meanwhile: the run's watch reports that
 
-    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""))
+    await _spawn_rollouts(Job(), GPU_RUN.replace(rollout_workers=4), {}, Placement("0", ["0", "1", "0", "1"], ""),
+                          StartupClock())
     assert calls.index(("spawn", "rollout-2")) > calls.index(("built", "rollout-0"))  # after its two restarts
     assert ("spawn", "rollout-3") in calls and ("built", "rollout-1") not in calls
 
@@ -199,7 +202,7 @@ async def test_the_next_engine_waits_for_no_worker_that_left_or_stays_away(autoj
         async def tell(self, name: str, message) -> None:
             calls.append(("told", name))
 
-    await _spawn_rollouts(Job(), GPU_RUN, {}, Placement("0", ["0", "0"], ""))
+    await _spawn_rollouts(Job(), GPU_RUN, {}, Placement("0", ["0", "0"], ""), StartupClock())
     spawned = {call[1]: call[2] for call in calls if call[0] == "spawn"}
     waited = spawned["rollout-1"] - spawned["rollout-0"]
     assert waited < 5 if departure == "clean exit" else ENGINE_BUILD_S <= waited < ENGINE_BUILD_S + 5

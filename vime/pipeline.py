@@ -46,6 +46,7 @@ from vime.plugins import import_function
 from vime.report import write_report
 from vime.reward_workers import RewardWorkers
 from vime.seeds import actor_seed
+from vime.startup import StartupClock, describe, timed
 from vime.trainer_ranks import plan_ranks
 
 SHOWN = ("raw_reward", "train_rollout_logprob_abs_diff", "loss", "entropy", "step_time_s")
@@ -56,7 +57,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
                 on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None = None,
                 resume: bool = False, host: str = "127.0.0.1", tls: dict[str, str] | None = None,
                 model_flags: Mapping[str, Any] | None = None, port: int = 0,
-                token: str | None = None) -> dict[str, Any]:
+                token: str | None = None, launched_at: float | None = None,
+                show_startup: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``config.job.steps`` steps; returns the summary (also in RUN_DIR/summary.json).
 
     Rollout workers are restarted when they die (``--restart-rollouts``; the
@@ -74,7 +76,11 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     (0, None: any free port, a new token), for a launcher that starts the nodes beside the driver
     (``vime.launch``). ``model_flags``: Megatron's model flags given
     (``vime.megatron_flags.given``), checked against config.json first.
+    ``launched_at``: the wall time the command started (``vime.startup.command_started``; None: this call),
+    from which the start-up breakdown counts; ``show_startup`` is given it as text once the first step came
+    (``vime.startup``), and summary.json holds it (``startup``).
     """
+    clock = StartupClock(launched_at)
     try:
         for flag, asked in (("--rollout-nodes", config.placement.rollout_nodes),
                             ("--actor-num-nodes", config.placement.actor_num_nodes > 1)):
@@ -95,10 +101,12 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     for name in ("metrics.jsonl", "eval.jsonl"):
         _keep_rows_up_to(run_dir / name, checkpoint.step_of(start) if start else -1)
+    clock.lap("preflight_s")
     started = time.monotonic()
     try:
-        rows, arrived, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, on_step,
-                                                      timeout_s, started, start, host, tls, port, token)
+        watch = _timing_first_step(on_step, clock, checkpoint.step_of(start) if start else 0, show_startup)
+        rows, arrived, counters, ready_s = await _run(config, placed, run_dir, record, transport, show, watch,
+                                                      timeout_s, started, start, host, tls, port, token, clock)
     except BaseExceptionGroup as group:  # the job's nursery wraps what went wrong; the user wants the cause
         cause = _first_leaf(group)
         if isinstance(cause, (RuntimeError, TimeoutError)):
@@ -106,7 +114,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
         raise
     resumed_at = checkpoint.step_of(start) if start else 0  # rows up to it came from an earlier driver
     arrived = [seconds if row["step"] > resumed_at else None for row, seconds in zip(rows, arrived)]
-    summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir))
+    summary = _summary(config, rows, arrived, counters, ready_s, time.monotonic() - started, _eval_rows(run_dir),
+                       clock.breakdown)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         write_report(run_dir, rows, title=f"{config.job.algo} seed {config.job.seed}")
@@ -347,33 +356,39 @@ async def _run(config: RunConfig, placed: Placement, run_dir: Path, record: bool
                show: Callable[[dict[str, Any]], None] | None,
                on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, timeout_s: float | None,
                started: float, start: Path | None, host: str, tls: dict[str, str] | None, port: int,
-               token: str | None) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]], float | None]:
+               token: str | None, clock: StartupClock,
+               ) -> tuple[list[dict[str, Any]], list[float], dict[str, dict[str, int]], float | None]:
     """Start the actors in dependency order, follow the steps (rows, and seconds from ``started`` to each),
-    collect the counters; how long until every engine the driver starts was built (None: not by the end)."""
+    collect the counters; how long until every engine the driver starts was built (None: not by the end).
+    The driver's start-up phases and each spawn until the actor registered go to ``clock``."""
     document = config.to_dict()
     resumed = ActorStart(config, resume_from=start).to_dict()  # for trainer, buffer and router
     recorded = frozenset(RECORDABLE if record is True else record or ())
     async with Cluster.open(run_dir, transport=transport, host=host, port=port, token=token,
                             record="driver" in recorded, job_config=document, tls=tls,
                             model_folder=config.model.model_path) as job:
+        clock.lap("cluster_open_s")
         if job.token:
             _write_private(run_dir / "join", join_command(job.address, job.token, tls, config.model.model_path))
         seed = config.job.seed
-        trainer_nodes = await _wait_for_nodes(job, config.placement.actor_num_nodes - 1,
-                                              config.placement.wait_for_nodes_s, "--actor-num-nodes")
+        with timed(clock.phases, "wait_for_nodes_s"):
+            trainer_nodes = await _wait_for_nodes(job, config.placement.actor_num_nodes - 1,
+                                                  config.placement.wait_for_nodes_s, "--actor-num-nodes")
         trainer = {**resumed, **_rank_plan(job, config, placed, trainer_nodes)}
         # in dependency order; the buffer's start issues the first prompts, which wait for a rollout worker
         for role, role_config, gpus in (("router", resumed, placed.others), ("reward", document, placed.others),
                                         ("trainer", trainer, placed.trainer), ("buffer", resumed, placed.others)):
-            await job.spawn(role, role, role_config, seed=actor_seed(seed, role), record=role in recorded,
-                            env=environment(gpus))
+            with timed(clock.spawns, role):
+                await job.spawn(role, role, role_config, seed=actor_seed(seed, role), record=role in recorded,
+                                env=environment(gpus))
         ready_s: float | None = None  # stays None if the run ends before every engine is built
 
         async def spawn_rollouts() -> None:  # beside the watch: engines sharing GPUs start in turn, slowly
             nonlocal ready_s
-            nodes = await _wait_for_nodes(job, config.placement.rollout_nodes, config.placement.wait_for_nodes_s,
-                                          "--rollout-nodes", taken=trainer_nodes)
-            await _spawn_rollouts(job, config, document, placed, nodes, record="rollout" in recorded)
+            with timed(clock.phases, "wait_for_nodes_s"):
+                nodes = await _wait_for_nodes(job, config.placement.rollout_nodes,
+                                              config.placement.wait_for_nodes_s, "--rollout-nodes", taken=trainer_nodes)
+            await _spawn_rollouts(job, config, document, placed, clock, nodes, record="rollout" in recorded)
             ready_s = time.monotonic() - started
 
         rollouts = [f"rollout-{index}" for index in range(config.rollout.rollout_workers)]
@@ -433,14 +448,16 @@ def _rank_plan(job: Cluster, config: RunConfig, placed: Placement, nodes: Sequen
 
 
 async def _spawn_rollouts(job: Cluster, config: RunConfig, document: dict[str, Any], placed: Placement,
-                          nodes: Sequence[str] = (), record: bool = False) -> None:
+                          clock: StartupClock, nodes: Sequence[str] = (), record: bool = False) -> None:
     """Start the rollout workers, in the turns their GPUs allow (``vime.gpu_turns``), spread over ``nodes``
-    when there are any (worker i on node i mod their number), else on this host."""
+    when there are any (worker i on node i mod their number), else on this host; each spawn until the worker
+    registered is timed into ``clock``."""
     async def spawn(index: int) -> str:
         name = f"rollout-{index}"
-        await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
-                        restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]), record=record,
-                        node=nodes[index % len(nodes)] if nodes else None)
+        with timed(clock.spawns, name):
+            await job.spawn("rollout", name, document, seed=actor_seed(config.job.seed, "rollout", index),
+                            restart=config.rollout.restart_rollouts, env=environment(placed.engines[index]),
+                            record=record, node=nodes[index % len(nodes)] if nodes else None)
         return name
 
     await start_engines_in_turn(job, placed, spawn)
@@ -493,6 +510,24 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
 _VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go
 
 
+def _timing_first_step(on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None, clock: StartupClock,
+                       resumed_at: int, show: Callable[[str], None] | None,
+                       ) -> Callable[[Cluster, dict[str, Any]], Awaitable[None]]:
+    """``on_step``, after the start-up breakdown is taken on the first step this driver ran (the first row past
+    ``resumed_at``: those before it came from an earlier driver) and given to ``show`` as text."""
+    async def watch(job: Cluster, row: dict[str, Any]) -> None:
+        if clock.breakdown is None and row["step"] > resumed_at:
+            breakdown = await clock.first_step(job, row)
+            if show is None:  # no console display: the driver's log has it
+                structlog.get_logger().info("start-up", **breakdown)
+            else:
+                show(describe(breakdown))
+        if on_step is not None:
+            await on_step(job, row)
+
+    return watch
+
+
 def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "eval.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -500,7 +535,8 @@ def _eval_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float | None],
              counters: dict[str, dict[str, int]],
-             ready_s: float | None, total_s: float, evals: list[dict[str, Any]]) -> dict[str, Any]:
+             ready_s: float | None, total_s: float, evals: list[dict[str, Any]],
+             startup: dict[str, Any] | None) -> dict[str, Any]:
     buffer, router = counters["buffer"], counters["router"]
     reached = next((index for index in range(len(rows)) if _trailing_mean(rows, index) >= 0.9), None)
     return {
@@ -513,6 +549,7 @@ def _summary(config: RunConfig, rows: list[dict[str, Any]], arrived: list[float 
         **{f"max_{key}": max((row[key] for row in rows if row.get(key) is not None), default=None)
            for key in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_stale")},
         "startup_s": ready_s,
+        "startup": startup,
         "total_s": total_s,
         "final_weight_version": rows[-1]["weight_version"] if rows else None,
         "eval": {str(row["weight_version"]): {k: v for k, v in row.items() if k.startswith("eval/")}
@@ -568,6 +605,10 @@ class PlainProgress:
             values = "  ".join(f"{key}={row[key]:.4g}" for key in SHOWN if row.get(key) is not None)
             print(f"step {step}/{self.steps}  {values}", flush=True)
 
+    def startup(self, text: str) -> None:
+        """The start-up breakdown (``vime.startup.describe``), as the first step comes."""
+        print(text, flush=True)
+
     def close(self) -> None:
         pass
 
@@ -587,6 +628,10 @@ class RichProgress:
         metrics = "  ".join(f"{key.split('_')[-1] if key.startswith('train_') else key}={row[key]:.3g}"
                             for key in SHOWN if row.get(key) is not None)
         self.progress.update(self.task, completed=row["step"], metrics=metrics)
+
+    def startup(self, text: str) -> None:
+        """The start-up breakdown, above the bar."""
+        self.progress.console.print(text, highlight=False)
 
     def close(self) -> None:
         self.progress.stop()

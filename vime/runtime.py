@@ -215,6 +215,7 @@ class Actor:
         self.log = structlog.get_logger().bind(role=self.role, actor=self.name)
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
+        self.startup: dict[str, float] = {}  # phase -> seconds, timed by on_start (vime.startup.timed); in Status
         self.directory: dict[str, str] = {}
         self.address = settings.listen
         self._ids = itertools.count(1)
@@ -330,6 +331,7 @@ class Actor:
             errors=dict(self.errors),
             inbox_depth=len(self._queue),
             pending_asks=len(self._pending),
+            startup=dict(self.startup),
         )
 
     def stop(self) -> None:

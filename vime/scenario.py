@@ -110,6 +110,7 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
     """Prepare and run a training scenario; the exit status. A run refused before any actor starts leaves
     RUN_DIR as it found it, so that the corrected command may use the same --out."""
     from vime.pipeline import Refused, RunFailed, make_run_folder, progress_display, train
+    from vime.startup import command_started
 
     resume = training_launch.resume is not None
     undo = None if resume else _undoer(run_dir)
@@ -131,7 +132,8 @@ def _train(name: str, scenario: ModuleType, args: argparse.Namespace, launch: La
         summary = trio.run(lambda: train(config, run_dir, record=recorded, transport=launch.transport,
                                          show=display, resume=resume, host=launch.host, tls=tls,
                                          model_flags=megatron_flags.given(args), port=launch.port,
-                                         token=_given_token(launch.transport)))
+                                         token=_given_token(launch.transport), launched_at=command_started(),
+                                         show_startup=display.startup))
     except Refused as err:  # before any actor started
         return _refuse(err, undo)
     except RunFailed as err:

@@ -6,6 +6,7 @@ Who sends what to whom is in each docstring; the other subsystems' kinds are in 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -72,7 +73,9 @@ class StatusQuery:
 
 @message
 class Status:
-    """actor -> asker: traffic and error counters, inbox depth, pending asks."""
+    """actor -> asker: traffic and error counters, inbox depth, pending asks, and the seconds each part of its
+    start-up after registering took, timed where the work happened (``startup``: an engine's build, say;
+    ``vime.startup`` gathers them for the run's start-up breakdown)."""
 
     name: str
     role: str
@@ -80,6 +83,7 @@ class Status:
     errors: dict[str, int]
     inbox_depth: int
     pending_asks: int
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @message
