@@ -1138,7 +1138,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     process resumes it too (resharded: the weights the stages held before the last step, and that step). An
     MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
-    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole."""
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. A tied
+    model's last stage holds a copy of the embedding as its output layer: it stays bit for bit the first
+    stage's after every step, and is published, written and resharded as the one tensor."""
     model, checkpoint, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
