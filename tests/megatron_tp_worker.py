@@ -49,7 +49,7 @@ def main(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_pa
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
     weights = functools.partial(gathered_weights, engine)
     loaded = weights()
-    streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
+    streamed = [(name, tensor.clone()) for name, tensor in engine.rollout_weights(torch.bfloat16)]  # every rank
     logprobs = engine.score(batch)["old_logprobs"]
     metrics = engine.train_step(batch)
     trained = weights("cpu")  # as sent over nng: gathered and moved one tensor at a time
@@ -115,6 +115,23 @@ def gathered_weights(engine: MegatronTrainEngine, device: str | None = None) -> 
     return {}
 
 
+def tied_copies_alike(engine: MegatronTrainEngine) -> bool:
+    """Whether a tied embedding's two copies, the first pipeline stage's and the last's (its output layer), are
+    bit for bit the same on every embedding group; True without such copies. Every rank calls it."""
+    from megatron.core import parallel_state
+
+    model = engine.policy.model
+    differ = torch.zeros(())
+    if engine.pipeline_parallel > 1 and model.share_embeddings_and_output_weights:
+        weight = model.shared_embedding_or_output_weight().detach()
+        group = parallel_state.get_embedding_group()
+        copies = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, weight.contiguous(), group=group)
+        differ += sum(not torch.equal(copies[0], copy) for copy in copies)
+    dist.all_reduce(differ)
+    return differ.item() == 0
+
+
 def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parallel: int, expert_parallel: int,
                          data_parallel: int, pipeline_parallel: int, algo: str, dtype: str, role: str) -> None:
     """One side of a checkpoint that changes layout, with AdamW (its moments are what must carry over). ``save``:
@@ -138,8 +155,10 @@ def train_across_layouts(folder: str, batches_file: str, out: str, tensor_parall
     metrics = engine.train_step(second)
     weights = gathered_weights(engine, "cpu")
     values = engine.score(second)["values"] if algo == "ppo" else None
+    tied_alike = tied_copies_alike(engine)
     if dist.get_rank() == 0:
-        torch.save({"before": before, "metrics": metrics, "weights": weights, "values": values}, out)
+        torch.save({"before": before, "metrics": metrics, "weights": weights, "values": values,
+                    "tied_alike": tied_alike}, out)
     dist.destroy_process_group()
 
 
@@ -174,13 +193,14 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     resumed = build(True)
     resumed.load(checkpoint)
     metrics["resumed"] = [resumed.train_step(batches[-1])]
+    tied_alike = [tied_copies_alike(engine) for engine in (*engines.values(), resumed)]
     weights = {name: gathered_weights(engine, "cpu") for name, engine in {**engines, "resumed": resumed}.items()}
     sizes = [None] * dist.get_world_size()
     dist.all_gather_object(sizes, [[state_bytes(engine.optimizer) for engine in engines.values()],
                                    [master_bytes(engine.masters) for engine in engines.values()]])
     if dist.get_rank() == 0:
         torch.save({"metrics": metrics, "weights": weights, "state_bytes": [rank[0] for rank in sizes],
-                    "master_bytes": [rank[1] for rank in sizes]}, out)
+                    "master_bytes": [rank[1] for rank in sizes], "tied_alike": tied_alike}, out)
     dist.destroy_process_group()
 
 
@@ -200,22 +220,23 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
     engine = build()
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
     loaded = gathered_weights(engine)
-    streamed = {name: tensor.clone() for name, tensor in engine.rollout_weights(torch.bfloat16)}  # every rank
+    streamed = [(name, tensor.clone()) for name, tensor in engine.rollout_weights(torch.bfloat16)]  # every rank
     scores = engine.score(batches[0])
     checkpoint = Path(out).with_name("checkpoint")
-    metrics, trained = [], []
+    metrics, trained, tied_alike = [], [], []
     for index, batch in enumerate(batches):
         if index == len(batches) - 1:
             engine.save(checkpoint)
         metrics.append(engine.train_step(batch))
         trained.append(gathered_weights(engine, "cpu"))
+        tied_alike.append(tied_copies_alike(engine))
     engine.save_hf(Path(out).with_name("hf"))
     resumed = build()
     resumed.load(checkpoint)
     resumed_metrics = resumed.train_step(batches[-1])
     if dist.get_rank() == 0:
         torch.save({"loaded": loaded, "streamed": streamed, "scores": scores, "metrics": metrics, "trained": trained,
-                    "resumed": resumed_metrics}, out)
+                    "resumed": resumed_metrics, "tied_alike": tied_alike}, out)
     dist.destroy_process_group()
 
 

@@ -317,10 +317,7 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
                                          "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
-    tied = tiny_config("qwen3", VOCAB)
-    tied.tie_word_embeddings = True
     for config, value_head, refusal in (
-            (tied, False, "this model ties its output layer .* train it with --pipeline-model-parallel-size 1"),
             (tiny_config("qwen3_moe", VOCAB), False, "an MoE model's recomputed layers would replay another "
                                                      "micro-batch's experts .* leave --recompute-activations out"),
             (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
@@ -1013,7 +1010,9 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 1, 1), True, id="moe-tp2-ep2-to-one", marks=pytest.mark.slow),
     pytest.param("qwen3", "ppo", "fp32", (2, 1, 1, 1), False, id="ppo-one-to-tp2", marks=pytest.mark.slow),
     pytest.param("qwen3", "grpo", "fp32", (1, 1, 1, 2), True, id="pp2-to-one"),
-    pytest.param("qwen3_moe", "grpo", "fp32", (1, 1, 1, 2), False, id="moe-one-to-pp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3_moe", "grpo", "fp32", (1, 1, 1, 2), False, id="moe-one-to-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), True, id="tied-pp2-to-one"),
+    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), False, id="tied-one-to-pp2")])
 def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo, dtype, ranks_layout, ranks_save):
     """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel, pipeline
     stages) resumes in one process, or one saved by one process resumes on those ranks (``ranks_save`` False):
@@ -1047,6 +1046,7 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
                                                       nan_ok=True), key
     update_gap = _update_gap(before, single.named_weights(), ranks["weights"])
     assert update_gap <= (1e-4 if fp32 else 0.2)
+    assert ranks["tied_alike"]  # a tied embedding's copies in two stages: one tensor in the checkpoint, and after
     if algo == "ppo":
         assert (ranks["values"] - single.score(second)["values"]).abs().max() <= 1e-5
     if ranks_save:
@@ -1082,7 +1082,8 @@ def test_a_checkpoint_of_tensor_parallel_ranks_resumes_in_pipeline_stages(hf_mod
     pytest.param("qwen3", "ppo", "fp32", (1, 1, 2, 1), id="ppo-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 1), id="bf16-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2, 1), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow),
-    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen3-tied", "grpo", "bf16", (1, 1, 2, 2), id="tied-bf16-dp2-pp2", marks=pytest.mark.slow)])
 def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
     """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
     (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
@@ -1107,6 +1108,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         for key in expected:
             assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     assert resumed[0] == pytest.approx(distributed[-1], rel=0, abs=0, nan_ok=True)  # exactly
+    assert ranks["tied_alike"] == [True] * 3  # a tied embedding's copies, each optimizer's and the resumed one's
     for name, tensor in ranks["weights"]["plain"].items():
         assert (ranks["weights"]["distributed"][name] - tensor).abs().max() <= 1e-6, name
         assert torch.equal(ranks["weights"]["resumed"][name], ranks["weights"]["distributed"][name]), name
@@ -1119,8 +1121,9 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
 @pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
     ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
     ("glm4_moe", 1, 2, 1, 1),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
+    ("qwen3-tied", 1, 2, 1, 1),  # the last stage's output layer a copy of the first's embedding
     *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
-        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2)))])
+        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2), ("qwen3-tied", 2, 2, 1, 1)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
                                                    data_parallel, expert_parallel):
     """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
@@ -1135,7 +1138,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     process resumes it too (resharded: the weights the stages held before the last step, and that step). An
     MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
-    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole."""
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. A tied
+    model's last stage holds a copy of the embedding as its output layer: it stays bit for bit the first
+    stage's after every step, and is published, written and resharded as the one tensor."""
     model, checkpoint, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
@@ -1144,7 +1149,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
                        pipeline_parallel, data_parallel, expert_parallel])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
-    assert all(torch.equal(ranks["streamed"][name], checkpoint[name].bfloat16()) for name in checkpoint)
+    streamed = dict(ranks["streamed"])
+    assert len(streamed) == len(ranks["streamed"])  # each tensor once: a tied embedding too, which two stages hold
+    assert all(torch.equal(streamed[name], checkpoint[name].bfloat16()) for name in checkpoint)
     single = _engine(megatron.MegatronTrainEngine, folder, kl_loss_coef=0.1)
     plain_sgd(single)
     expected_scores = single.score(batches[0])
@@ -1161,6 +1168,7 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
             if "e_score_correction_bias" not in name:  # GLM's routing bias is a buffer: no gradient moves it
                 assert (tensor - initial[name]).abs().max() > 1e-4, name  # it trained
             assert (ranks["trained"][step][name] - tensor).abs().max() <= 1e-5, (step, name)
+    assert ranks["tied_alike"] == [True] * len(batches)  # a tied embedding's copies: equal after every step
     saved = megatron.read_hf_folder(tmp_path / "hf")[1]
     assert sorted(saved) == sorted(checkpoint)
     assert all((saved[name] - tensor).abs().max() <= 1e-5 for name, tensor in single.named_weights().items())

@@ -335,10 +335,10 @@ class JobConfig:
     pipeline_model_parallel_size: int = setting(1, "Megatron pipeline parallelism: the model's layers in this many "
                                                    "contiguous stages (the embedding on the first, the output layer "
                                                    "on the last), micro-batches through megatron-core's 1F1B "
-                                                   "schedule; the trainer runs tensor x data x pipeline ranks. So "
-                                                   "far: models with an untied output layer, GRPO-style estimators "
-                                                   "(not ppo), MoE stages without --recompute-activations; a "
-                                                   "checkpoint resumes at its own pipeline size")
+                                                   "schedule (a tied output layer: a copy of the embedding on the "
+                                                   "last stage, kept equal); the trainer runs tensor x data x "
+                                                   "pipeline ranks. So far: GRPO-style estimators (not ppo), MoE "
+                                                   "stages without --recompute-activations")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many ranks, each holding its experts whole: 1, "
                                                  "--tensor-model-parallel-size (each copy of the trainer holds them "

@@ -16,7 +16,8 @@ point-to-point exchanges synchronise the CUDA device after each batch of
 sends and receives (a no-op here: gloo's requests have completed when
 waited on), and its schedules count tokens in a tensor made with
 ``device="cuda"``, which :func:`cuda_tensors_on_cpu` makes on the CPU
-instead. So the tests exercise the very model, weight conversions,
+instead (and keeps there the tied embedding's copy that a last stage's
+GPTModel moves with ``.cuda()``). So the tests exercise the very model, weight conversions,
 sequence parallelism, token dispatch, recomputation, routing replay and
 pipeline schedules that train on the GPU. The patches are
 applied only when CUDA is absent; a CPU run is never a supported way to
@@ -72,9 +73,11 @@ def _nothing(*args: object, **kwargs: object) -> None:
 
 
 class _CudaTensorsOnCpu(TorchFunctionMode):
-    """Tensors asked for on ``device="cuda"`` are made on the CPU."""
+    """Tensors asked for on ``device="cuda"`` are made on the CPU; a tensor moved there (``.cuda()``) stays."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.cuda:
+            return args[0]
         kwargs = kwargs or {}
         if kwargs.get("device") == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
@@ -82,8 +85,10 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
 
 
 def cuda_tensors_on_cpu() -> contextlib.AbstractContextManager:
-    """Around a call into megatron-core's pipeline schedules, which make a tensor with ``device="cuda"``: on a
-    machine without CUDA, such tensors are made on the CPU; with CUDA, nothing changes."""
+    """Around a call into megatron-core's pipeline schedules, which make a tensor with ``device="cuda"``, or into
+    a tied model's last pipeline stage's constructor, which moves its copy of the embedding to the GPU (to
+    start it from the first stage's): on a machine without CUDA, such tensors are made, or stay, on the CPU;
+    with CUDA, nothing changes."""
     return contextlib.nullcontext() if torch.cuda.is_available() else _CudaTensorsOnCpu()
 
 

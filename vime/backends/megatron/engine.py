@@ -168,6 +168,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         self._split = {id(tensor) for tensor, param in pairs if getattr(param, "tensor_model_parallel", False)}
         self._partial = {id(tensor) for tensor, param in pairs if getattr(param, "sequence_parallel", False)}
         self._experts = {id(tensor) for tensor, param in pairs if hasattr(param, "expert_split")}
+        # a tied embedding in pipeline stages: the first stage's and the last stage's copy (megatron-core marks both
+        # ``shared_embedding``, the copy also ``shared``), whose gradients are summed over the embedding group
+        self._tied = {id(tensor) for tensor, param in pairs if getattr(param, "shared_embedding", False)}
+        self._tied_copy = {id(tensor) for tensor, param in pairs if getattr(param, "shared", False)}
         self.replica = (parallel_state.get_data_parallel_rank(), data_parallel)
         self.layout = {"train_backend": "megatron", "tensor_parallel": tensor_parallel,
                        "data_parallel": data_parallel, "expert_parallel": expert_parallel}
@@ -354,7 +358,10 @@ class MegatronTrainEngine(TorchTrainEngine):
         Under tensor parallelism the norms' and routers' gradients are of the rank's share of the positions
         and are summed over its copy's ranks. The norm then counts each shard once (squares summed over the
         ranks that divide the tensor) and each whole tensor once, since every rank now holds the same
-        gradient of it; under pipeline parallelism each stage's squares are summed with the others'."""
+        gradient of it; under pipeline parallelism each stage's squares are summed with the others'. A tied
+        embedding's two copies, on the first stage and the last, each get the sum of both gradients (as
+        megatron-core's ``_allreduce_word_embedding_grads`` does), so that the same update keeps them equal; the
+        norm counts it once, on the first stage."""
         grads = {id(param): param.grad for param in params if param.grad is not None}
         experts = [grad for key, grad in grads.items() if key in self._experts]
         _sum_over([grad for key, grad in grads.items() if key not in self._experts],
@@ -364,6 +371,10 @@ class MegatronTrainEngine(TorchTrainEngine):
             return super()._clip_gradients(params, max_norm)
         _sum_over([grad for key, grad in grads.items() if key in self._partial],
                   parallel_state.get_tensor_model_parallel_group())
+        tied = [grad for key, grad in grads.items() if key in self._tied]
+        if tied:
+            _sum_over(tied, parallel_state.get_embedding_group())
+        grads = {key: grad for key, grad in grads.items() if key not in self._tied_copy}  # counted once in the norm
         squares = torch.zeros((), device=self.device)
         for shards, group in (([grad for key, grad in grads.items() if key in self._split and key not in self._experts],
                                parallel_state.get_tensor_model_parallel_group()),

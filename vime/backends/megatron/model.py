@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
 from vime.architecture import moe_layer_pattern
+from vime.backends import cpu_compat
 from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel, stage_layers
@@ -51,8 +52,9 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     :class:`ValueHead` in place of the output layer (its logits are then one value per position).
 
     With ``pipeline_parallel`` > 1 this process holds its stage's slice of the layers: the embedding on the
-    first stage, the final norm and the output layer on the last (:func:`check_pipeline_parallel` says what
-    cannot be split so far).
+    first stage, the final norm and the output layer on the last: for a tied model (``tie_word_embeddings``)
+    megatron-core's copy of the embedding, which it starts from the first stage's (the engine sums the two
+    copies' gradients). :func:`check_pipeline_parallel` says what cannot be split so far.
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
@@ -81,12 +83,14 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
         raise RuntimeError("megatron-core's MoE layer specs are not shaped as in 0.19.2: vime cannot give them "
                            "its GroupedExperts; install megatron-core 0.19.2")
     rope = hf_config.rope_parameters
-    model = GPTModel(
-        config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-        rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
-        share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
+    with cpu_compat.cuda_tensors_on_cpu():  # a tied last stage moves its copy of the embedding with .cuda()
+        model = GPTModel(
+            config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+            rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
+            share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage())
     if value_head:
         model.output_layer = ValueHead(config)
     if torch.cuda.is_available():
@@ -96,18 +100,13 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
 
 def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_head: bool = False,
                             recompute: bool = False) -> None:
-    """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: a tied output layer
-    (the last stage would need a copy of the embedding, its gradient summed with the first stage's), an MoE
-    model whose layers recompute (a replay of the rollout's experts held for the backward pass, see
+    """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: an MoE model whose
+    layers recompute (a replay of the rollout's experts held for the backward pass, see
     ``routing._routing``, would be replaced by the next micro-batch's before that backward pass runs: the 1F1B
     schedule interleaves them) and PPO's value model (its head on the last stage)."""
     if pipeline_parallel == 1:
         return
     flag = f"--pipeline-model-parallel-size {pipeline_parallel}"
-    if hf_config.tie_word_embeddings:
-        raise ValueError(f"{flag}: this model ties its output layer to the embedding (tie_word_embeddings), which "
-                         "pipeline stages do not share yet; train it with --pipeline-model-parallel-size 1 (tied "
-                         "models are the small ones: --tensor-model-parallel-size divides them instead)")
     if any(moe_layer_pattern(hf_config)) and recompute:
         raise ValueError(f"{flag}: an MoE model's recomputed layers would replay another micro-batch's experts "
                          "under the 1F1B schedule (megatron-core's queue of replays for the backward pass is not "

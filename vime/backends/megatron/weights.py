@@ -22,14 +22,17 @@ from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_
 from vime.backends.megatron.modules import ValueHead
 from vime.backends.megatron.parallel import stage_layers
 
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # a tied model's embedding, and its output layer
+
 
 def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     """The model's live parameters and persistent buffers by name (no copies; ``_extra_state`` left out). A
     pipeline stage's layers are named by their place in the whole model (``decoder.layers.{offset + i}``), as
-    the conversions to Hugging Face names and the checkpoint records know them."""
+    the conversions to Hugging Face names and the checkpoint records know them, and the last stage's copy of a
+    tied embedding by the embedding's name (:func:`_whole_model_name`)."""
     offset = layer_offset(model)
-    return {_whole_model_name(name, offset): tensor for name, tensor in model.state_dict(keep_vars=True).items()
-            if isinstance(tensor, torch.Tensor)}
+    return {_whole_model_name(name, tensor, offset): tensor
+            for name, tensor in model.state_dict(keep_vars=True).items() if isinstance(tensor, torch.Tensor)}
 
 
 def named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
@@ -37,7 +40,7 @@ def named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
     :func:`model_tensors` names them): the names a checkpoint's optimizer state is recorded by, which a trainer
     of other pipeline stages can find its own parameters among."""
     offset = layer_offset(model)
-    return {_whole_model_name(name, offset): param for name, param in model.named_parameters()}
+    return {_whole_model_name(name, param, offset): param for name, param in model.named_parameters()}
 
 
 def layer_offset(model: GPTModel) -> int:
@@ -45,8 +48,14 @@ def layer_offset(model: GPTModel) -> int:
     return model.decoder.layers[0].layer_number - 1
 
 
-def _whole_model_name(name: str, offset: int) -> str:
-    """``name`` of a stage's GPTModel with its layer index counted from the whole model's first layer."""
+def _whole_model_name(name: str, tensor: torch.Tensor, offset: int) -> str:
+    """``name`` of a stage's GPTModel tensor as the whole model knows it: a layer's index counted from the whole
+    model's first layer. A tied model's output layer is its embedding, one tensor: on the last of several stages
+    megatron-core keeps a copy of it as the output layer's weight (marked ``shared``; the engine sums the two
+    copies' gradients, so they stay equal), which goes by the embedding's name, so that conversions, checkpoint
+    records and resharding see the one tensor whichever stage holds it."""
+    if name == "output_layer.weight" and getattr(tensor, "shared", False):
+        return TIED_EMBEDDING
     if not offset or not name.startswith("decoder.layers."):
         return name
     layer, rest = name.removeprefix("decoder.layers.").split(".", 1)
@@ -55,7 +64,8 @@ def _whole_model_name(name: str, offset: int) -> str:
 
 def stage_names(hf_config: Any, lm_head: bool = True) -> set[str]:
     """The Megatron names (whole-model layer indices) of the tensors this pipeline stage holds: the embedding
-    on the first stage, its contiguous slice of the layers, the final norm and output layer on the last."""
+    on the first stage, its contiguous slice of the layers, the final norm and output layer on the last (a
+    tied model's output layer: its copy of the embedding, :func:`_whole_model_name`)."""
     layers = stage_layers(hf_config.num_hidden_layers)
     names = set()
     for tensor_map in _tensor_maps(hf_config, lm_head):
@@ -63,7 +73,8 @@ def stage_names(hf_config: Any, lm_head: bool = True) -> set[str]:
         if name.startswith("decoder.layers."):
             held = int(name.split(".")[2]) in layers
         elif name.startswith("embedding."):
-            held = parallel_state.is_pipeline_first_stage()
+            held = parallel_state.is_pipeline_first_stage() or (
+                hf_config.tie_word_embeddings and lm_head and parallel_state.is_pipeline_last_stage())
         else:
             held = parallel_state.is_pipeline_last_stage()
         if held:
@@ -177,7 +188,8 @@ def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
     Under pipeline parallelism every rank gets the tensors of every stage, stage after stage: each is
     gathered whole within its stage's tensor-parallel group, then broadcast from that stage over the pipeline
     group, so that rank 0 (the first stage) writes and publishes the whole model, and each rank can offer it
-    on its own GPU as under tensor parallelism alone."""
+    on its own GPU as under tensor parallelism alone. A tensor that two stages hold (a tied model's embedding,
+    the first stage's and the last's copy: equal) is gathered once, from the first."""
     mine = model_tensors(model)
     pipeline = parallel_state.get_pipeline_model_parallel_group()
     stages = dist.get_world_size(pipeline)
@@ -189,9 +201,13 @@ def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
     dist.all_gather_object(held, [(name, whole_shape(name, tensor), tensor.dtype) for name, tensor in mine.items()],
                            group=pipeline)
     stage = dist.get_rank(pipeline)
+    gathered: set[str] = set()
     for owner, tensors in enumerate(held):
         source = dist.get_global_rank(pipeline, owner)
         for name, shape, dtype in tensors:
+            if name in gathered:
+                continue
+            gathered.add(name)
             if owner == stage:
                 whole = _unshard(name, mine[name]).detach().contiguous()
             else:
