@@ -29,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
-from conftest import plain_sgd  # noqa: E402
+from conftest import every_sample, plain_sgd  # noqa: E402
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
@@ -37,7 +37,7 @@ from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
-from vime.backends.packing import packed_inputs  # noqa: E402
+from vime.backends.packing import SampleSizes, on_device, packed_inputs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
@@ -412,8 +412,8 @@ def test_token_budget_micro_batches_take_the_step_sample_count_ones_do(hf_models
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=3)
     counted, budgeted = (_engine(megatron.MegatronTrainEngine, folder, max_tokens=tokens) for tokens in (0, 28))
-    rows, lengths = torch.arange(6), batch.attention_mask.sum(-1)
-    assert [len(chunk) for chunk, _ in budgeted._micro_batches(rows, lengths)] == [1, 2, 2, 1]
+    assert [len(micro.rows) for micro in budgeted._micro_batches(torch.arange(6), SampleSizes.of(batch))] == [
+        1, 2, 2, 1]
     _assert_same_step(counted, budgeted, batch)
 
 
@@ -452,9 +452,9 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
     loss = {"kl_loss_coef": 0.1} if algo == "grpo" else {}
     padded, packed = (_engine(backend, folder, algo=algo, max_tokens=tokens, **loss) for tokens in (0, PACKING_BUDGET))
-    assert [len(chunk) for chunk, _ in packed._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))] == [
-        1, 1, 3, 1]
-    assert packed._inputs(batch.to(packed.device), torch.tensor([2, 3, 5])).input_ids.shape == (1, 43)
+    chunks = packed._micro_batches(torch.arange(6), SampleSizes.of(batch))
+    assert [len(micro.rows) for micro in chunks] == [1, 1, 3, 1]
+    assert packed._inputs(batch.to(packed.device), chunks[2]).input_ids.shape == (1, 43)
     expected, got = padded.score(batch), packed.score(batch)
     assert sorted(got) == sorted(expected)
     for key in expected:
@@ -470,7 +470,8 @@ def test_a_packed_row_is_laid_out_on_the_gpu_from_a_shuffle_on_the_host(hf_model
     the packed layout indexed one by the other and failed on every GPU (CPU tests cannot see it)."""
     model, _, _ = hf_models["qwen3"]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN).to("cuda")
-    inputs = packed_inputs(batch, torch.tensor([2, 3, 5]))
+    micro = on_device([(torch.tensor([2, 3, 5]), True)], SampleSizes.of(batch), "cuda")[0]
+    inputs = packed_inputs(batch, micro)
     assert inputs.input_ids.shape == (1, 43) and inputs.input_ids.device.type == "cuda"
 
 
@@ -501,7 +502,8 @@ def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
     changed = input_ids.clone()
     changed[0, :lengths[0]] = (changed[0, :lengths[0]] + 1) % VOCAB
     with torch.no_grad():
-        logits, after = (megatron.forward(policy, ids, position_ids=positions).logits for ids in (input_ids, changed))
+        logits, after = (megatron.forward(policy, ids, position_ids=positions, sample_lengths=torch.tensor(lengths))
+                         .logits for ids in (input_ids, changed))
         assert not torch.equal(logits[0, :lengths[0]], after[0, :lengths[0]])
         assert torch.equal(logits[0, lengths[0]:], after[0, lengths[0]:])
         for sample, start in zip(input_ids[0].split(lengths), [0, 13, 20]):
@@ -513,7 +515,7 @@ def test_positions_restart_in_every_packed_sample(hf_models):
     """A packed row's positions start at 0 in each sample (``packed_inputs``), and the GPTModel's layers get the
     rotary embedding of each token's position in its own sample, not in the row."""
     batch = _batch(seed=0)
-    inputs = packed_inputs(batch, torch.tensor([4, 1, 2]))
+    inputs = packed_inputs(batch, on_device([(torch.tensor([4, 1, 2]), True)], SampleSizes.of(batch), "cpu")[0])
     lengths = batch.attention_mask[[4, 1, 2]].sum(-1).tolist()
     assert inputs.position_ids.tolist() == [[position for length in lengths for position in range(length)]]
     policy = _megatron_model(hf_models, "qwen3")
@@ -521,7 +523,8 @@ def test_positions_restart_in_every_packed_sample(hf_models):
     hook = policy.decoder.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["rotary_pos_emb"]), with_kwargs=True)
     with torch.no_grad():
-        megatron.forward(policy, inputs.input_ids, position_ids=inputs.position_ids)
+        megatron.forward(policy, inputs.input_ids, position_ids=inputs.position_ids,
+                         sample_lengths=inputs.sample_lengths)
     hook.remove()
     table = policy.rotary_pos_emb(max(lengths))  # [positions, 1, 1, dims]
     assert torch.equal(seen[0], table[inputs.position_ids[0]])
@@ -543,20 +546,19 @@ def test_ppo_step_matches_the_reference_trainer(hf_models, case):
                                     for cls in (TorchTrainEngine, megatron.MegatronTrainEngine)]
     for trainer in trainers:
         plain_sgd(trainer, lr=0.5)
-    rows = torch.arange(batch.input_ids.shape[0])
-    with torch.no_grad():
-        assert not reference._values(batch, rows).any()  # zero-initialised heads: the step is what moves them
+    with torch.no_grad():  # zero-initialised heads: the step is what moves them
+        assert not reference._values(batch, every_sample(batch)).any()
     initial = {name: tensor.clone() for name, tensor in _fused_experts(engine.named_weights()).items()}
     expected, got = reference.train_step(batch), engine.train_step(batch)
     assert sorted(got) == sorted(expected) and expected["value_loss"] > 0 and expected["vf_clipfrac"] > 0
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
     with torch.no_grad():
-        theirs, ours = reference._values(batch, rows), engine._values(batch, rows)
+        theirs, ours = reference._values(batch, every_sample(batch)), engine._values(batch, every_sample(batch))
         assert theirs.abs().max() > 0.05 and (ours - theirs).abs().max() <= 1e-5
         free = dataclasses.replace(batch, routed_experts=None)
         if batch.routed_experts is not None:  # the experts replayed were not those the routers choose
-            assert (engine._values(free, rows) - ours).abs().max() > 1e-3
+            assert (engine._values(free, every_sample(free)) - ours).abs().max() > 1e-3
     theirs = reference.policy.state_dict()
     ours = _fused_experts(engine.named_weights())
     assert sorted(ours) == sorted(theirs)
@@ -620,7 +622,7 @@ def test_replayed_rollout_experts_give_the_reference_trainers_logprobs(hf_models
                     [s.logprobs for s in sequences], [s.versions for s in sequences], [1.0, 0.0, 1.0, 0.0],
                     [0, 0, 1, 1], pad_token_id=0, routed_experts=[s.routed_experts for s in sequences])
     reference, engine = _engine(TorchTrainEngine, folder), _engine(megatron.MegatronTrainEngine, folder)
-    rows = torch.arange(4)
+    rows = every_sample(batch)
     free = reference._response_logprobs(reference.policy, dataclasses.replace(batch, routed_experts=None), rows)[0]
     recorded = batch.routed_experts
     moved = torch.where(recorded < 0, recorded, (recorded + 1) % 4)  # other experts than the router's own
@@ -647,7 +649,7 @@ def test_megatron_weights_load_into_the_rollout_engine(hf_models, case):
     rollout = TorchRolloutEngine(str(folder))
     rollout.load_weights(engine.named_weights(), version=1)
     batch = _batch(seed=2)
-    rows = torch.arange(batch.input_ids.shape[0])
+    rows = every_sample(batch)
     reference = _engine(TorchTrainEngine, folder)
     reference.policy = rollout.model  # score the batch with the rollout engine's model
     expected = engine._response_logprobs(engine.policy, batch, rows)[0]
@@ -668,7 +670,7 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, algo, dtyp
     resumed.load(tmp_path)
     assert resumed.weight_version == 1
     if algo == "ppo":
-        rows = torch.arange(6)
+        rows = every_sample(_batch(seed=1))
         with torch.no_grad():
             values = engine._values(_batch(seed=1), rows)
             assert values.abs().max() > 0 and torch.equal(resumed._values(_batch(seed=1), rows), values)
