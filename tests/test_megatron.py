@@ -10,9 +10,11 @@ on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 import transformers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
+from device_reads import DeviceReads  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
@@ -347,10 +350,11 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
 
 
 def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute: bool | None = None,
-            algo: str = "grpo", max_tokens: int = 0, **loss):
-    """``max_tokens``: micro-batches by that token budget (--use-dynamic-batch-size); else of 2 samples."""
+            algo: str = "grpo", max_tokens: int = 0, micro_batch_size: int = 2, **loss):
+    """``max_tokens``: micro-batches by that token budget (--use-dynamic-batch-size); else of ``micro_batch_size``
+    samples."""
     extra = {} if recompute is None else {"recompute": recompute}
-    optim = OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2,
+    optim = OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=micro_batch_size,
                         use_dynamic_batch_size=bool(max_tokens), max_tokens_per_gpu=max_tokens)
     return cls(str(folder), algo=algo, optim=optim,
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
@@ -462,6 +466,67 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
     _assert_same_step(padded, packed, batch)
     if algo == "ppo":  # the value models trained alike
         assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
+
+
+def _step_reads(engine, batch: TensorBatch) -> collections.Counter:
+    """Where one ``train_step`` of ``engine`` on ``batch`` (arriving on the host) would make the host wait for a
+    GPU, and how often (:class:`DeviceReads`): its models' parameters and buffers start on the device."""
+    models = [*engine._trained_models(), *([engine.reference] if engine.reference is not None else [])]
+    with DeviceReads([tensor for model in models for tensor in (*model.parameters(), *model.buffers())]) as reads:
+        engine.train_step(batch)
+    return reads.counts()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("algo,settings", [("grpo", {"updates": 1}), ("ppo", {"kl_loss_coef": 0.1})],
+                         ids=["grpo-scored-in-training", "ppo-with-reference"])
+def test_a_step_reads_the_device_no_more_often_for_more_micro_batches(hf_models, layout, algo, settings):
+    """Each micro-batch's layout (padded width, packed length, the samples' bounds for the attention) and the
+    rows it indexes come from the host, read once per step: a step of six micro-batches per mini-batch makes
+    the host wait for the device exactly where and as often as a step of one does (on a GPU each read would
+    stall the host until the queued passes finished). The GRPO step scores in its training passes, PPO's in a
+    scoring pass of the policy, its KL reference and its value model."""
+    _, _, folder = hf_models["qwen3"]
+    batch = _batch(seed=4, response_lengths=UNEVEN)
+    splits = ({"micro_batch_size": 6}, {"micro_batch_size": 1}) if layout == "padded" else (
+        {"max_tokens": 10_000}, {"max_tokens": 1})
+    one, many = (_step_reads(_engine(megatron.MegatronTrainEngine, folder, algo=algo, **settings, **split), batch)
+                 for split in splits)
+    assert one  # the step's own reads are seen: its samples' sizes, its metrics
+    assert many == one, f"one micro-batch per mini-batch: {dict(one)}; one per sample: {dict(many)}"
+
+
+def _raising_on_sync(method: Callable) -> Callable:
+    """``method``, run under torch's CUDA sync debug mode set to raise: any call in it that makes the host wait for
+    the GPU (a value read, a blocking copy either way, a size known only on the device) fails it."""
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("algo,settings", [("grpo", {"updates": 1}), ("ppo", {"kl_loss_coef": 0.1})],
+                         ids=["grpo-scored-in-training", "ppo-with-reference"])
+def test_the_micro_batches_of_a_step_on_cuda_never_wait_for_the_gpu(hf_models, monkeypatch, layout, algo, settings):
+    """On a GPU, a step's micro-batch passes (its scoring pass: the policy's, the KL reference's and the value
+    model's; each mini-batch's forward and backward passes, a micro-batch per sample) run under torch's sync
+    debug mode set to raise: none of them makes the host wait for the GPU, so the host queues each micro-batch
+    while the GPU works on the one before. The first step runs without it: megatron-core copies its rotary
+    frequencies to the GPU in its first forward (blocking, once)."""
+    _, _, folder = hf_models["qwen3"]
+    batch = _batch(seed=4, response_lengths=UNEVEN)
+    split = {"micro_batch_size": 1} if layout == "padded" else {"max_tokens": 1}
+    engine = _engine(megatron.MegatronTrainEngine, folder, algo=algo, **settings, **split)
+    engine.train_step(batch)
+    for name in ("score", "_mini_batch_passes"):
+        monkeypatch.setattr(engine, name, _raising_on_sync(getattr(engine, name)))
+    metrics = engine.train_step(batch)
+    assert engine.weight_version == 2 and math.isfinite(metrics["loss"])
 
 
 @pytest.mark.gpu
