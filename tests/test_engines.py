@@ -578,6 +578,9 @@ def test_scores_come_back_in_the_batchs_order(model):
     for row, response in enumerate(responses):
         alone = train_engine(folder, micro_batch_size=2).score(hand_batch(prompts[1], [response], [0.0], [0]))
         torch.testing.assert_close(together[row, :len(response)], alone["old_logprobs"][0, :len(response)])
+    with pytest.raises(ValueError, match="sizes of 1 samples for a batch of 4: pass SampleSizes.of"):
+        train_engine(folder, micro_batch_size=2).score(batch, SampleSizes.of(hand_batch(prompts[1], responses[:1],
+                                                                                         [0.0], [0])))
 
 
 # -- config -----------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
-from vime.backends.packing import SampleSizes, on_device, packed_inputs  # noqa: E402
+from vime.backends.packing import SampleSizes, host_to_device, on_device, packed_inputs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
@@ -485,7 +485,8 @@ def test_a_step_reads_the_device_no_more_often_for_more_micro_batches(hf_models,
     rows it indexes come from the host, read once per step: a step of six micro-batches per mini-batch makes
     the host wait for the device exactly where and as often as a step of one does (on a GPU each read would
     stall the host until the queued passes finished). The GRPO step scores in its training passes, PPO's in a
-    scoring pass of the policy, its KL reference and its value model."""
+    scoring pass of the policy, its KL reference and its value model. A dense model: in MoE layers megatron-core
+    reads the device per micro-batch (``sort_chunks_by_idxs``' ``.tolist()``), which vime does not control."""
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=4, response_lengths=UNEVEN)
     splits = ({"micro_batch_size": 6}, {"micro_batch_size": 1}) if layout == "padded" else (
@@ -509,30 +510,47 @@ def _raising_on_sync(method: Callable) -> Callable:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout,dtype", [("padded", "fp32"), ("packed", "fp32"), ("packed", "bf16")])
 @pytest.mark.parametrize("algo,settings", [("grpo", {"updates": 1}), ("ppo", {"kl_loss_coef": 0.1})],
                          ids=["grpo-scored-in-training", "ppo-with-reference"])
-def test_the_micro_batches_of_a_step_on_cuda_never_wait_for_the_gpu(hf_models, monkeypatch, layout, algo, settings):
+def test_the_micro_batches_of_a_step_on_cuda_never_wait_for_the_gpu(hf_models, monkeypatch, layout, dtype, algo,
+                                                                     settings):
     """On a GPU, a step's micro-batch passes (its scoring pass: the policy's, the KL reference's and the value
     model's; each mini-batch's forward and backward passes, a micro-batch per sample) run under torch's sync
     debug mode set to raise: none of them makes the host wait for the GPU, so the host queues each micro-batch
-    while the GPU works on the one before. The first step runs without it: megatron-core copies its rotary
-    frequencies to the GPU in its first forward (blocking, once)."""
+    while the GPU works on the one before. Packed in bf16, the attention is torch's variable-length flash kernel
+    (int32 ``cu_seqlens`` on the device, the longest sample's length from the host), which must run. The first
+    step runs without it: megatron-core copies its rotary frequencies to the GPU in its first forward (blocking,
+    once). A dense model: in MoE layers megatron-core reads the device per micro-batch
+    (``sort_chunks_by_idxs``' ``.tolist()``)."""
+    from vime.backends.megatron import modules
+
+    kernel_calls = []
+    if dtype == "bf16":
+        varlen = modules._varlen_attention()
+        if varlen is None:
+            pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no causal window: packing uses the mask")
+        kernel, takes_groups = varlen
+        counted = (lambda *args, **kwargs: kernel_calls.append(1) or kernel(*args, **kwargs), takes_groups)
+        monkeypatch.setattr(modules, "_varlen_attention", lambda: counted)
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=4, response_lengths=UNEVEN)
     split = {"micro_batch_size": 1} if layout == "padded" else {"max_tokens": 1}
-    engine = _engine(megatron.MegatronTrainEngine, folder, algo=algo, **settings, **split)
+    engine = _engine(megatron.MegatronTrainEngine, folder, algo=algo, dtype=dtype, **settings, **split)
     engine.train_step(batch)
     for name in ("score", "_mini_batch_passes"):
         monkeypatch.setattr(engine, name, _raising_on_sync(getattr(engine, name)))
     metrics = engine.train_step(batch)
     assert engine.weight_version == 2 and math.isfinite(metrics["loss"])
+    assert bool(kernel_calls) == (dtype == "bf16")
 
 
 @pytest.mark.gpu
 def test_a_packed_row_is_laid_out_on_the_gpu_from_a_shuffle_on_the_host(hf_models):
-    """A step's shuffle (``randperm``) and the scoring pass's rows are host tensors, the batch is on the GPU:
-    the packed layout indexed one by the other and failed on every GPU (CPU tests cannot see it)."""
+    """A micro-batch's rows are cut on the host (a step's shuffle, the scoring pass's range) and sent to the GPU
+    (``on_device``), where the batch is: the packed layout indexes the batch by those device rows and lays the
+    row out from the host's sizes (host rows indexing the batch once failed on every GPU; CPU tests cannot see
+    it)."""
     model, _, _ = hf_models["qwen3"]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN).to("cuda")
     micro = on_device([(torch.tensor([2, 3, 5]), True)], SampleSizes.of(batch), "cuda")[0]
@@ -574,6 +592,19 @@ def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
         for sample, start in zip(input_ids[0].split(lengths), [0, 13, 20]):
             alone = megatron.forward(policy, sample.unsqueeze(0)).logits[0]
             assert (logits[0, start:start + len(sample)] - alone).abs().max() <= 1e-5
+
+
+def test_sample_lengths_not_on_the_host_are_refused(hf_models):
+    """A packed row's sample lengths on a device (``meta`` here, standing in for a GPU) are refused with the way
+    out, by the forward and by the copy of a host tensor: reading them would make the host wait for the device in
+    every forward, and pinning them for the copy would fail."""
+    policy = _megatron_model(hf_models, "qwen3")
+    input_ids, positions = _packed_row([13, 7], seed=0)
+    on_a_device = torch.tensor([13, 7], device="meta")
+    with pytest.raises(ValueError, match=r"on meta; pass them on the host .*SampleSizes\.of\(batch\)"):
+        megatron.forward(policy, input_ids, position_ids=positions, sample_lengths=on_a_device)
+    with pytest.raises(ValueError, match=r"on meta: take it on the host"):
+        host_to_device(on_a_device, "cpu")
 
 
 def test_positions_restart_in_every_packed_sample(hf_models):

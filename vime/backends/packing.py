@@ -13,6 +13,8 @@ variable-length kernel: ``megatron.modules``).
 A micro-batch (:class:`MicroBatch`) is laid out from its samples' sizes on the host (:class:`SampleSizes`, read
 from the device once per step), never from the device: on a GPU every such read would stall the host until the
 queued forward and backward passes finished, and the next micro-batch could not be queued while the GPU works.
+That holds for vime's code and dense models only: in an MoE layer megatron-core's token dispatcher still reads
+the device in every micro-batch (``moe_utils.sort_chunks_by_idxs``' ``.tolist()``).
 
 Per-token results come back from either layout by :meth:`ModelInputs.responses`: for each response token,
 the value at the position that predicts it, ``[samples, max_response]``, as the loss reads them. A packed
@@ -66,7 +68,7 @@ class ModelInputs:
         return rows.gather(1, self.index) * self.response_mask
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # tensors: == would compare them element-wise
 class SampleSizes:
     """What laying micro-batches out needs to know of samples, on the host: their tokens (prompt and response),
     where each response starts, and its response tokens (what weighs a micro-batch's statistics). Read from the
@@ -112,8 +114,13 @@ def on_device(chunks: list[tuple[torch.Tensor, bool]], sizes: SampleSizes, devic
 
 
 def host_to_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """``host`` copied to ``device`` without the host waiting for the device: from page-locked memory on CUDA (a
-    plain copy from pageable memory would synchronise the stream), queued behind the work already there."""
+    """``host`` copied to ``device`` without the host waiting for the device, queued behind the work already
+    there. On CUDA the copy is from page-locked memory, which is what makes it asynchronous: ``non_blocking`` from
+    pageable memory does not wait for the stream either, but returns only once the driver has staged the data
+    itself. A tensor not on the host is refused: it cannot be pinned, and reading it would make the host wait."""
+    if host.device.type != "cpu":
+        raise ValueError(f"host_to_device copies a host tensor; got one on {host.device}: take it on the host "
+                         "(a batch's sizes by SampleSizes.of(batch) before the batch moves to the device)")
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

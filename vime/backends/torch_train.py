@@ -290,6 +290,9 @@ class TorchTrainEngine(TrainEngine):
         entropies, and the reference log-probs and values where the algorithm has them. ``sizes``: the batch's,
         read already (by the step); else read here, once."""
         sizes = SampleSizes.of(batch) if sizes is None else sizes
+        if len(sizes.lengths) != batch.input_ids.shape[0]:
+            raise ValueError(f"sizes of {len(sizes.lengths)} samples for a batch of {batch.input_ids.shape[0]}: "
+                             "pass SampleSizes.of(batch) of this very batch, or none")
         batch = batch.to(self.device)
         chunks = self._micro_batches(torch.arange(batch.input_ids.shape[0]), sizes)
         keys = ["old_logprobs", "entropy"] + ["ref_logprobs"] * (self.reference is not None) + \
@@ -309,8 +312,11 @@ class TorchTrainEngine(TrainEngine):
         return {key: self._sum_over_replicas(value) for key, value in scores.items()}
 
 
-    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        sizes = SampleSizes.of(batch)  # the step's one read of the batch, for every micro-batch (none if on the host)
+    def train_step(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, Any]:
+        """One step on ``batch`` (see the base class). ``sizes``: the batch's, taken on the host by a caller that
+        moves the batch first; else read here, the step's one read of the batch for every micro-batch (a wait
+        for the device only if the batch is there already)."""
+        sizes = SampleSizes.of(batch) if sizes is None else sizes
         batch = batch.to(self.device)
         scored_in_training = (self.optim.updates_per_step == 1 and self.reference is None and self.critic is None
                               and not self._dropout())

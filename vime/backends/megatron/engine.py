@@ -63,8 +63,9 @@ class _AsCausalLM(torch.nn.Module):
     that call lets :class:`MegatronTrainEngine` run the very same step. The
     trainer's batches are right-padded and trimmed, so the mask and positions
     it passes are those the causal GPTModel assumes anyway; or packed into one
-    row (``attention_mask`` None), whose positions restart at each sample and
-    tell the model where the samples are (``model.forward``). Under tensor
+    row (``attention_mask`` None), whose positions restart at each sample (for
+    the rotary embedding) and whose ``sample_lengths``, on the host, bound each
+    sample's attention (``model.forward``). Under tensor
     parallelism its logits are this rank's share of the vocabulary, which the
     engine's ``_token_stats`` takes as they are; anything else must gather them.
     """
@@ -236,8 +237,9 @@ class MegatronTrainEngine(TorchTrainEngine):
             model.replay_experts = None
 
     def _call(self, model: torch.nn.Module, inputs: ModelInputs) -> Any:
-        """As the reference trainer calls ``model``, with a packed row's sample lengths from the host: the GPTModel
-        would otherwise read them from the positions on the device, once per micro-batch."""
+        """As the reference trainer calls ``model``, with a packed row's sample lengths from the host, which the
+        GPTModel's forward requires with its positions (the attention's bounds, known without reading the
+        device)."""
         return model(**inputs.model_kwargs(), sample_lengths=inputs.sample_lengths)
 
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
@@ -264,11 +266,12 @@ class MegatronTrainEngine(TorchTrainEngine):
         be replayed are refused first, by every rank (each holds the whole batch): one refusing in a micro-batch
         that the other data-parallel copies do not run would leave them waiting in their next collective.
         Under pipeline parallelism the metrics are the last stage's (where the loss is), on every rank."""
-        batch = batch.to(self.device)  # checked where the step reads them (on the host, seconds for a large batch)
+        sizes = SampleSizes.of(batch)  # from the host batch: read after the move, it would wait for the device
+        batch = batch.to(self.device)  # the experts are checked there: on the host, seconds for a large batch
         if batch.routed_experts is not None:
             _check_replayable(batch.routed_experts)
         try:
-            metrics = super().train_step(batch)
+            metrics = super().train_step(batch, sizes)
         finally:
             if self.recompute:
                 for model in self._trained_models():

@@ -149,8 +149,9 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
     ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
     for what needs no gathering). On a pipeline stage, the model takes its input from the stage before (as
     megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape (a packed row's
-    ``position_ids`` are still needed: every stage keeps each token to its sample and takes its rotary
-    embedding at its own position); a stage before the last returns its output as it goes to the next stage.
+    ``position_ids`` and ``sample_lengths`` are still needed: every stage keeps each token to its sample by the
+    lengths and takes its rotary embedding at its own position); a stage before the last returns its output as it
+    goes to the next stage.
     ``replay_experts`` are then still the whole model's (every MoE layer's), of which the stage replays its own
     layers'; recording needs the whole model.
     """
@@ -170,6 +171,10 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
     if position_ids is None:
         positions = arange.expand(batch, width)
     else:
+        if sample_lengths is not None and sample_lengths.device.type != "cpu":
+            raise ValueError(f"sample_lengths are on {sample_lengths.device}; pass them on the host (as "
+                             "vime.backends.packing.SampleSizes.of(batch) reads them, before the batch moves): "
+                             "reading them from the device would make the host wait for it in every forward")
         if batch != 1 or sample_lengths is None or int(sample_lengths.sum()) != seq:
             raise ValueError(f"position_ids mark the samples of one packed row, whose sample_lengths (on the host) add "
                              f"up to its {seq} tokens; got {batch} rows and lengths {sample_lengths}: pack them "
