@@ -130,9 +130,11 @@ def megatron_trainer(config: Any, device: str, compile_layers: bool) -> tuple[to
         model.decoder.final_layernorm.compile()
         loss_fn = torch.compile(_loss)
 
-    def micro_step(input_ids: torch.Tensor, scale: float, position_ids: torch.Tensor | None = None) -> float:
-        """``position_ids``: ``input_ids`` is one packed row (``megatron.forward``)."""
-        loss = loss_fn(megatron.forward(model, input_ids, position_ids=position_ids).logits, input_ids) * scale
+    def micro_step(input_ids: torch.Tensor, scale: float, position_ids: torch.Tensor | None = None,
+                   sample_lengths: torch.Tensor | None = None) -> float:
+        """``position_ids`` and ``sample_lengths``: ``input_ids`` is one packed row (``megatron.forward``)."""
+        loss = loss_fn(megatron.forward(model, input_ids, position_ids=position_ids,
+                                        sample_lengths=sample_lengths).logits, input_ids) * scale
         loss.backward()
         return float(loss)
 
@@ -192,7 +194,7 @@ def mixed_micro_batches(mix: str, layout: str, max_tokens: int, vocab_size: int,
                         device: str) -> tuple[list[int], list[Any]]:
     """A step's sample lengths of ``mix`` (seeded: every step and both layouts train the same ones), about four
     budgets of ``max_tokens`` real tokens, and its micro-batches, longest first, as ``layout`` cuts them: each a
-    function of a generator giving ``(input_ids, position_ids or None)``."""
+    function of a generator giving ``(input_ids, position_ids and sample lengths or None)``."""
     from vime.backends.torch_train import token_budget_sizes
 
     (prompts, responses), generator = MIXES[mix], torch.Generator().manual_seed(2)
@@ -212,10 +214,12 @@ def mixed_micro_batches(mix: str, layout: str, max_tokens: int, vocab_size: int,
     for size in sizes:
         chunk, start = lengths[start:start + size], start + size
 
-        def make(generator: torch.Generator, chunk: list[int] = chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def make(generator: torch.Generator,
+                 chunk: list[int] = chunk) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
             if layout == "packed":
                 positions = torch.cat([torch.arange(length, device=device) for length in chunk]).unsqueeze(0)
-                return torch.randint(0, vocab_size, (1, sum(chunk)), device=device, generator=generator), positions
+                return (torch.randint(0, vocab_size, (1, sum(chunk)), device=device, generator=generator),
+                        (positions, torch.tensor(chunk)))
             return torch.randint(0, vocab_size, (len(chunk), chunk[0]), device=device, generator=generator), None
         batches.append(make)
     return lengths, batches
@@ -248,9 +252,9 @@ def run_one(shape: str, backend: str, seq_len: int, steps: int, warmup: int, pea
     def step() -> float:
         total = 0.0
         for make in batches:
-            input_ids, position_ids = make(generator)
-            total += (micro_step(input_ids, 1.0 / len(batches)) if position_ids is None else
-                      micro_step(input_ids, 1.0 / len(batches), position_ids))
+            input_ids, packed = make(generator)
+            total += (micro_step(input_ids, 1.0 / len(batches)) if packed is None else
+                      micro_step(input_ids, 1.0 / len(batches), *packed))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

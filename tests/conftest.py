@@ -150,6 +150,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def every_sample(batch: Any) -> Any:
+    """Every sample of ``batch`` (a TensorBatch) as one micro-batch on its device, for a trainer's single pass
+    outside a step (its sizes read from the device, as a step reads them once)."""
+    import torch
+
+    from vime.backends.packing import SampleSizes, on_device
+
+    rows = torch.arange(batch.input_ids.shape[0])
+    return on_device([(rows, True)], SampleSizes.of(batch), batch.input_ids.device)[0]
+
+
 def plain_sgd(engine: Any, lr: float = 0.1) -> None:
     """Plain SGD at a constant ``lr`` in place of the engine's AdamW, over the same parameter groups. AdamW's
     update for a gradient near its eps (1e-8) is about lr / 2 whatever the gradient's rounding, so float noise

@@ -24,6 +24,7 @@ from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
+from vime.backends.packing import SampleSizes
 from vime.backends.torch_rollout import TorchRolloutEngine, _top_k_top_p
 from vime.backends.torch_train import TorchTrainEngine, micro_batches, replica_micro_batches
 from vime.config import ActorStart, OptimConfig, RunConfig, add_flags, engine_flags, from_flags
@@ -470,7 +471,8 @@ def test_with_dropout_the_old_logprobs_come_from_a_pass_of_their_own(model, monk
     folder, eos, prompts = model
     engine = train_engine(folder)
     passes = []
-    monkeypatch.setattr(engine, "score", lambda batch: passes.append(batch) or TorchTrainEngine.score(engine, batch))
+    monkeypatch.setattr(engine, "score", lambda batch, sizes: passes.append(batch) or
+                        TorchTrainEngine.score(engine, batch, sizes))
     batch = hand_batch(prompts[0], [[6, eos], [7, eos]], [1.0, 0.0], [0, 0])
     engine.train_step(batch)
     assert not passes
@@ -500,7 +502,7 @@ def test_micro_batches_accumulate_to_the_same_update(model, micro_batching, aggr
     tis = PolicyLossConfig(off_policy_correction="tis", loss_aggregation=aggregation)
     whole = train_engine(folder, micro_batch_size=6, loss=tis)
     split = train_engine(folder, loss=tis, **micro_batching)
-    assert len(split._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))) > 1
+    assert len(split._micro_batches(torch.arange(6), SampleSizes.of(batch))) > 1
     # plain SGD for the comparison: AdamW's first step is about lr * sign(g), which turns float rounding
     # in near-zero gradients into lr-sized differences; SGD keeps the update proportional to the gradient
     for engine in (whole, split):
@@ -576,6 +578,9 @@ def test_scores_come_back_in_the_batchs_order(model):
     for row, response in enumerate(responses):
         alone = train_engine(folder, micro_batch_size=2).score(hand_batch(prompts[1], [response], [0.0], [0]))
         torch.testing.assert_close(together[row, :len(response)], alone["old_logprobs"][0, :len(response)])
+    with pytest.raises(ValueError, match="sizes of 1 samples for a batch of 4: pass SampleSizes.of"):
+        train_engine(folder, micro_batch_size=2).score(batch, SampleSizes.of(hand_batch(prompts[1], responses[:1],
+                                                                                         [0.0], [0])))
 
 
 # -- config -----------------------------------------------------------------------------------------------------

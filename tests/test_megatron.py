@@ -10,9 +10,11 @@ on CPU through ``vime.backends.cpu_compat``; nothing is downloaded.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,11 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 import transformers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
+from device_reads import DeviceReads  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
-from conftest import plain_sgd  # noqa: E402
+from conftest import every_sample, plain_sgd  # noqa: E402
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
@@ -37,7 +40,7 @@ from vime.architecture import moe_layer_pattern  # noqa: E402
 from vime.backends import megatron  # noqa: E402
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate  # noqa: E402
 from vime.backends.hf import scaled_logprobs  # noqa: E402
-from vime.backends.packing import packed_inputs  # noqa: E402
+from vime.backends.packing import SampleSizes, host_to_device, on_device, packed_inputs  # noqa: E402
 from vime.backends.torch_rollout import TorchRolloutEngine  # noqa: E402
 from vime.backends.torch_train import TorchTrainEngine  # noqa: E402
 from vime.config import OptimConfig  # noqa: E402
@@ -344,10 +347,11 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
 
 
 def _engine(cls, folder: Path, updates: int = 2, dtype: str = "fp32", recompute: bool | None = None,
-            algo: str = "grpo", max_tokens: int = 0, **loss):
-    """``max_tokens``: micro-batches by that token budget (--use-dynamic-batch-size); else of 2 samples."""
+            algo: str = "grpo", max_tokens: int = 0, micro_batch_size: int = 2, **loss):
+    """``max_tokens``: micro-batches by that token budget (--use-dynamic-batch-size); else of ``micro_batch_size``
+    samples."""
     extra = {} if recompute is None else {"recompute": recompute}
-    optim = OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=2,
+    optim = OptimConfig(lr=1e-3, updates_per_step=updates, micro_batch_size=micro_batch_size,
                         use_dynamic_batch_size=bool(max_tokens), max_tokens_per_gpu=max_tokens)
     return cls(str(folder), algo=algo, optim=optim,
                loss=PolicyLossConfig(**loss), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
@@ -409,8 +413,8 @@ def test_token_budget_micro_batches_take_the_step_sample_count_ones_do(hf_models
     _, _, folder = hf_models["qwen3"]
     batch = _batch(seed=3)
     counted, budgeted = (_engine(megatron.MegatronTrainEngine, folder, max_tokens=tokens) for tokens in (0, 28))
-    rows, lengths = torch.arange(6), batch.attention_mask.sum(-1)
-    assert [len(chunk) for chunk, _ in budgeted._micro_batches(rows, lengths)] == [1, 2, 2, 1]
+    assert [len(micro.rows) for micro in budgeted._micro_batches(torch.arange(6), SampleSizes.of(batch))] == [
+        1, 2, 2, 1]
     _assert_same_step(counted, budgeted, batch)
 
 
@@ -449,9 +453,9 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
     loss = {"kl_loss_coef": 0.1} if algo == "grpo" else {}
     padded, packed = (_engine(backend, folder, algo=algo, max_tokens=tokens, **loss) for tokens in (0, PACKING_BUDGET))
-    assert [len(chunk) for chunk, _ in packed._micro_batches(torch.arange(6), batch.attention_mask.sum(-1))] == [
-        1, 1, 3, 1]
-    assert packed._inputs(batch.to(packed.device), torch.tensor([2, 3, 5])).input_ids.shape == (1, 43)
+    chunks = packed._micro_batches(torch.arange(6), SampleSizes.of(batch))
+    assert [len(micro.rows) for micro in chunks] == [1, 1, 3, 1]
+    assert packed._inputs(batch.to(packed.device), chunks[2]).input_ids.shape == (1, 43)
     expected, got = padded.score(batch), packed.score(batch)
     assert sorted(got) == sorted(expected)
     for key in expected:
@@ -461,13 +465,93 @@ def test_packed_rows_train_as_padded_rows_do(hf_models, backend, case, algo):
         assert (packed.score(batch)["values"] - padded.score(batch)["values"]).abs().max() <= 1e-5
 
 
+def _step_reads(engine, batch: TensorBatch) -> collections.Counter:
+    """Where one ``train_step`` of ``engine`` on ``batch`` (arriving on the host) would make the host wait for a
+    GPU, and how often (:class:`DeviceReads`): its models' parameters and buffers start on the device."""
+    models = [*engine._trained_models(), *([engine.reference] if engine.reference is not None else [])]
+    with DeviceReads([tensor for model in models for tensor in (*model.parameters(), *model.buffers())]) as reads:
+        engine.train_step(batch)
+    return reads.counts()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("algo,settings", [("grpo", {"updates": 1}), ("ppo", {"kl_loss_coef": 0.1})],
+                         ids=["grpo-scored-in-training", "ppo-with-reference"])
+def test_a_step_reads_the_device_no_more_often_for_more_micro_batches(hf_models, layout, algo, settings):
+    """Each micro-batch's layout (padded width, packed length, the samples' bounds for the attention) and the
+    rows it indexes come from the host, read once per step: a step of six micro-batches per mini-batch makes
+    the host wait for the device exactly where and as often as a step of one does (on a GPU each read would
+    stall the host until the queued passes finished). The GRPO step scores in its training passes, PPO's in a
+    scoring pass of the policy, its KL reference and its value model. A dense model: in MoE layers megatron-core
+    reads the device per micro-batch (``sort_chunks_by_idxs``' ``.tolist()``), which vime does not control."""
+    _, _, folder = hf_models["qwen3"]
+    batch = _batch(seed=4, response_lengths=UNEVEN)
+    splits = ({"micro_batch_size": 6}, {"micro_batch_size": 1}) if layout == "padded" else (
+        {"max_tokens": 10_000}, {"max_tokens": 1})
+    one, many = (_step_reads(_engine(megatron.MegatronTrainEngine, folder, algo=algo, **settings, **split), batch)
+                 for split in splits)
+    assert one  # the step's own reads are seen: its samples' sizes, its metrics
+    assert many == one, f"one micro-batch per mini-batch: {dict(one)}; one per sample: {dict(many)}"
+
+
+def _raising_on_sync(method: Callable) -> Callable:
+    """``method``, run under torch's CUDA sync debug mode set to raise: any call in it that makes the host wait for
+    the GPU (a value read, a blocking copy either way, a size known only on the device) fails it."""
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype", [("padded", "fp32"), ("packed", "fp32"), ("packed", "bf16")])
+@pytest.mark.parametrize("algo,settings", [("grpo", {"updates": 1}), ("ppo", {"kl_loss_coef": 0.1})],
+                         ids=["grpo-scored-in-training", "ppo-with-reference"])
+def test_the_micro_batches_of_a_step_on_cuda_never_wait_for_the_gpu(hf_models, monkeypatch, layout, dtype, algo,
+                                                                     settings):
+    """On a GPU, a step's micro-batch passes (its scoring pass: the policy's, the KL reference's and the value
+    model's; each mini-batch's forward and backward passes, a micro-batch per sample) run under torch's sync
+    debug mode set to raise: none of them makes the host wait for the GPU, so the host queues each micro-batch
+    while the GPU works on the one before. Packed in bf16, the attention is torch's variable-length flash kernel
+    (int32 ``cu_seqlens`` on the device, the longest sample's length from the host), which must run. The first
+    step runs without it: megatron-core copies its rotary frequencies to the GPU in its first forward (blocking,
+    once). A dense model: in MoE layers megatron-core reads the device per micro-batch
+    (``sort_chunks_by_idxs``' ``.tolist()``)."""
+    from vime.backends.megatron import modules
+
+    kernel_calls = []
+    if dtype == "bf16":
+        varlen = modules._varlen_attention()
+        if varlen is None:
+            pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no causal window: packing uses the mask")
+        kernel, takes_groups = varlen
+        counted = (lambda *args, **kwargs: kernel_calls.append(1) or kernel(*args, **kwargs), takes_groups)
+        monkeypatch.setattr(modules, "_varlen_attention", lambda: counted)
+    _, _, folder = hf_models["qwen3"]
+    batch = _batch(seed=4, response_lengths=UNEVEN)
+    split = {"micro_batch_size": 1} if layout == "padded" else {"max_tokens": 1}
+    engine = _engine(megatron.MegatronTrainEngine, folder, algo=algo, dtype=dtype, **settings, **split)
+    engine.train_step(batch)
+    for name in ("score", "_mini_batch_passes"):
+        monkeypatch.setattr(engine, name, _raising_on_sync(getattr(engine, name)))
+    metrics = engine.train_step(batch)
+    assert engine.weight_version == 2 and math.isfinite(metrics["loss"])
+    assert bool(kernel_calls) == (dtype == "bf16")
+
+
 @pytest.mark.gpu
 def test_a_packed_row_is_laid_out_on_the_gpu_from_a_shuffle_on_the_host(hf_models):
-    """A step's shuffle (``randperm``) and the scoring pass's rows are host tensors, the batch is on the GPU:
-    the packed layout indexed one by the other and failed on every GPU (CPU tests cannot see it)."""
+    """A micro-batch's rows are cut on the host (a step's shuffle, the scoring pass's range) and sent to the GPU
+    (``on_device``), where the batch is: the packed layout indexes the batch by those device rows and lays the
+    row out from the host's sizes (host rows indexing the batch once failed on every GPU; CPU tests cannot see
+    it)."""
     model, _, _ = hf_models["qwen3"]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN).to("cuda")
-    inputs = packed_inputs(batch, torch.tensor([2, 3, 5]))
+    micro = on_device([(torch.tensor([2, 3, 5]), True)], SampleSizes.of(batch), "cuda")[0]
+    inputs = packed_inputs(batch, micro)
     assert inputs.input_ids.shape == (1, 43) and inputs.input_ids.device.type == "cuda"
 
 
@@ -498,7 +582,8 @@ def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
     changed = input_ids.clone()
     changed[0, :lengths[0]] = (changed[0, :lengths[0]] + 1) % VOCAB
     with torch.no_grad():
-        logits, after = (megatron.forward(policy, ids, position_ids=positions).logits for ids in (input_ids, changed))
+        logits, after = (megatron.forward(policy, ids, position_ids=positions, sample_lengths=torch.tensor(lengths))
+                         .logits for ids in (input_ids, changed))
         assert not torch.equal(logits[0, :lengths[0]], after[0, :lengths[0]])
         assert torch.equal(logits[0, lengths[0]:], after[0, lengths[0]:])
         for sample, start in zip(input_ids[0].split(lengths), [0, 13, 20]):
@@ -506,11 +591,24 @@ def test_a_packed_sample_attends_to_its_own_tokens_only(hf_models):
             assert (logits[0, start:start + len(sample)] - alone).abs().max() <= 1e-5
 
 
+def test_sample_lengths_not_on_the_host_are_refused(hf_models):
+    """A packed row's sample lengths on a device (``meta`` here, standing in for a GPU) are refused with the way
+    out, by the forward and by the copy of a host tensor: reading them would make the host wait for the device in
+    every forward, and pinning them for the copy would fail."""
+    policy = _megatron_model(hf_models, "qwen3")
+    input_ids, positions = _packed_row([13, 7], seed=0)
+    on_a_device = torch.tensor([13, 7], device="meta")
+    with pytest.raises(ValueError, match=r"on meta; pass them on the host .*SampleSizes\.of\(batch\)"):
+        megatron.forward(policy, input_ids, position_ids=positions, sample_lengths=on_a_device)
+    with pytest.raises(ValueError, match=r"on meta: take it on the host"):
+        host_to_device(on_a_device, "cpu")
+
+
 def test_positions_restart_in_every_packed_sample(hf_models):
     """A packed row's positions start at 0 in each sample (``packed_inputs``), and the GPTModel's layers get the
     rotary embedding of each token's position in its own sample, not in the row."""
     batch = _batch(seed=0)
-    inputs = packed_inputs(batch, torch.tensor([4, 1, 2]))
+    inputs = packed_inputs(batch, on_device([(torch.tensor([4, 1, 2]), True)], SampleSizes.of(batch), "cpu")[0])
     lengths = batch.attention_mask[[4, 1, 2]].sum(-1).tolist()
     assert inputs.position_ids.tolist() == [[position for length in lengths for position in range(length)]]
     policy = _megatron_model(hf_models, "qwen3")
@@ -518,7 +616,8 @@ def test_positions_restart_in_every_packed_sample(hf_models):
     hook = policy.decoder.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["rotary_pos_emb"]), with_kwargs=True)
     with torch.no_grad():
-        megatron.forward(policy, inputs.input_ids, position_ids=inputs.position_ids)
+        megatron.forward(policy, inputs.input_ids, position_ids=inputs.position_ids,
+                         sample_lengths=inputs.sample_lengths)
     hook.remove()
     table = policy.rotary_pos_emb(max(lengths))  # [positions, 1, 1, dims]
     assert torch.equal(seen[0], table[inputs.position_ids[0]])
@@ -540,20 +639,19 @@ def test_ppo_step_matches_the_reference_trainer(hf_models, case):
                                     for cls in (TorchTrainEngine, megatron.MegatronTrainEngine)]
     for trainer in trainers:
         plain_sgd(trainer, lr=0.5)
-    rows = torch.arange(batch.input_ids.shape[0])
-    with torch.no_grad():
-        assert not reference._values(batch, rows).any()  # zero-initialised heads: the step is what moves them
+    with torch.no_grad():  # zero-initialised heads: the step is what moves them
+        assert not reference._values(batch, every_sample(batch)).any()
     initial = {name: tensor.clone() for name, tensor in _fused_experts(engine.named_weights()).items()}
     expected, got = reference.train_step(batch), engine.train_step(batch)
     assert sorted(got) == sorted(expected) and expected["value_loss"] > 0 and expected["vf_clipfrac"] > 0
     for key in expected:
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
     with torch.no_grad():
-        theirs, ours = reference._values(batch, rows), engine._values(batch, rows)
+        theirs, ours = reference._values(batch, every_sample(batch)), engine._values(batch, every_sample(batch))
         assert theirs.abs().max() > 0.05 and (ours - theirs).abs().max() <= 1e-5
         free = dataclasses.replace(batch, routed_experts=None)
         if batch.routed_experts is not None:  # the experts replayed were not those the routers choose
-            assert (engine._values(free, rows) - ours).abs().max() > 1e-3
+            assert (engine._values(free, every_sample(free)) - ours).abs().max() > 1e-3
     theirs = reference.policy.state_dict()
     ours = _fused_experts(engine.named_weights())
     assert sorted(ours) == sorted(theirs)
@@ -617,7 +715,7 @@ def test_replayed_rollout_experts_give_the_reference_trainers_logprobs(hf_models
                     [s.logprobs for s in sequences], [s.versions for s in sequences], [1.0, 0.0, 1.0, 0.0],
                     [0, 0, 1, 1], pad_token_id=0, routed_experts=[s.routed_experts for s in sequences])
     reference, engine = _engine(TorchTrainEngine, folder), _engine(megatron.MegatronTrainEngine, folder)
-    rows = torch.arange(4)
+    rows = every_sample(batch)
     free = reference._response_logprobs(reference.policy, dataclasses.replace(batch, routed_experts=None), rows)[0]
     recorded = batch.routed_experts
     moved = torch.where(recorded < 0, recorded, (recorded + 1) % 4)  # other experts than the router's own
@@ -644,7 +742,7 @@ def test_megatron_weights_load_into_the_rollout_engine(hf_models, case):
     rollout = TorchRolloutEngine(str(folder))
     rollout.load_weights(engine.named_weights(), version=1)
     batch = _batch(seed=2)
-    rows = torch.arange(batch.input_ids.shape[0])
+    rows = every_sample(batch)
     reference = _engine(TorchTrainEngine, folder)
     reference.policy = rollout.model  # score the batch with the rollout engine's model
     expected = engine._response_logprobs(engine.policy, batch, rows)[0]
@@ -665,7 +763,7 @@ def test_save_and_load_continue_training_exactly(hf_models, tmp_path, algo, dtyp
     resumed.load(tmp_path)
     assert resumed.weight_version == 1
     if algo == "ppo":
-        rows = torch.arange(6)
+        rows = every_sample(_batch(seed=1))
         with torch.no_grad():
             values = engine._values(_batch(seed=1), rows)
             assert values.abs().max() > 0 and torch.equal(resumed._values(_batch(seed=1), rows), values)

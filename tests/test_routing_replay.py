@@ -9,6 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from conftest import every_sample
 from vime.backends import routing_replay
 from vime.backends.base import SamplingParams, Sequence, collate
 from vime.backends.hf import checkpoint_names, in_memory_names
@@ -64,7 +65,7 @@ def _batch(sequences: list[Sequence], replay: bool):
 
 
 def _logprob_diff(trainer: TorchTrainEngine, batch) -> float:
-    logprobs, _ = trainer._response_logprobs(trainer.policy, batch, torch.arange(batch.input_ids.shape[0]))
+    logprobs, _ = trainer._response_logprobs(trainer.policy, batch, every_sample(batch))
     diff = (logprobs.detach() - batch.rollout_logprobs).abs() * batch.response_mask
     return float(diff.sum() / batch.response_mask.sum())
 
@@ -96,7 +97,7 @@ def test_replay_forces_the_recorded_experts_and_keeps_the_router_trainable(folde
         for router in routing_replay.moe_routers(trainer.policy):
             router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(9)))
     free = _batch(sequences, replay=False)
-    rows = torch.arange(len(sequences))
+    rows = every_sample(batch)
     recorded = batch.routed_experts.flatten(0, 1)
     with routing_replay.recording(trainer.policy) as routed:
         trainer._response_logprobs(trainer.policy, free, rows)

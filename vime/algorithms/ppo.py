@@ -20,9 +20,10 @@ def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token rewards ``[samples, tokens]``: each sample's reward on its last real token (the last one
     the mask keeps: inserted tool messages may sit between real tokens)."""
     per_token = torch.zeros_like(mask, dtype=torch.float32)
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).max(-1).values
-    per_token[torch.arange(mask.shape[0]), last.clamp(min=0)] = rewards.to(torch.float32) * (last >= 0)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    per_token[rows, last.clamp(min=0)] = rewards.to(torch.float32) * (last >= 0)
     return per_token
 
 
@@ -36,8 +37,8 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     continues from the real token after them, as if they were not there.
     """
     advantages = torch.zeros_like(token_rewards)
-    running = torch.zeros(token_rewards.shape[0])
-    next_value = torch.zeros(token_rewards.shape[0])
+    running = torch.zeros(token_rewards.shape[0], device=token_rewards.device)
+    next_value = torch.zeros_like(running)
     for t in reversed(range(token_rewards.shape[1])):
         live = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]

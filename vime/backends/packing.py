@@ -6,9 +6,15 @@ longest; packed (:func:`packed_inputs`, with ``--use-dynamic-batch-size``), the 
 single row with no padding, and the model is told where each begins by its position ids, which restart at 0
 in every sample. That is the convention of transformers (``find_packed_sequence_indices``: a position that
 does not follow the previous one starts a document), so the reference trainer's Hugging Face model needs
-nothing else; the Megatron model reads the same positions (:func:`documents`) for its rotary embedding and
-its attention, which keeps each token to its own sample (:func:`document_mask`, or a variable-length kernel:
-``megatron.modules``).
+nothing else; the Megatron model reads the same positions for its rotary embedding, and the samples' lengths
+(:func:`documents`) for its attention, which keeps each token to its own sample (:func:`document_mask`, or a
+variable-length kernel: ``megatron.modules``).
+
+A micro-batch (:class:`MicroBatch`) is laid out from its samples' sizes on the host (:class:`SampleSizes`, read
+from the device once per step), never from the device: on a GPU every such read would stall the host until the
+queued forward and backward passes finished, and the next micro-batch could not be queued while the GPU works.
+That holds for vime's code and dense models only: in an MoE layer megatron-core's token dispatcher still reads
+the device in every micro-batch (``moe_utils.sort_chunks_by_idxs``' ``.tolist()``).
 
 Per-token results come back from either layout by :meth:`ModelInputs.responses`: for each response token,
 the value at the position that predicts it, ``[samples, max_response]``, as the loss reads them. A packed
@@ -40,6 +46,7 @@ class ModelInputs:
     first: int  # the first column whose output predicts a response token: the earlier ones need no log-prob
     index: torch.Tensor  # [samples, max_response]: the column, from ``first``, predicting each response token
     response_mask: torch.Tensor  # [samples, max_response]
+    sample_lengths: torch.Tensor | None  # packed: each sample's tokens, on the host (:func:`documents`); else None
 
     def model_kwargs(self) -> dict[str, torch.Tensor | bool | None]:
         """What a causal LM (or value model) is called with: ``input_ids``, ``attention_mask``, ``position_ids``, and
@@ -61,28 +68,85 @@ class ModelInputs:
         return rows.gather(1, self.index) * self.response_mask
 
 
-def padded_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
-    """``rows`` of ``batch`` as right-padded rows, trimmed to the longest. One host read, taken before the forward
-    is queued: the vocabulary-wide work skips the columns before the earliest response (``first``), which with
-    long prompts and short responses are most of them."""
-    bounds = torch.stack([batch.response_start[rows].min() - 1, batch.attention_mask[rows].sum(-1).max()])
-    first, width = bounds.tolist()
+@dataclasses.dataclass(frozen=True, eq=False)  # tensors: == would compare them element-wise
+class SampleSizes:
+    """What laying micro-batches out needs to know of samples, on the host: their tokens (prompt and response),
+    where each response starts, and its response tokens (what weighs a micro-batch's statistics). Read from the
+    device once per step (:meth:`of`), so that cutting and building micro-batches never waits for it: on a GPU
+    each read stalls the host until the queued passes finish, and the next micro-batch could not be queued
+    while the GPU works."""
+
+    lengths: torch.Tensor  # [samples] int64
+    response_start: torch.Tensor  # [samples] int64
+    response_tokens: torch.Tensor  # [samples] float32: the response mask's sum
+
+    @classmethod
+    def of(cls, batch: TensorBatch) -> SampleSizes:
+        """``batch``'s sizes, in one copy to the host (none when the batch is there already). float64 holds the
+        counts and the mask's float32 sums exactly, so one tensor carries the three."""
+        together = torch.stack([batch.attention_mask.sum(-1).double(), batch.response_start.double(),
+                                batch.response_mask.sum(-1).double()]).cpu()
+        return cls(together[0].long(), together[1].long(), together[2].float())
+
+    def __getitem__(self, rows: torch.Tensor) -> SampleSizes:
+        """The sizes of ``rows`` (host indices), in their order."""
+        return SampleSizes(self.lengths[rows], self.response_start[rows], self.response_tokens[rows])
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """The samples of one forward (and backward) pass: their rows of the batch on its device, to index its
+    tensors, and their sizes on the host, to lay the pass out without reading the device."""
+
+    rows: torch.Tensor  # [samples] on the batch's device
+    sizes: SampleSizes  # of ``rows``, in their order
+    counted: bool = True  # False: a pass that only keeps data-parallel copies in step (``replica_micro_batches``)
+
+
+def on_device(chunks: list[tuple[torch.Tensor, bool]], sizes: SampleSizes, device: str | torch.device
+              ) -> list[MicroBatch]:
+    """``chunks`` (host rows, whether each counts) as micro-batches of a batch on ``device`` whose samples have
+    ``sizes``: every chunk's rows go over in one copy that does not wait for the device (:func:`host_to_device`)."""
+    if not chunks:
+        return []
+    rows = host_to_device(torch.cat([rows for rows, _ in chunks]), device).split([len(rows) for rows, _ in chunks])
+    return [MicroBatch(moved, sizes[host], counted) for moved, (host, counted) in zip(rows, chunks)]
+
+
+def host_to_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """``host`` copied to ``device`` without the host waiting for the device, queued behind the work already
+    there. On CUDA the copy is from page-locked memory, which is what makes it asynchronous: ``non_blocking`` from
+    pageable memory does not wait for the stream either, but returns only once the driver has staged the data
+    itself. A tensor not on the host is refused: it cannot be pinned, and reading it would make the host wait."""
+    if host.device.type != "cpu":
+        raise ValueError(f"host_to_device copies a host tensor; got one on {host.device}: take it on the host "
+                         "(a batch's sizes by SampleSizes.of(batch) before the batch moves to the device)")
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def padded_inputs(batch: TensorBatch, micro: MicroBatch) -> ModelInputs:
+    """``micro``'s samples of ``batch`` as right-padded rows, trimmed to the longest. The vocabulary-wide work
+    skips the columns before the earliest response (``first``), which with long prompts and short responses are
+    most of them; both bounds are the host's sizes, so the forward is queued without waiting for the device."""
+    rows = micro.rows
+    first, width = int(micro.sizes.response_start.min()) - 1, int(micro.sizes.lengths.max())
     mask = batch.attention_mask[rows, :width]
     steps = torch.arange(batch.response_ids.shape[1], device=mask.device)
     index = (batch.response_start[rows].unsqueeze(1) - 1 + steps).clamp(max=width - 1) - first
     return ModelInputs(input_ids=batch.input_ids[rows, :width], attention_mask=mask, position_ids=position_ids(mask),
                        experts=None if batch.routed_experts is None else batch.routed_experts[rows, :width],
-                       first=first, index=index, response_mask=batch.response_mask[rows])
+                       first=first, index=index, response_mask=batch.response_mask[rows], sample_lengths=None)
 
 
-def packed_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
-    """``rows`` of ``batch`` end to end in one row, each sample's prompt and response tokens and no padding, its
-    positions from 0 (the model tells the samples apart by them), the replayed experts of each token with it.
-    One host read (the samples' lengths), to lay the row out. ``rows`` may be on the host (a step's shuffle is):
-    it joins the batch's device first, since it is indexed by a tensor there."""
-    rows = rows.to(batch.input_ids.device)
+def packed_inputs(batch: TensorBatch, micro: MicroBatch) -> ModelInputs:
+    """``micro``'s samples of ``batch`` end to end in one row, each sample's prompt and response tokens and no
+    padding, its positions from 0 (the model tells the samples apart by them), the replayed experts of each
+    token with it. The row's length and the samples' bounds are the host's sizes: no read of the device."""
+    rows = micro.rows
     lengths = batch.attention_mask[rows].sum(-1)
-    total = int(lengths.sum())
+    total = int(micro.sizes.lengths.sum())
     offsets = lengths.cumsum(0) - lengths  # where each sample starts in the row
     sample = torch.repeat_interleave(torch.arange(len(rows), device=lengths.device), lengths, output_size=total)
     positions = torch.arange(total, device=lengths.device) - offsets[sample]
@@ -95,21 +159,16 @@ def packed_inputs(batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
                        position_ids=positions.unsqueeze(0),
                        experts=None if batch.routed_experts is None else
                        batch.routed_experts[source, positions].unsqueeze(0),
-                       first=0, index=offsets.unsqueeze(1) + within, response_mask=batch.response_mask[rows])
+                       first=0, index=offsets.unsqueeze(1) + within, response_mask=batch.response_mask[rows],
+                       sample_lengths=micro.sizes.lengths)
 
 
-def documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The samples of a packed row, from its ``position_ids [1, tokens]`` (a sample starts where they are 0):
-    ``cu_seqlens`` (int32 ``[samples + 1]``, where each starts and the row's end) and the longest sample's
-    length, as variable-length attention kernels take them. One host read: the positions are worked through on
-    the host, which needs the longest length as a number anyway, and ``cu_seqlens`` goes back to their device."""
-    positions = position_ids.reshape(-1).cpu()
-    if positions.numel() and positions[0] != 0:
-        raise ValueError(f"a packed row starts at position {int(positions[0])}, not 0: its first tokens would "
-                         "belong to no sample; build it with vime.backends.packing.packed_inputs")
-    starts = torch.nonzero(positions == 0).reshape(-1)
-    cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
-    return cu_seqlens.to(position_ids.device), int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+def documents(sample_lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The samples of a packed row from their lengths (on the host): ``cu_seqlens`` (int32 ``[samples + 1]``,
+    where each starts and the row's end, on the host) and the longest sample's length, as variable-length
+    attention kernels take them."""
+    cu_seqlens = torch.cat([sample_lengths.new_zeros(1), sample_lengths.cumsum(0)]).to(torch.int32)
+    return cu_seqlens, int(sample_lengths.max())
 
 
 def document_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:

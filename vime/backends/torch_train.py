@@ -52,7 +52,7 @@ from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
 from vime.backends.hf import load_causal_lm, token_stats
 from vime.backends.master_weights import MasterWeights, to_bf16
-from vime.backends.packing import ModelInputs, packed_inputs, padded_inputs
+from vime.backends.packing import MicroBatch, ModelInputs, SampleSizes, on_device, packed_inputs, padded_inputs
 from vime.config import OptimConfig
 
 
@@ -220,17 +220,22 @@ class TorchTrainEngine(TrainEngine):
         """Route the forward's tokens to the rollout's experts (``[rows, width, moe_layers, top_k]``, R3)."""
         return routing_replay.replaying(model, None if experts is None else experts.flatten(0, 1))
 
-    def _inputs(self, batch: TensorBatch, rows: torch.Tensor) -> ModelInputs:
-        """The forward's inputs for ``rows``: packed into one row with ``--use-dynamic-batch-size`` (its token
+    def _inputs(self, batch: TensorBatch, micro: MicroBatch) -> ModelInputs:
+        """The forward's inputs for ``micro``: packed into one row with ``--use-dynamic-batch-size`` (its token
         budget is of real tokens, which a packed row holds and nothing else), else right-padded rows."""
-        return (packed_inputs if self.optim.use_dynamic_batch_size else padded_inputs)(batch, rows)
+        return (packed_inputs if self.optim.use_dynamic_batch_size else padded_inputs)(batch, micro)
+
+    def _call(self, model: torch.nn.Module, inputs: ModelInputs) -> Any:
+        """``model`` (the policy, the KL reference or the value model) on ``inputs``, called as a transformers
+        model is: what another backend overrides to hand its model what else it takes."""
+        return model(**inputs.model_kwargs())
 
     def _response_logprobs(self, model: torch.nn.Module, batch: TensorBatch,
-                           rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of the response tokens of ``rows``: ``[rows, max_response]`` each."""
-        inputs = self._inputs(batch, rows)
+                           micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the response tokens of ``micro``'s rows: ``[rows, max_response]`` each."""
+        inputs = self._inputs(batch, micro)
         with self._replaying(model, inputs.experts):
-            logits = model(**inputs.model_kwargs()).logits
+            logits = self._call(model, inputs).logits
         return self._response_stats(logits, inputs)
 
     def _response_stats(self, logits: torch.Tensor, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,22 +247,22 @@ class TorchTrainEngine(TrainEngine):
         return inputs.responses(logprobs), inputs.responses(entropy)
 
     def _forward_passes(self, model: torch.nn.Module, batch: TensorBatch,
-                        chunks: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`_response_logprobs` of ``model`` for each micro-batch of ``chunks`` (rows, whether it counts),
-        without gradients: what another backend overrides to run the passes its own way (pipeline stages)."""
-        return [self._response_logprobs(model, batch, rows) for rows, _ in chunks]
+                        chunks: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`_response_logprobs` of ``model`` for each micro-batch of ``chunks``, without gradients: what
+        another backend overrides to run the passes its own way (pipeline stages)."""
+        return [self._response_logprobs(model, batch, micro) for micro in chunks]
 
-    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[MicroBatch],
                            loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
                            ) -> list[dict[str, torch.Tensor]]:
-        """Forward and backward of the policy on each micro-batch of ``chunks`` (rows, whether it counts), the
-        gradients accumulating; ``loss_of(rows, counted, logprobs, entropy)`` gives a micro-batch's loss and
+        """Forward and backward of the policy on each micro-batch of ``chunks``, the gradients accumulating;
+        ``loss_of(micro, logprobs, entropy)`` gives a micro-batch's loss and
         statistics (:meth:`_micro_loss`), which are returned in ``chunks``' order. Another backend overrides
         this to schedule the passes its own way (pipeline stages), and may return the statistics on only some
         of its ranks."""
         figures = []
-        for rows, counted in chunks:
-            loss, stats = loss_of(rows, counted, *self._response_logprobs(self.policy, batch, rows))
+        for micro in chunks:
+            loss, stats = loss_of(micro, *self._response_logprobs(self.policy, batch, micro))
             loss.backward()
             figures.append(stats)
         return figures
@@ -267,43 +272,51 @@ class TorchTrainEngine(TrainEngine):
         """Log-probs of ``targets`` and entropies from the policy's ``logits`` (:func:`token_stats`)."""
         return token_stats(logits, targets, self.temperature, entropy_grad=entropy_grad)
 
-    def _values(self, batch: TensorBatch, rows: torch.Tensor) -> torch.Tensor:
-        """The value model's values at the positions that predict the response tokens of ``rows``. Under R3 it
+    def _values(self, batch: TensorBatch, micro: MicroBatch) -> torch.Tensor:
+        """The value model's values at the positions that predict the response tokens of ``micro``'s rows. Under R3 it
         routes each token to the rollout's experts, as the policy does: it starts as the policy's copy, and a
         value that moves between the step's scoring pass and its training passes because a near-tie in a
         router flipped would be clipped as if the weights had moved it."""
         assert self.critic is not None
-        inputs = self._inputs(batch, rows)
+        inputs = self._inputs(batch, micro)
         with self._replaying(self.critic, inputs.experts):
-            values = self.critic(**inputs.model_kwargs())
+            values = self._call(self.critic, inputs)
         return inputs.responses(values[:, inputs.first:])
 
     @torch.no_grad()
-    def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
+    def score(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, torch.Tensor]:
         """Everything computed once per step with the weights the batch will be trained from: the response
         tokens' log-probs (``old_logprobs``, the trainer side of ``train_rollout_logprob_abs_diff``) and
-        entropies, and the reference log-probs and values where the algorithm has them."""
-        chunks = self._micro_batches(torch.arange(batch.input_ids.shape[0]), batch.attention_mask.sum(-1).cpu())
+        entropies, and the reference log-probs and values where the algorithm has them. ``sizes``: the batch's,
+        read already (by the step); else read here, once."""
+        sizes = SampleSizes.of(batch) if sizes is None else sizes
+        if len(sizes.lengths) != batch.input_ids.shape[0]:
+            raise ValueError(f"sizes of {len(sizes.lengths)} samples for a batch of {batch.input_ids.shape[0]}: "
+                             "pass SampleSizes.of(batch) of this very batch, or none")
         batch = batch.to(self.device)
+        chunks = self._micro_batches(torch.arange(batch.input_ids.shape[0]), sizes)
         keys = ["old_logprobs", "entropy"] + ["ref_logprobs"] * (self.reference is not None) + \
             ["values"] * (self.critic is not None)
         scores = {key: torch.zeros_like(batch.rollout_logprobs) for key in keys}
         policy = self._forward_passes(self.policy, batch, chunks)
         reference = self._forward_passes(self.reference, batch, chunks) if self.reference is not None else None
-        for index, (rows, counted) in enumerate(chunks):
+        for index, micro in enumerate(chunks):
             figures = dict(zip(("old_logprobs", "entropy"), policy[index]))
             if reference is not None:
                 figures["ref_logprobs"] = reference[index][0]
             if self.critic is not None:
-                figures["values"] = self._values(batch, rows)
-            if counted:
+                figures["values"] = self._values(batch, micro)
+            if micro.counted:
                 for key, value in figures.items():
-                    scores[key][rows] = value
+                    scores[key][micro.rows] = value
         return {key: self._sum_over_replicas(value) for key, value in scores.items()}
 
 
-    def train_step(self, batch: TensorBatch) -> dict[str, Any]:
-        lengths = batch.attention_mask.sum(-1).cpu()  # of every sample, for the micro-batches
+    def train_step(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, Any]:
+        """One step on ``batch`` (see the base class). ``sizes``: the batch's, taken on the host by a caller that
+        moves the batch first; else read here, the step's one read of the batch for every micro-batch (a wait
+        for the device only if the batch is there already)."""
+        sizes = SampleSizes.of(batch) if sizes is None else sizes
         batch = batch.to(self.device)
         scored_in_training = (self.optim.updates_per_step == 1 and self.reference is None and self.critic is None
                               and not self._dropout())
@@ -311,7 +324,7 @@ class TorchTrainEngine(TrainEngine):
             empty = torch.zeros_like(batch.rollout_logprobs)
             scores = {"old_logprobs": empty, "entropy": empty.clone()}
         else:
-            scores = self.score(batch)
+            scores = self.score(batch, sizes)
         self._train_mode(True)
         mask = batch.response_mask
         version = self.weight_version
@@ -327,18 +340,17 @@ class TorchTrainEngine(TrainEngine):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.weight_version)
         order = torch.randperm(batch.input_ids.shape[0], generator=generator)
         minis = [mini for mini in order.tensor_split(self.optim.updates_per_step) if mini.numel()]
-        row_tokens = mask.sum(-1).cpu()  # response tokens per sample, read once rather than per micro-batch
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
-            value_normalizer = float(row_tokens[mini].sum())
+            value_normalizer = float(sizes.response_tokens[mini].sum())
             normalizer = batch_normalizer(self.loss.loss_aggregation, float(mini.numel()), max(value_normalizer, 1.0),
                                           self.loss.loss_scale_tokens or mask.shape[-1])
-            chunks = self._micro_batches(mini, lengths)
+            chunks = self._micro_batches(mini, sizes)
             loss_of = functools.partial(self._micro_loss, batch, scores=scores, advantages=advantages,
                                         returns=returns, normalizer=normalizer, value_normalizer=value_normalizer,
                                         scored_here=scored_in_training)
-            for (rows, counted), stats in zip(chunks, self._mini_batch_passes(batch, chunks, loss_of)):
-                tokens = float(row_tokens[rows].sum()) if counted else 0.0
+            for micro, stats in zip(chunks, self._mini_batch_passes(batch, chunks, loss_of)):
+                tokens = float(micro.sizes.response_tokens.sum()) if micro.counted else 0.0
                 for key, value in stats.items():
                     totals.setdefault(key, []).append((value, tokens))
             norms = [self._clip_gradients(group["params"], self.optim.grad_clip or math.inf)
@@ -370,20 +382,23 @@ class TorchTrainEngine(TrainEngine):
             metrics.setdefault(key, _combine(key, figures, len(minis)))  # kl was measured before the update: kept
         return metrics
 
-    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
-        """This copy's micro-batches of ``rows`` (:func:`replica_micro_batches`): ``--micro-batch-size`` samples
-        each, or with ``--use-dynamic-batch-size`` at most ``--max-tokens-per-gpu`` tokens each (packed)."""
-        return replica_micro_batches(rows, lengths, self.optim.micro_batch_size, *self.replica,
-                                     max_tokens=self.optim.max_tokens_per_gpu)
+    def _micro_batches(self, rows: torch.Tensor, sizes: SampleSizes) -> list[MicroBatch]:
+        """This copy's micro-batches of ``rows`` (on the host; :func:`replica_micro_batches`): ``--micro-batch-size``
+        samples each, or with ``--use-dynamic-batch-size`` at most ``--max-tokens-per-gpu`` tokens each (packed),
+        cut by the batch's ``sizes`` and sent to the device together, before any of them runs."""
+        chunks = replica_micro_batches(rows, sizes.lengths, self.optim.micro_batch_size, *self.replica,
+                                       max_tokens=self.optim.max_tokens_per_gpu)
+        return on_device(chunks, sizes, self.device)
 
-    def _micro_loss(self, batch: TensorBatch, rows: torch.Tensor, counted: bool, logprobs: torch.Tensor,
-                    entropy: torch.Tensor, *, scores: dict[str, torch.Tensor], advantages: torch.Tensor,
-                    returns: torch.Tensor | None, normalizer: float, value_normalizer: float,
+    def _micro_loss(self, batch: TensorBatch, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, *,
+                    scores: dict[str, torch.Tensor], advantages: torch.Tensor, returns: torch.Tensor | None,
+                    normalizer: float, value_normalizer: float,
                     scored_here: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one micro-batch from the policy's ``logprobs`` and ``entropy`` of its response tokens
         (with the value model's, for ppo), to be backpropagated, and its statistics. ``scored_here``: this
         forward's log-probs and entropies are the step's scores (written into ``scores``). A pass that does not
         count (see :func:`replica_micro_batches`) adds nothing to either."""
+        rows, counted = micro.rows, micro.counted
         mask = batch.response_mask[rows]
         old_logprobs = logprobs.detach() if scored_here else scores["old_logprobs"][rows]
         if scored_here and counted:
@@ -398,7 +413,7 @@ class TorchTrainEngine(TrainEngine):
         stats["loss"] = loss.detach()
         if self.critic is not None:
             assert returns is not None
-            values = self._values(batch, rows)
+            values = self._values(batch, micro)
             value_loss, value_stats = ppo.value_loss(values, scores["values"][rows], returns[rows], mask,
                                                      self.ppo.value_clip, normalizer=value_normalizer)
             loss = loss + self.ppo.value_coef * value_loss

@@ -48,6 +48,7 @@ from vime.backends.megatron.weights import (
     unsharded_weights,
     write_hf_folder,
 )
+from vime.backends.packing import MicroBatch, ModelInputs, SampleSizes
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine, refused_layout
 from vime.config import OptimConfig
@@ -62,8 +63,9 @@ class _AsCausalLM(torch.nn.Module):
     that call lets :class:`MegatronTrainEngine` run the very same step. The
     trainer's batches are right-padded and trimmed, so the mask and positions
     it passes are those the causal GPTModel assumes anyway; or packed into one
-    row (``attention_mask`` None), whose positions restart at each sample and
-    tell the model where the samples are (``model.forward``). Under tensor
+    row (``attention_mask`` None), whose positions restart at each sample (for
+    the rotary embedding) and whose ``sample_lengths``, on the host, bound each
+    sample's attention (``model.forward``). Under tensor
     parallelism its logits are this rank's share of the vocabulary, which the
     engine's ``_token_stats`` takes as they are; anything else must gather them.
     """
@@ -75,11 +77,12 @@ class _AsCausalLM(torch.nn.Module):
         self.replay_experts: torch.Tensor | None = None  # set by MegatronTrainEngine._replaying
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                use_cache: bool = False) -> ForwardOutput:
+                use_cache: bool = False, sample_lengths: torch.Tensor | None = None) -> ForwardOutput:
         """This rank's share of the vocabulary's logits: :meth:`MegatronTrainEngine._token_stats` sums over
-        the ranks. ``use_cache`` is taken as a transformers model takes it; a GPTModel keeps no cache here."""
+        the ranks. ``use_cache`` is taken as a transformers model takes it; a GPTModel keeps no cache here.
+        ``sample_lengths``: a packed row's, on the host (``model.forward``)."""
         return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
-                       replay_experts=self.replay_experts, whole_vocabulary=False)
+                       sample_lengths=sample_lengths, replay_experts=self.replay_experts, whole_vocabulary=False)
 
 
 class _AsValueModel(_AsCausalLM):
@@ -88,9 +91,10 @@ class _AsValueModel(_AsCausalLM):
     values of every position, ``[rows, width]`` in fp32, whole on every tensor-parallel rank."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,  # type: ignore[override]
-                position_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+                position_ids: torch.Tensor, use_cache: bool = False,
+                sample_lengths: torch.Tensor | None = None) -> torch.Tensor:
         return forward(self.model, input_ids, position_ids=_packed_positions(attention_mask, position_ids),
-                       replay_experts=self.replay_experts).logits.squeeze(-1).float()
+                       sample_lengths=sample_lengths, replay_experts=self.replay_experts).logits.squeeze(-1).float()
 
 
 def _packed_positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -236,6 +240,12 @@ class MegatronTrainEngine(TorchTrainEngine):
         finally:
             model.replay_experts = None
 
+    def _call(self, model: torch.nn.Module, inputs: ModelInputs) -> Any:
+        """As the reference trainer calls ``model``, with a packed row's sample lengths from the host, which the
+        GPTModel's forward requires with its positions (the attention's bounds, known without reading the
+        device)."""
+        return model(**inputs.model_kwargs(), sample_lengths=inputs.sample_lengths)
+
     def _policy(self, checkpoint: Mapping[str, torch.Tensor]) -> _AsCausalLM:
         return _AsCausalLM(self._build(self.hf_config, checkpoint), self.hf_config).eval()
 
@@ -260,11 +270,12 @@ class MegatronTrainEngine(TorchTrainEngine):
         be replayed are refused first, by every rank (each holds the whole batch): one refusing in a micro-batch
         that the other data-parallel copies do not run would leave them waiting in their next collective.
         Under pipeline parallelism the metrics are the last stage's (where the loss is), on every rank."""
-        batch = batch.to(self.device)  # checked where the step reads them (on the host, seconds for a large batch)
+        sizes = SampleSizes.of(batch)  # from the host batch: read after the move, it would wait for the device
+        batch = batch.to(self.device)  # the experts are checked there: on the host, seconds for a large batch
         if batch.routed_experts is not None:
             _check_replayable(batch.routed_experts)
         try:
-            metrics = super().train_step(batch)
+            metrics = super().train_step(batch, sizes)
         finally:
             if self.recompute:
                 for model in self._trained_models():
@@ -275,34 +286,34 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.broadcast_object_list(shared, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
         return shared[0]
 
-    def score(self, batch: TensorBatch) -> dict[str, torch.Tensor]:
+    def score(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, torch.Tensor]:
         """The reference trainer's scores; under pipeline parallelism computed on the last stage and broadcast
         from there, so that every rank holds them (the step's advantages and metrics read them)."""
-        scores = super().score(batch)
+        scores = super().score(batch, sizes)
         if self.pipeline_parallel > 1:
             for value in scores.values():
                 dist.broadcast(value, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
         return scores
 
     def _forward_passes(self, model: torch.nn.Module, batch: TensorBatch,
-                        chunks: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        chunks: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Under pipeline parallelism, megatron-core's schedule runs the forward passes through the stages;
         the log-probs and entropies are the last stage's, and zeros on the others (:meth:`score` broadcasts the
         last stage's)."""
         if self.pipeline_parallel == 1:
             return super()._forward_passes(model, batch, chunks)
 
-        def stats_only(rows: torch.Tensor, counted: bool, logprobs: torch.Tensor,
+        def stats_only(micro: MicroBatch, logprobs: torch.Tensor,
                        entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
 
         figures = self._pipelined(model, batch, chunks, stats_only, forward_only=True)
         if not parallel_state.is_pipeline_last_stage():
-            return [(torch.zeros(len(rows), batch.response_ids.shape[1], device=self.device),) * 2
-                    for rows, _ in chunks]
+            return [(torch.zeros(len(micro.rows), batch.response_ids.shape[1], device=self.device),) * 2
+                    for micro in chunks]
         return [(stats["logprobs"], stats["entropy"]) for stats in figures]
 
-    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+    def _mini_batch_passes(self, batch: TensorBatch, chunks: list[MicroBatch],
                            loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
                            ) -> list[dict[str, torch.Tensor]]:
         """Under pipeline parallelism, megatron-core's 1F1B schedule runs the forward and backward passes of
@@ -312,7 +323,7 @@ class MegatronTrainEngine(TorchTrainEngine):
             return super()._mini_batch_passes(batch, chunks, loss_of)
         return self._pipelined(self.policy, batch, chunks, loss_of, forward_only=False)
 
-    def _pipelined(self, model: _AsCausalLM, batch: TensorBatch, chunks: list[tuple[torch.Tensor, bool]],
+    def _pipelined(self, model: _AsCausalLM, batch: TensorBatch, chunks: list[MicroBatch],
                    loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
                    forward_only: bool) -> list[dict[str, torch.Tensor]]:
         """The micro-batches ``chunks`` (right-padded rows, or one packed row each: :meth:`_inputs`) through the
@@ -330,17 +341,17 @@ class MegatronTrainEngine(TorchTrainEngine):
         # them (the model was built in fp32)
         model.model.config.pipeline_dtype = next(model.model.parameters()).dtype
 
-        def step(data: Iterator[tuple[torch.Tensor, bool]],
-                 stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
-            rows, counted = next(data)
-            inputs = self._inputs(batch, rows)
+        def step(data: Iterator[MicroBatch], stage: GPTModel) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+            micro = next(data)
+            inputs = self._inputs(batch, micro)
             experts = None if inputs.experts is None else _route_free_tokens(inputs.experts)
             output = forward(stage, inputs.input_ids,
                              position_ids=_packed_positions(inputs.attention_mask, inputs.position_ids),
-                             replay_experts=experts, whole_vocabulary=False).logits
+                             sample_lengths=inputs.sample_lengths, replay_experts=experts,
+                             whole_vocabulary=False).logits
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-                loss, stats = loss_of(rows, counted, *self._response_stats(logits, inputs))
+                loss, stats = loss_of(micro, *self._response_stats(logits, inputs))
                 return loss, one, stats
 
             return output, loss_func

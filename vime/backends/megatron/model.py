@@ -35,7 +35,7 @@ from vime.backends.megatron.conversion import transformer_config
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import _gather_sequence, _sequence_ranks, init_parallel, stage_layers
 from vime.backends.megatron.routing import _routing, _stage_moe_layers
-from vime.backends.packing import documents
+from vime.backends.packing import documents, host_to_device
 
 
 def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, routing_replay: bool = False,
@@ -129,14 +129,15 @@ class ForwardOutput:
 
 
 def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-            replay_experts: torch.Tensor | None = None, record_experts: bool = False,
-            whole_vocabulary: bool = True) -> ForwardOutput:
+            sample_lengths: torch.Tensor | None = None, replay_experts: torch.Tensor | None = None,
+            record_experts: bool = False, whole_vocabulary: bool = True) -> ForwardOutput:
     """Logits of right-padded ``input_ids [batch, seq]``, routing freely, recording, or replaying experts.
 
     With ``position_ids [1, seq]``, ``input_ids [1, seq]`` is one packed row: samples end to end, each one's
-    positions from 0 (``vime.backends.packing.packed_inputs``). Each token then attends only to its own
-    sample's tokens and takes the rotary embedding of its position in it, so its logits are those it has
-    in a padded row of its own.
+    positions from 0 (``vime.backends.packing.packed_inputs``), their lengths ``sample_lengths`` on the host
+    (the attention's bounds, which the host would otherwise have to wait for the device to read). Each token
+    then attends only to its own sample's tokens and takes the rotary embedding of its position in it, so its
+    logits are those it has in a padded row of its own.
 
     ``replay_experts [batch, seq, moe_layers, top_k]`` (R3) makes every MoE
     layer send each token to those experts; the gate weights are the router's
@@ -147,8 +148,9 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
     ``whole_vocabulary`` gathers them (see :func:`vocab_parallel_token_stats`
     for what needs no gathering). On a pipeline stage, the model takes its input from the stage before (as
     megatron-core's schedule sets it) and ``input_ids`` give only the batch's shape (a packed row's
-    ``position_ids`` are still needed: every stage keeps each token to its sample and takes its rotary
-    embedding at its own position); a stage before the last returns its output as it goes to the next stage.
+    ``position_ids`` and ``sample_lengths`` are still needed: every stage keeps each token to its sample by the
+    lengths and takes its rotary embedding at its own position); a stage before the last returns its output as it
+    goes to the next stage.
     ``replay_experts`` are then still the whole model's (every MoE layer's), of which the stage replays its own
     layers'; recording needs the whole model.
     """
@@ -168,11 +170,19 @@ def forward(model: GPTModel, input_ids: torch.Tensor, *, position_ids: torch.Ten
     if position_ids is None:
         positions = arange.expand(batch, width)
     else:
-        if batch != 1:
-            raise ValueError(f"position_ids mark the samples of one packed row; got {batch} rows: pack them into one "
-                             "(vime.backends.packing.packed_inputs) or pass right-padded rows without position_ids")
+        if sample_lengths is not None and sample_lengths.device.type != "cpu":
+            raise ValueError(f"sample_lengths are on {sample_lengths.device}; pass them on the host (as "
+                             "vime.backends.packing.SampleSizes.of(batch) reads them, before the batch moves): "
+                             "reading them from the device would make the host wait for it in every forward")
+        if batch != 1 or sample_lengths is None or int(sample_lengths.sum()) != seq:
+            raise ValueError(f"position_ids mark the samples of one packed row, whose sample_lengths (on the host) add "
+                             f"up to its {seq} tokens; got {batch} rows and lengths {sample_lengths}: pack them "
+                             "with vime.backends.packing.packed_inputs, or pass right-padded rows without either")
         positions = torch.cat([position_ids, arange[:width - seq].unsqueeze(0)], dim=1)  # the padding: a sample
-        cu_seqlens, longest = documents(positions)
+        if width > seq:
+            sample_lengths = torch.cat([sample_lengths, sample_lengths.new_tensor([width - seq])])
+        cu_seqlens, longest = documents(sample_lengths)
+        cu_seqlens = host_to_device(cu_seqlens, input_ids.device)
         # "sbhd": the row stays a sequence of one batch entry, as megatron-core lays out unpacked input; its "thd"
         # layout would apply the rotary embedding sample by sample, a host read and several kernels per sample
         # in every layer, where taking each token's own position (_at_positions) is one gather per forward
