@@ -30,7 +30,7 @@ def test_a_run_killed_each_way_is_continued_and_loses_nothing(soaked):
     out, result = soaked
     kills = result["kills"]
     assert sorted(kill["kind"] for kill in kills) == sorted(KINDS)
-    assert all(kill["recovered_by"] == ("restart" if kill["kind"] == "rollout" else "--resume") for kill in kills)
+    assert all(kill["recovered_by"] == ("restart" if kill["kind"] == "rollout" else "--resume") for kill in kills), kills
     assert result["findings"] == []
     groups = result["groups"]
     assert groups["lost"] == 0 and groups["trained_twice"] == 0

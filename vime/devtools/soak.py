@@ -120,15 +120,17 @@ def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic
         with open(log, "wb") as output:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
-            watch = _Watch(process, run_dir, plan, stall_s, started, say, recovering=ended_by)
+            watch = _Watch(process, log, run_dir, plan, stall_s, started, say, recovering=ended_by)
             try:
                 ended_by = watch.run()
             except BaseException:  # Ctrl-C, a hang: the run is in its own session and would outlive the soak
+                _write_progress(out, kills + watch.kills, launches)
                 _kill_tree(process, run_dir)
                 raise
         kills += watch.kills
         text = log.read_text(errors="replace")
         launches.append({**launch, "exit": process.returncode, "seconds": round(time.monotonic() - began, 1)})
+        _write_progress(out, kills, launches)
         if process.returncode == 0:
             break
         if ended_by is None:
@@ -147,9 +149,9 @@ def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic
 class _Watch:
     """One launch, watched until it exits: its steps, the planned kills, a restarted worker awaited."""
 
-    def __init__(self, process: subprocess.Popen, run_dir: Path, plan: Plan, stall_s: float, started: float,
-                 say: Callable[[str], None], recovering: Kill | None) -> None:
-        self.process, self.run_dir, self.plan, self.stall_s = process, run_dir, plan, stall_s
+    def __init__(self, process: subprocess.Popen, log: Path, run_dir: Path, plan: Plan, stall_s: float,
+                 started: float, say: Callable[[str], None], recovering: Kill | None) -> None:
+        self.process, self.log, self.run_dir, self.plan, self.stall_s = process, log, run_dir, plan, stall_s
         self.started, self.say, self.recovering = started, say, recovering
         self.kills: list[Kill] = []
 
@@ -168,7 +170,7 @@ class _Watch:
                     self.recovering = None
             if time.monotonic() - progress_at > self.stall_s:
                 raise SoakFailed(f"no new step for {self.stall_s:.0f} s after step {last_step}; "
-                                 f"see {self.run_dir}/logs/")
+                                 f"{self._stalled_with()}; see {self.run_dir}/logs/")
             if ending is None and checkpoint.latest(self.run_dir) is not None and (kind := self.plan.due(step)):
                 kill = self._kill(kind, step)
                 if kill is None:
@@ -180,6 +182,13 @@ class _Watch:
 
     def _now(self) -> float:
         return time.monotonic() - self.started
+
+    def _stalled_with(self) -> str:
+        """Which of the run's actors were alive when it stalled, and what the command last said: the run
+        folder of a CI test is gone by the time anyone reads its log."""
+        alive = [row["name"] for row in _actors(self.run_dir) if _alive(row["pid"])]
+        said = _tail(self.log.read_text(errors="replace"), 15)
+        return f"actors alive: {', '.join(alive) or 'none'}; {self.log} ends with:\n{said}\n"
 
     def _kill(self, kind: str, step: int) -> Kill | None:
         """kill -9 one actor of ``kind`` (a rollout worker chosen at random), or the driver; a restarted
@@ -212,6 +221,13 @@ class _Watch:
             time.sleep(0.2)
         raise SoakFailed(f"{kill.name} was not restarted within {self.stall_s:.0f} s of its kill; "
                          f"see {self.run_dir}/logs/")
+
+
+def _write_progress(out: Path, kills: list[Kill], launches: list[dict[str, Any]]) -> None:
+    """OUT/soak.json: the kills and launches so far, so that a soak that fails leaves what it did behind
+    (the test's temporary folder is all a CI log points at)."""
+    record = {"kills": [dataclasses.asdict(kill) for kill in kills], "launches": launches}
+    (out / "soak.json").write_text(json.dumps(record, indent=1))
 
 
 def _resume_command(scenario: str, killed: Kill, text: str, run_dir: Path, log: Path) -> list[str]:
