@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 import structlog
 import trio
 
-from vime import checkpoint, megatron_flags, rewards
+from vime import checkpoint, gpu_memory, megatron_flags, rewards
 from vime.agent.tools import Toolbox
 from vime.algorithms.config import GROUP_BASELINES
 from vime.backends import routing_replay
@@ -123,7 +123,8 @@ async def train(config: RunConfig, run_dir: Path, *, record: bool | Collection[s
 
 
 def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool = True,
-              model: bool = True, model_flags: Mapping[str, Any] | None = None) -> tuple[Placement, dict[str, Any]]:
+              model: bool = True, model_flags: Mapping[str, Any] | None = None,
+              card_bytes: int | None = None) -> tuple[Placement, dict[str, Any]]:
     """Fail here, before any actor starts, on what would stop an actor at start-up:
     a model folder without config, weights or tokenizer (or not an MoE, for routing
     replay; a --critic-model-path folder likewise, without the tokenizer, of the policy's
@@ -138,7 +139,9 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
     ``model=False`` when there is no model folder yet (a scenario that would build one): what needs the folder
     is then not checked. ``model_flags``: Megatron's model flags given (slime's MODEL_ARGS,
     :func:`vime.megatron_flags.given`), checked against config.json, which is read once for them and the Megatron
-    backend's config."""
+    backend's config. A Megatron trainer on GPUs whose weights, gradients and optimizer state (with a colocated
+    engine's share) cannot fit a card is refused (:mod:`vime.gpu_memory`); ``card_bytes`` is the card's memory
+    (default: nvidia-smi's figure for the trainer's first GPU; not checked where none is known)."""
     critic = config.model.critic_model_path
     hf_config = None
     if model:
@@ -175,6 +178,9 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
             megatron.check_pipeline_parallel(folder_config, config.job.pipeline_model_parallel_size,
                                              value_head=config.job.algo == "ppo",
                                              recompute=config.job.recompute_activations)
+        card = card_bytes or (gpu_memory.card_bytes(placed.trainer.split(",")[0]) if placed.trainer else None)
+        if model and placed.trainer and card:
+            gpu_memory.check_fits(config, placed, hf_config, card, configs[-1] if critic else None)
     if config.rollout.rollout_backend == "vllm":
         from vime.backends import vllm_rollout
 
