@@ -201,6 +201,7 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "logprob_abs_diff_stale": drift(rows, "train_rollout_logprob_abs_diff_stale"),
         "gpu_busy": busy,
         "gpu_memory_max_mib": memory,
+        "peak_gpu_mem_gib": max(memory) / 1024 if memory else None,  # the fullest GPU's most, over the run
         "gpu_note": labels.get("gpu_note") or note,
         "weight_sync_share": _median([row["time_weight_sync_s"] / row["step_time_s"] for row in measured]),
         "startup_s": (startup or {}).get("first_step_s"),
@@ -279,7 +280,7 @@ def table(results: list[dict[str, Any]]) -> str:
     """One line per run; '-' where a figure is missing."""
     head = (f"{'run':<24} {'k':>2} {'steps':>5} {'step':>7} {'rollout':>7} {'reward':>7} {'train':>7} {'sync':>7} "
             f"{'sleep':>7} {'wait':>7} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} {'gpu busy':>9} {'stale':>5} "
-            f"{'dlogp first/last/max':>26} {'speedup':>11}")
+            f"{'dlogp first/last/max':>26} {'speedup':>11} {'peak GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         split = " ".join(_show(r["split"][part], "7.3f") for part in SPLIT)
@@ -292,7 +293,8 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{_show(r['step_time_s'], '7.3f')} {split} {_show(r['samples_per_s'], '9.1f')} "
                      f"{_show(r['tokens_per_s'], '8.0f')} {_show(r['train_mfu'], '5.3f')} {busy:>9} "
                      f"{_show(r['staleness_mean'], '5.2f')} "
-                     f"{gap:>26} {speedup:>11}" + ("" if r["complete"] else "  (incomplete)"))
+                     f"{gap:>26} {speedup:>11} {_show(r.get('peak_gpu_mem_gib'), '8.1f')}"
+                     + ("" if r["complete"] else "  (incomplete)"))
     return "\n".join(lines)
 
 
