@@ -120,7 +120,8 @@ def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic
         with open(log, "wb") as output:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
-            watch = _Watch(process, log, run_dir, plan, stall_s, started, say, recovering=ended_by)
+            watch = _Watch(process, log, run_dir, plan, stall_s, started, say, recovering=ended_by,
+                           resumed_from=launch["resumed_from"])
             try:
                 ended_by = watch.run()
             except BaseException:  # Ctrl-C, a hang: the run is in its own session and would outlive the soak
@@ -150,21 +151,22 @@ class _Watch:
     """One launch, watched until it exits: its steps, the planned kills, a restarted worker awaited."""
 
     def __init__(self, process: subprocess.Popen, log: Path, run_dir: Path, plan: Plan, stall_s: float,
-                 started: float, say: Callable[[str], None], recovering: Kill | None) -> None:
+                 started: float, say: Callable[[str], None], recovering: Kill | None, resumed_from: int) -> None:
         self.process, self.log, self.run_dir, self.plan, self.stall_s = process, log, run_dir, plan, stall_s
-        self.started, self.say, self.recovering = started, say, recovering
+        self.started, self.say, self.recovering, self.resumed_from = started, say, recovering, resumed_from
         self.kills: list[Kill] = []
 
     def run(self) -> Kill | None:
         """Watch until the launch exits; the kill that ended it (a vital actor's or the driver's), if one did."""
-        first_step = last_step = _last_step(self.run_dir)
+        last_step = _last_step(self.run_dir)
+        earlier_file = _identity(self.run_dir / "metrics.jsonl")
         progress_at = time.monotonic()
         ending: Kill | None = None
         while self.process.poll() is None:
             step = _last_step(self.run_dir)
             if step != last_step:
                 last_step, progress_at = step, time.monotonic()
-                if self.recovering is not None and step > first_step:  # the first step of this launch
+                if self.recovering is not None and self._trained_again(step, earlier_file):
                     self.recovering.recovered_by = "--resume"
                     self.recovering.recovery_s = round(self._now() - self.recovering.at_s, 1)
                     self.recovering = None
@@ -182,6 +184,14 @@ class _Watch:
 
     def _now(self) -> float:
         return time.monotonic() - self.started
+
+    def _trained_again(self, step: int, earlier_file: tuple[int, int] | None) -> bool:
+        """Whether ``step`` is a row this launch trained: past the checkpoint it resumed from, in the metrics.jsonl
+        its driver rewrote (cut back to that checkpoint) at start. Not the last step before the launch: after a
+        killed driver, its orphaned trainer may write rows past the checkpoint before it notices, and the resumed
+        launch cuts them and trains those steps again (a kill due meanwhile would otherwise end the launch with
+        its recovery unseen)."""
+        return step > self.resumed_from and _identity(self.run_dir / "metrics.jsonl") not in (None, earlier_file)
 
     def _stalled_with(self) -> str:
         """Which of the run's actors were alive when it stalled, and what the command last said: the run
@@ -294,6 +304,15 @@ def _last_step(run_dir: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except (OSError, ValueError):
         return 0  # absent, or a line being written
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file ``path`` is (device, inode): the driver replaces metrics.jsonl as it starts; None if absent."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _tail(text: str, lines: int = 30) -> str:
