@@ -6,11 +6,14 @@ skipped (the run checked against another seed's data order)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import threading
 
 import pytest
 
-from vime.devtools.soak import KINDS, Plan, audit, soak
+from vime.devtools.soak import KINDS, Plan, SoakFailed, _actors, _run_processes, audit, soak
 from vime.pipeline import last_error
 
 FLAGS = ["--steps", "36", "--save-every", "3", "--max-staleness", "2", "--rollout-workers", "3",
@@ -30,7 +33,8 @@ def test_a_run_killed_each_way_is_continued_and_loses_nothing(soaked):
     out, result = soaked
     kills = result["kills"]
     assert sorted(kill["kind"] for kill in kills) == sorted(KINDS)
-    assert all(kill["recovered_by"] == ("restart" if kill["kind"] == "rollout" else "--resume") for kill in kills), kills
+    recovered = [kill["recovered_by"] == ("restart" if kill["kind"] == "rollout" else "--resume") for kill in kills]
+    assert all(recovered), kills
     assert result["findings"] == []
     groups = result["groups"]
     assert groups["lost"] == 0 and groups["trained_twice"] == 0
@@ -90,3 +94,30 @@ def test_an_actor_s_own_exit_message_is_its_last_error(tmp_path):
     info = {"event": "serving", "level": "info", "timestamp": "2026-12-03T18:05:00.000000Z"}
     log.write_text(json.dumps(info) + "\nvime.actor: the driver at tcp://h:1 did not answer\n\n")
     assert last_error(log, since=1796321000.0) == "the driver at tcp://h:1 did not answer"
+
+
+def test_a_stalled_run_is_reported_with_its_live_actors_and_the_commands_stacks(tmp_path):
+    """A hang in CI leaves only the test's output: the stall names the live actors and ends with every thread's
+    stack of the command (SIGUSR1 to faulthandler), and the run is killed, nothing of it left behind."""
+    stop = threading.Event()
+
+    def freeze_the_trainer() -> None:  # no step can come: the run hangs at step 0
+        while not stop.wait(0.2):
+            trainer = [row for row in _actors(tmp_path / "run") if row["role"] == "trainer"]
+            if trainer:
+                os.kill(trainer[0]["pid"], signal.SIGSTOP)
+                return
+
+    freezer = threading.Thread(target=freeze_the_trainer, daemon=True)
+    freezer.start()
+    try:
+        with pytest.raises(SoakFailed) as stalled:
+            soak(tmp_path, FLAGS, Plan(every=3, order=("reward",)), stall_s=15, say=lambda line: None)
+    finally:
+        stop.set()
+        freezer.join()
+    said = str(stalled.value)
+    assert "no new step for 15 s after step 0; actors alive: router, reward" in said  # spawned first
+    assert "Thread 0x" in said and 'File "' in said  # faulthandler's dump of the command's threads
+    assert _run_processes(tmp_path / "run") == []
+    assert json.loads((tmp_path / "soak.json").read_text()) == {"kills": [], "launches": []}

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ DEFAULT = "arithmetic"
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, as actors do
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0] if argv and not argv[0].startswith("-") else DEFAULT  # the name comes first: flags take values
     if name not in SCENARIOS:

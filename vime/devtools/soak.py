@@ -21,6 +21,7 @@ nothing, and the soak resumes the run folder as its owner would, once the orphan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -194,11 +195,16 @@ class _Watch:
         return step > self.resumed_from and _identity(self.run_dir / "metrics.jsonl") not in (None, earlier_file)
 
     def _stalled_with(self) -> str:
-        """Which of the run's actors were alive when it stalled, and what the command last said: the run
-        folder of a CI test is gone by the time anyone reads its log."""
-        alive = [row["name"] for row in _actors(self.run_dir) if _alive(row["pid"])]
-        said = _tail(self.log.read_text(errors="replace"), 15)
-        return f"actors alive: {', '.join(alive) or 'none'}; {self.log} ends with:\n{said}\n"
+        """Which of the run's actors were alive when it stalled, and what the command last said, ending with the
+        stack of each of its threads (SIGUSR1: faulthandler; the actors' go to their logs): the run folder of a
+        CI test is gone by the time anyone reads its log."""
+        alive = [row for row in _actors(self.run_dir) if _alive(row["pid"])]
+        for pid in [self.process.pid, *(row["pid"] for row in alive)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        said = _tail(self.log.read_text(errors="replace"), 60)
+        return f"actors alive: {', '.join(row['name'] for row in alive) or 'none'}; {self.log} ends with:\n{said}\n"
 
     def _kill(self, kind: str, step: int) -> Kill | None:
         """kill -9 one actor of ``kind`` (a rollout worker chosen at random), or the driver; a restarted
@@ -251,12 +257,12 @@ def _resume_command(scenario: str, killed: Kill, text: str, run_dir: Path, log: 
 
 
 def _kill_tree(process: subprocess.Popen, run_dir: Path) -> None:
+    """kill -9 the command and every process of its run, and wait (10 s at most) until they are gone."""
     for pid in [process.pid, *_run_processes(run_dir)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     process.wait()
+    _wait_gone(run_dir, 10.0)
 
 
 def _wait_gone(run_dir: Path, limit_s: float) -> list[int]:
