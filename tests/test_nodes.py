@@ -480,3 +480,38 @@ async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_pat
                     await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=kill_rank_1,
                                 timeout_s=600)
     assert time.monotonic() - killed_at[0] < 30
+
+
+async def test_a_killed_driver_leaves_no_trainer_rank_on_its_node(tmp_path):
+    """The driver (``python -m vime.scenario``) killed with kill -9 mid-run, rank 1 of its Megatron trainer on node
+    b: node b's agent, its driver silent for --driver-lost-s, stops the rank it started and exits 3, and the rank's
+    process is gone within seconds of that. Rank 0 ends with the driver (--exit-with-parent), but a rank on a
+    node ends with the agent that started it, not with rank 0: until the agent stops it, it waits for rank 0's
+    next order."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(run_dir), "--steps", "1000",
+               "--rollout-batch-size", "16", "--train-backend", "megatron", "--data-parallel-size", "2",
+               "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--wait-for-nodes-s", str(JOIN_S)]
+    with _hosts("b") as hosts, open(tmp_path / "driver.out", "wb") as out:
+        driver = await trio.lowlevel.open_process([*command, "--transport", "tcp", "--host", hosts.head_ip],
+                                                  stdout=out, stderr=out)
+        try:
+            async with _agents() as agents:
+                address, token = await _join_file(run_dir)
+                agents.append(await _start_node(_node_command(hosts, "b", address, tmp_path / "b", "--driver-lost-s",
+                                                              "5"), token, tmp_path / "node-b.out"))
+                metrics = run_dir / "metrics.jsonl"
+                with trio.fail_after(300):  # a step: both ranks up and training together
+                    while not (metrics.exists() and metrics.read_text().strip()):
+                        assert driver.poll() is None, (tmp_path / "driver.out").read_text()[-3000:]
+                        await trio.sleep(0.2)
+                rank = _started_pid(tmp_path / "node-b.out", "trainer-rank-1")
+                driver.kill()
+                await driver.wait()
+                with trio.fail_after(30):
+                    assert await agents[0].wait() == 3
+                await _gone_within(rank, 10)
+        finally:
+            if driver.returncode is None:
+                driver.kill()
+                await driver.wait()
