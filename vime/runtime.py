@@ -261,6 +261,12 @@ class Actor:
         """
         await self._send(to, payload, weight_version=weight_version)
 
+    async def tell_quietly(self, to: str, payload: Any) -> None:
+        """:meth:`tell`, for news that no longer matters once ``to`` is gone (dead, its node lost, never in the
+        directory): then nothing is sent and nothing raised."""
+        with contextlib.suppress(LookupError, PeerGone):
+            await self.tell(to, payload)
+
     async def ask(self, to: str, payload: Any, *, timeout: float = 30.0, weight_version: int | None = None) -> Any:
         """Send ``payload`` and wait for the reply record.
 
