@@ -29,7 +29,6 @@ which re-issues them, and sends nothing more.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ from vime.groups import Group, forced_lengths
 from vime.messages.gpu_turns import EngineAsleep, SleepEngine
 from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
 from vime.model_files import local_model_folder
-from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, PeerGone, Wakeup, handles
+from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, Wakeup, handles
 from vime.seeds import sampling_seed
 from vime.startup import timed
 from vime.transports.codec import Envelope
@@ -140,8 +139,7 @@ class RolloutWorker(Actor):
         unfinished = sorted([*self.groups, *(g.group_id for g, _ in self.waiting)])
         if unfinished:
             self.log.info("handing unfinished groups back", groups=len(unfinished))
-        with contextlib.suppress(LookupError, PeerGone):
-            await self.tell("router", WorkerLeaving(group_ids=unfinished))
+        await self.tell_quietly("router", WorkerLeaving(group_ids=unfinished))
 
     @handles(GenerateGroup)
     async def _on_group(self, msg: GenerateGroup, envelope: Envelope) -> None:

@@ -248,17 +248,53 @@ async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_l
     assert addresses["rollout-1"].startswith(f"tcp://{hosts.ips['c']}:")
 
 
+REJOIN_BATCH = 8  # groups a step; a worker takes 2 at once, so the frozen rollout-0 leaves some for rollout-1
+
+
+async def _hold_until_node_c_is_down(hosts, run_dir: Path, agents: list[trio.Process], tmp_path: Path) -> None:
+    """Start nodes b and c with the buffer frozen (SIGSTOP), so that no batch reaches the trainer: once the
+    workers have generated the first batch, freeze rollout-0 and kill node c's agent, then let the buffer go. The
+    run trains step 1 and waits there: nothing else can generate until node c is back."""
+    actors = run_dir / "actors.json"
+    router_state = run_dir / "checkpoints" / "router.json"  # the router's counters and held groups, every 1 s
+    router_log = run_dir / "logs" / "router.log"
+
+    def read(path: Path) -> dict:
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def serving(worker: str) -> bool:
+        return router_log.exists() and any("rollout worker ready" in line and f'"{worker}"' in line
+                                           for line in router_log.read_text().splitlines())
+
+    with trio.fail_after(JOIN_S):
+        # no worker before the nodes: the groups the buffer issues as it starts (one batch) wait at the router
+        while len(read(router_state).get("held", ())) < REJOIN_BATCH:
+            await trio.sleep(0.2)
+    buffer_pid = next(a["pid"] for a in read(actors)["actors"] if a["name"] == "buffer")
+    os.kill(buffer_pid, signal.SIGSTOP)
+    try:
+        await _start_nodes_when_the_job_is_up(hosts, run_dir, ["b", "c"], agents, tmp_path)
+        with trio.fail_after(JOIN_S):  # both workers serving (c's spawn done), the first batch made
+            while not (serving("rollout-0") and serving("rollout-1")
+                       and read(router_state).get("counters", {}).get("done", 0) >= REJOIN_BATCH):
+                await trio.sleep(0.2)
+        os.kill(_started_pid(tmp_path / "node-b.out", "rollout-0"), signal.SIGSTOP)
+        agents[1].kill()
+    finally:
+        os.kill(buffer_pid, signal.SIGCONT)
+
+
 async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_again(tmp_path):
-    """--rollout-nodes 2, node c's agent and worker killed after step 2 (its host going down): once it is counted
-    lost, an agent started there again with the same name but a wrong token is refused, then one with the job's
-    token joins, and the driver restarts the stranded worker there, which registers with the router again; the
-    run ends with no group lost or trained twice. Until the worker is back, rollout-0 is frozen
-    (SIGSTOP; spawned actors are watched through their node, not by heartbeats), so that training, held to the
-    batches ready, cannot end first."""
+    """--rollout-nodes 2, node c's agent and worker killed (its host going down) once the first batch is made,
+    rollout-0 frozen meanwhile (SIGSTOP; spawned actors are watched through their node, not by heartbeats), so
+    that the run cannot go past step 1 without node c. Once c is counted lost, an agent started there again with
+    the same name but a wrong token is refused, then one with the job's token joins; the driver restarts the
+    stranded worker there, the router sends it groups of the next batch, and it finishes them: every step is
+    trained, no group lost or trained twice."""
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=8, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=16,
-        max_staleness=1, rollout_capacity=2))
+        steps=3, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=REJOIN_BATCH,
+        max_staleness=0, rollout_capacity=2))
     seen: dict[str, object] = {}
 
     async def router_counters(job) -> dict[str, int]:
@@ -266,14 +302,18 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
 
     with _hosts("b", "c") as hosts:
         async with _agents() as agents:
-            async def take_node_c_down_and_back(job, row: dict) -> None:
-                if row["step"] != 2:
+            async def bring_node_c_back(job, row: dict) -> None:
+                if row["step"] == 3:  # the router still runs: what it sent the new rollout-1, what that holds
+                    seen["at_end"] = await router_counters(job)
+                if row["step"] != 1:
                     return
                 address, token = await _join_file(run_dir)
-                job.kill("rollout-0", signal.SIGSTOP)
-                agents[1].kill()
                 await job.wait_event("node lost", "node-c", timeout=15)
                 seen["stranded"] = (await job.wait_event("stranded", "rollout-1", timeout=5)).detail
+                with trio.fail_after(15):  # until the router has let the old process go, and re-issued its groups
+                    while "assigned:rollout-1" in (counters := await router_counters(job)):
+                        await trio.sleep(0.2)
+                seen["sent_before"] = counters.get("dispatched_to:rollout-1", 0)
 
                 command = _node_command(hosts, "c", address, tmp_path / "c")
                 intruder = await _start_node(command, "not-the-token", tmp_path / "node-c-wrong-token.out")
@@ -285,23 +325,23 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
                 agents.append(await _start_node(command, token, tmp_path / "node-c-again.out"))
                 await job.wait_event("restarted", "rollout-1", timeout=JOIN_S)
                 seen["address"] = job.actors["rollout-1"].address
-                with trio.fail_after(JOIN_S):  # until the router has it as a worker again
-                    while "assigned:rollout-1" not in await router_counters(job):
+                with trio.fail_after(JOIN_S):  # step 2's groups, all waiting but the two rollout-0 holds
+                    while (await router_counters(job)).get("dispatched_to:rollout-1", 0) == seen["sent_before"]:
                         await trio.sleep(0.2)
                 job.kill("rollout-0", signal.SIGCONT)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_start_nodes_when_the_job_is_up, hosts, run_dir, ["b", "c"], agents, tmp_path)
+                nursery.start_soon(_hold_until_node_c_is_down, hosts, run_dir, agents, tmp_path)
                 summary = await train(config, run_dir, transport="tcp", host=hosts.head_ip,
-                                      on_step=take_node_c_down_and_back, timeout_s=300)
+                                      on_step=bring_node_c_back, timeout_s=300)
     assert "restarted there when it joins again" in seen["stranded"]
     assert seen["refused"]
     assert "token" in (tmp_path / "node-c-wrong-token.out").read_text()
     assert seen["address"].startswith(f"tcp://{hosts.ips['c']}:")
-    # That the rejoined worker then finishes groups is not asserted: the batches of these 8 steps are often all
-    # generated before the hook of step 2 runs (steps 2-8 then train in 0.1 s each), so the run ends as the node
-    # comes back, and the router's second "ready" of rollout-1 below is all there is to see (open in issue 35)
-    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, 9))
+    at_end = seen["at_end"]
+    finished_after_rejoin = at_end["dispatched_to:rollout-1"] - seen["sent_before"] - at_end["assigned:rollout-1"]
+    assert finished_after_rejoin > 0, (seen["sent_before"], at_end)
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == [1, 2, 3]
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
     ready = [e["worker"] for e in _events(run_dir / "logs" / "router.log", "rollout worker ready")]
     assert sorted(ready) == ["rollout-0", "rollout-1", "rollout-1"]
@@ -440,3 +480,38 @@ async def test_a_trainer_rank_killed_on_its_node_stops_the_run_naming_it(tmp_pat
                     await train(config, run_dir, transport="tcp", host=hosts.head_ip, on_step=kill_rank_1,
                                 timeout_s=600)
     assert time.monotonic() - killed_at[0] < 30
+
+
+async def test_a_killed_driver_leaves_no_trainer_rank_on_its_node(tmp_path):
+    """The driver (``python -m vime.scenario``) killed with kill -9 mid-run, rank 1 of its Megatron trainer on node
+    b: node b's agent, its driver silent for --driver-lost-s, stops the rank it started and exits 3, and the rank's
+    process is gone within seconds of that. Rank 0 ends with the driver (--exit-with-parent), but a rank on a
+    node ends with the agent that started it, not with rank 0: until the agent stops it, it waits for rank 0's
+    next order."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(run_dir), "--steps", "1000",
+               "--rollout-batch-size", "16", "--train-backend", "megatron", "--data-parallel-size", "2",
+               "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--wait-for-nodes-s", str(JOIN_S)]
+    with _hosts("b") as hosts, open(tmp_path / "driver.out", "wb") as out:
+        driver = await trio.lowlevel.open_process([*command, "--transport", "tcp", "--host", hosts.head_ip],
+                                                  stdout=out, stderr=out)
+        try:
+            async with _agents() as agents:
+                address, token = await _join_file(run_dir)
+                agents.append(await _start_node(_node_command(hosts, "b", address, tmp_path / "b", "--driver-lost-s",
+                                                              "5"), token, tmp_path / "node-b.out"))
+                metrics = run_dir / "metrics.jsonl"
+                with trio.fail_after(300):  # a step: both ranks up and training together
+                    while not (metrics.exists() and metrics.read_text().strip()):
+                        assert driver.poll() is None, (tmp_path / "driver.out").read_text()[-3000:]
+                        await trio.sleep(0.2)
+                rank = _started_pid(tmp_path / "node-b.out", "trainer-rank-1")
+                driver.kill()
+                await driver.wait()
+                with trio.fail_after(30):
+                    assert await agents[0].wait() == 3
+                await _gone_within(rank, 10)
+        finally:
+            if driver.returncode is None:
+                driver.kill()
+                await driver.wait()

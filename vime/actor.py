@@ -158,7 +158,9 @@ def join_problem(settings: ActorSettings) -> str | None:
 
 def _watch_parent_hard(parent_pid: int) -> None:
     """Thread body: once the parent is gone, give the graceful stop ``DRIVER_GONE_GRACE_S``, then clean up
-    and end the process whatever its event loop is doing."""
+    and end the process whatever its event loop is doing. A thread, not the loop's own watch
+    (``Actor._watch_parent``, the graceful stop): it must act while the loop is blocked, and during the role's
+    imports, before there is a loop."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     time.sleep(DRIVER_GONE_GRACE_S)

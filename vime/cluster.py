@@ -346,7 +346,7 @@ class Cluster:
         (a restart may be running its successor by then)."""
         start, entry.remote_start = entry.remote_start, None
         if start is not None:
-            await self._tell_quietly(entry.node, StopActor(start=start, signal=signal.SIGKILL))
+            await self.driver.tell_quietly(entry.node, StopActor(start=start, signal=signal.SIGKILL))
 
     async def _watch_process(self, name: str, entry: _Spawned, process: trio.Process) -> None:
         code = await process.wait()
@@ -428,8 +428,8 @@ class Cluster:
             if entry.process is not None:
                 entry.process.send_signal(sig)
         elif entry.remote_start is not None:
-            self._nursery.start_soon(self._tell_quietly, entry.node, StopActor(start=entry.remote_start,
-                                                                               signal=int(sig)))
+            stop = StopActor(start=entry.remote_start, signal=int(sig))
+            self._nursery.start_soon(self.driver.tell_quietly, entry.node, stop)
 
     # ----------------------------------------------------------- membership
 
@@ -555,11 +555,7 @@ class Cluster:
         self.driver._set_directory(self._directory())
         self._write_actors_json()
         for name in self.actors:
-            self._nursery.start_soon(self._tell_quietly, name, Directory(addresses=self._directory()))
-
-    async def _tell_quietly(self, name: str, payload: Any) -> None:
-        with contextlib.suppress(LookupError, PeerGone):
-            await self.driver.tell(name, payload)
+            self._nursery.start_soon(self.driver.tell_quietly, name, Directory(addresses=self._directory()))
 
     def _write_actors_json(self) -> None:
         rows = [{"name": i.name, "role": i.role, "pid": i.pid, "address": i.address, "host": i.host,
@@ -610,7 +606,7 @@ class Cluster:
             entry.restart = False
         with trio.move_on_after(5.0):  # an actor not reading its inbox must not keep the job open: it is killed
             for name in list(self.actors):
-                await self._tell_quietly(name, Shutdown(reason="job finished"))
+                await self.driver.tell_quietly(name, Shutdown(reason="job finished"))
         processes = [e.process for e in self._spawned.values() if e.process and e.process.returncode is None]
         with trio.move_on_after(5.0):
             for process in processes:

@@ -154,8 +154,7 @@ class NodeAgent(Actor):
         del self.children[child.reporter, start]
         code = child.process.returncode
         self.log.info("a process exited", peer=child.name, pid=child.process.pid, code=code)
-        with contextlib.suppress(LookupError, PeerGone):
-            await self.tell(child.reporter, ActorExited(name=child.name, start=start, code=code))
+        await self.tell_quietly(child.reporter, ActorExited(name=child.name, start=start, code=code))
 
     async def _forward(self, child: _Child, log: BinaryIO, *, waiting_ok: bool) -> bool:
         """Send the child's reporter the next part of its log; whether there was any. While it runs, nothing is
@@ -163,9 +162,8 @@ class NodeAgent(Actor):
         if not waiting_ok and self.unsent_to(child.reporter) > LOG_BACKLOG:
             return False
         data = log.read(LOG_READ)
-        if data:
-            with contextlib.suppress(LookupError, PeerGone):  # the reporter is gone: this host's copy is all there is
-                await self.tell(child.reporter, LogLines(name=child.name, data=data))
+        if data:  # to a reporter gone, nothing: this host's copy is all there is
+            await self.tell_quietly(child.reporter, LogLines(name=child.name, data=data))
         return bool(data)
 
     async def _watch_driver(self) -> None:

@@ -261,6 +261,12 @@ class Actor:
         """
         await self._send(to, payload, weight_version=weight_version)
 
+    async def tell_quietly(self, to: str, payload: Any) -> None:
+        """:meth:`tell`, for news that no longer matters once ``to`` is gone (dead, its node lost, never in the
+        directory): then nothing is sent and nothing raised."""
+        with contextlib.suppress(LookupError, PeerGone):
+            await self.tell(to, payload)
+
     async def ask(self, to: str, payload: Any, *, timeout: float = 30.0, weight_version: int | None = None) -> Any:
         """Send ``payload`` and wait for the reply record.
 
@@ -521,7 +527,12 @@ class Actor:
 
     async def _watch_parent(self) -> None:
         """Stop once the driver that spawned this actor is gone (``--exit-with-parent``): gracefully when
-        serving, at once while still starting -- a driver killed mid-registration never answers it."""
+        serving, at once while still starting -- a driver killed mid-registration never answers it.
+
+        One of three watches of a parent, each for what the others cannot do: this one stops the actor the
+        way a Shutdown does (``on_stop`` runs), from its own loop; ``vime.actor``'s thread is the backstop for
+        a loop that never gets there (blocked, or not started yet); a trainer's follower rank, which has no
+        loop to stop, ends at once (``vime.backends.tensor_parallel``)."""
         while os.getppid() == self.settings.parent_pid:
             await trio.sleep(self.settings.heartbeat_s)
         self.log.error("the driver that started this actor is gone; shutting down", driver_pid=self.settings.parent_pid)

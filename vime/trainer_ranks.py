@@ -19,7 +19,6 @@ Torch-free: the node agent imports it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
@@ -32,7 +31,6 @@ from typing import Any, Protocol
 import trio
 
 from vime.messages.nodes import ActorExited, LogLines, StartRank, StopActor
-from vime.runtime import PeerGone
 
 RANK_MODULE = "vime.backends.tensor_parallel"
 HEAD = "head"  # the node name of the driver's host in a plan and in RUN_DIR/actors.json
@@ -141,7 +139,7 @@ class _NodeFollower:
 
     def kill(self) -> None:
         if self.returncode is None:
-            self.ranks.from_thread(self.ranks.actor.start_soon, self.ranks.tell_quietly, self.node,
+            self.ranks.from_thread(self.ranks.actor.start_soon, self.ranks.actor.tell_quietly, self.node,
                                    StopActor(start=self.start, signal=int(signal.SIGKILL)))
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -180,11 +178,6 @@ class NodeRanks:
         order = StartRank(name=name, start=follower.start, spec=spec)
         trio.from_thread.run(self.actor.ask, slot.node, order)
         return follower
-
-    async def tell_quietly(self, node: str, payload: Any) -> None:
-        """A kill for a node that may be gone already (its ranks with it)."""
-        with contextlib.suppress(LookupError, PeerGone):
-            await self.actor.tell(node, payload)
 
     def exited(self, node: str, msg: ActorExited) -> None:
         """A node reports that one of our ranks exited (the trainer actor's handler calls this)."""

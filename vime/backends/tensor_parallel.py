@@ -426,7 +426,8 @@ def _exit_with_parent(parent: int) -> None:
     group's timeout). Polled, not the kernel's parent-death signal: that fires when the *thread* that started
     the process ends, and a node agent (trio) starts processes from worker threads that come and go. The parent
     is the pid its starter gave, not ``os.getppid()`` read now: a parent killed while this module's imports
-    took their seconds has already left this process to another."""
+    took their seconds has already left this process to another. Not an actor's two watches (``vime.actor``: a
+    graceful stop, then a hard one): a follower has no event loop to stop gracefully, so it ends at once."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
