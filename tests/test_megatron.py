@@ -320,13 +320,9 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
                                          "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
-    for config, value_head, refusal in (
-            (tiny_config("qwen3_moe", VOCAB), False, "an MoE model's recomputed layers would replay another "
-                                                     "micro-batch's experts .* leave --recompute-activations out"),
-            (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
-                                                "grpo")):
-        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 2: {refusal}"):
-            megatron.build_model(config, pipeline_parallel=2, value_head=value_head, recompute=True)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2: an MoE model's recomputed layers would "
+                                         "replay another micro-batch's experts .* leave --recompute-activations out"):
+        megatron.build_model(tiny_config("qwen3_moe", VOCAB), pipeline_parallel=2, recompute=True)
     with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
         megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
@@ -981,13 +977,13 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path,
 
 
 def _train_on_ranks(tmp_path: Path, folder: Path, batch: TensorBatch, tensor_parallel: int, expert_parallel: int,
-                    data_parallel: int, recompute: bool, mode: str = "") -> dict:
-    """What rank 0 of ``megatron_tp_worker.py`` (``mode``: which of its trainers; none: GRPO's) wrote after training
-    on ``batch`` under torchrun, one rank per tensor x data parallel copy (gloo)."""
+                    data_parallel: int, recompute: bool) -> dict:
+    """What rank 0 of ``megatron_tp_worker.py`` wrote after training GRPO on ``batch`` under torchrun, one rank per
+    tensor x data parallel copy (gloo)."""
     torch.save(_fields(batch), tmp_path / "batch.pt")
     return _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
-                     [*([mode] if mode else []), folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel,
-                      expert_parallel, data_parallel, "recompute" if recompute else "keep"])
+                     [folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
+                      data_parallel, "recompute" if recompute else "keep"])
 
 
 def _fields(batch: TensorBatch) -> dict[str, torch.Tensor | None]:
@@ -1078,29 +1074,40 @@ def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_p
         assert (packed["weights"][name] - tensor).abs().max() <= 1e-5, name
 
 
-@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute", [
-    ("qwen3", 2, 1, 1, False), pytest.param("qwen3_moe", 2, 4, 2, True, marks=pytest.mark.slow)])  # CI time
+@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute,pipeline_parallel", [
+    ("qwen3", 2, 1, 1, False, 1), ("qwen3", 1, 1, 1, False, 2), ("qwen3-tied", 1, 1, 1, False, 2),  # CI time: ~15 s
+    *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
+        ("qwen3_moe", 2, 4, 2, True, 1), ("qwen3_moe", 1, 1, 1, False, 2), ("qwen3", 2, 1, 1, False, 2)))])
 def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel,
-                                                             data_parallel, recompute, tmp_path):
+                                                             data_parallel, recompute, pipeline_parallel, tmp_path):
     """PPO's value model under tensor parallelism: each rank's value head computes the values of its share of
-    the positions, gathered whole on every rank, and its gradient is summed over the ranks; the values after
-    a step (the head off zero), the step's metrics (the value model's gradient norm, ``value_grad_norm``, among
-    them) and a resumed trainer's next step are those of one process. Plain SGD: Adam's step would hide a
-    gradient counted twice. In the MoE layout (two copies of two ranks, the experts divided among all four,
-    layers recomputed) the value model replays the batch's experts as the policy does."""
+    the positions, gathered whole on every rank, and its gradient is summed over the ranks; the policy's weights
+    and the values after a step (the head off zero), the step's metrics (the value model's gradient norm,
+    ``value_grad_norm``, among them) and a resumed trainer's next step are those of one process. Plain SGD:
+    Adam's step would hide a gradient counted twice. In the MoE layout (two copies of two ranks, the experts
+    divided among all four, layers recomputed) the value model replays the batch's experts as the policy does.
+    In pipeline stages the value model is split as the policy is, its head on the last stage (a tied policy's
+    value model holds no copy of the embedding there: its output layer is the head), and runs through
+    megatron-core's schedule apart from the policy: its values to score the batch, then its value loss's
+    forward and backward passes; an MoE's stages replay their own layers' experts in it too."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
-    ranks = _train_on_ranks(tmp_path, folder, batch, tensor_parallel, expert_parallel, data_parallel, recompute,
-                            mode="ppo")
+    torch.save(_fields(batch), tmp_path / "batch.pt")
+    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+                      ["ppo", folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
+                       data_parallel, "recompute" if recompute else "keep", pipeline_parallel])
     single = _engine(megatron.MegatronTrainEngine, folder, algo="ppo")
     plain_sgd(single, lr=0.5)
     expected = single.train_step(batch)
     assert expected["value_grad_norm"] > 0  # the value model's own, summed over the ranks' shares as the policy's
+    assert sorted(ranks["metrics"]) == sorted(expected)
     for key in expected:
         assert ranks["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
+    for name, tensor in single.named_weights().items():
+        assert (ranks["trained"][name] - tensor).abs().max() <= 1e-5, name
     values = single.score(batch)["values"]
     assert values.abs().max() > 0.05 and (ranks["values"] - values).abs().max() <= 1e-5
-    assert ranks["resumed_alike"]
+    assert ranks["resumed"] == pytest.approx(ranks["again"], rel=0, abs=0, nan_ok=True)  # exactly
 
 
 @pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; three by default

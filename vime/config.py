@@ -337,8 +337,8 @@ class JobConfig:
                                                    "on the last), micro-batches through megatron-core's 1F1B "
                                                    "schedule (a tied output layer: a copy of the embedding on the "
                                                    "last stage, kept equal); the trainer runs tensor x data x "
-                                                   "pipeline ranks. So far: GRPO-style estimators (not ppo), MoE "
-                                                   "stages without --recompute-activations")
+                                                   "pipeline ranks; PPO's value model in the same stages. So far: "
+                                                   "MoE stages without --recompute-activations")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many ranks, each holding its experts whole: 1, "
                                                  "--tensor-model-parallel-size (each copy of the trainer holds them "

@@ -173,7 +173,6 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
                                         recompute=config.job.recompute_activations,
                                         pipeline_parallel=config.job.pipeline_model_parallel_size)
             megatron.check_pipeline_parallel(folder_config, config.job.pipeline_model_parallel_size,
-                                             value_head=config.job.algo == "ppo",
                                              recompute=config.job.recompute_activations)
     if config.rollout.rollout_backend == "vllm":
         from vime.backends import vllm_rollout

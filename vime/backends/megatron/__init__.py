@@ -52,7 +52,9 @@ the layers and runs the micro-batches through megatron-core's 1F1B
 schedule, the loss on the last stage; the weights are gathered from every
 stage for conversion and publication, and an MoE model's stages replay
 their own layers' experts (a tied model's last stage a copy of the
-embedding, kept equal; what is refused: ``model.check_pipeline_parallel``). What is deliberately not
+embedding, kept equal; PPO's value model in the same stages, its head on the
+last, run through the schedule apart from the policy; what is refused:
+``model.check_pipeline_parallel``). What is deliberately not
 here yet: sequence packing and a value model on GPUs of its own.
 
 On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
