@@ -1110,7 +1110,7 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     assert ranks["resumed"] == pytest.approx(ranks["again"], rel=0, abs=0, nan_ok=True)  # exactly
 
 
-@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; three by default
+@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; six by default
     pytest.param("qwen3", "ppo", "fp32", (2, 1, 1, 1), True, id="ppo-tp2-to-one"),
     pytest.param("qwen3", "grpo", "bf16", (2, 1, 1, 1), True, id="bf16-tp2-to-one"),
     pytest.param("qwen3", "grpo", "fp32", (1, 1, 2, 1), True, id="dp2-to-one", marks=pytest.mark.slow),
@@ -1119,14 +1119,17 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     pytest.param("qwen3", "grpo", "fp32", (1, 1, 1, 2), True, id="pp2-to-one"),
     pytest.param("qwen3_moe", "grpo", "fp32", (1, 1, 1, 2), False, id="moe-one-to-pp2", marks=pytest.mark.slow),
     pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), True, id="tied-pp2-to-one"),
-    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), False, id="tied-one-to-pp2")])
+    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), False, id="tied-one-to-pp2"),
+    pytest.param("qwen3-tied", "ppo", "fp32", (1, 1, 1, 2), True, id="ppo-tied-pp2-to-one"),
+    pytest.param("qwen3", "ppo", "fp32", (1, 1, 1, 2), False, id="ppo-one-to-pp2", marks=pytest.mark.slow)])
 def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo, dtype, ranks_layout, ranks_save):
     """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel, pipeline
     stages) resumes in one process, or one saved by one process resumes on those ranks (``ranks_save`` False):
     the weights it resumes
     from are the saving run's bit for bit, and the step after it is the uninterrupted run's: its metrics, the
     updated weights and, for ppo, the value model's values (its weights and optimizer state resharded with the
-    policy's). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
+    policy's; from pipeline stages and into them too: its head on the last stage only, its weights saved by the
+    whole model's names). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
     them would take another step, which the test checks it would notice. In bf16 the masters carry the exact
     weights, and the step after is one of two tensor-parallel ranks in bf16 beside one rank's (issue 34, item
     6): they agree within bf16's rounding (the update within 20 %, where a forgotten optimizer state is over

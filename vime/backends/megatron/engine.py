@@ -35,6 +35,7 @@ from vime.backends.megatron.resharding import (
     check_models,
     model_shapes,
     resharded_state,
+    saved_critic_names,
     saved_shapes,
     shard_records,
     trained_names,
@@ -470,10 +471,15 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def _trainer_state(self) -> dict[str, Any]:
         """The reference trainer's state of this rank, and where its shards lie in the whole tensors (for a
-        trainer of another layout to reshard it: ``resharding``)."""
+        trainer of another layout to reshard it: ``resharding``); the value model's weights by the whole model's
+        names (:func:`saved_critic_names`)."""
         models = self._gpt_models()
-        return {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
-                "parameters": [trained_names(model) for model in models]}
+        state = {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
+                 "parameters": [trained_names(model) for model in models]}
+        if self.critic is not None:
+            saved = saved_critic_names(self.critic.model)
+            state["critic"] = {saved[key]: value for key, value in state["critic"].items()}
+        return state
 
     def _saved_state(self, folder: Path) -> dict[str, Any]:
         """This rank's own file when the checkpoint was written in this layout (read as it is, as fast as
@@ -485,6 +491,9 @@ class MegatronTrainEngine(TorchTrainEngine):
             if state.get("layout", self.layout) == self.layout:
                 if "shards" in state:  # one saved before the records were kept passes, as it did
                     check_models(saved_shapes([state]), model_shapes(self._gpt_models()), folder)
+                if self.critic is not None and state.get("critic") is not None:  # by this stage's own names
+                    own = {saved: key for key, saved in saved_critic_names(self.critic.model).items()}
+                    state = {**state, "critic": {own[name]: value for name, value in state["critic"].items()}}
                 return state
         # on the CPU: a GPU's tensors would otherwise be copied back to the GPU each was saved from (or fail on a
         # host with fewer GPUs); the optimizer and the masters move this rank's part to its parameters' device

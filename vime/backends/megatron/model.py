@@ -93,7 +93,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
             share_embeddings_and_output_weights=hf_config.tie_word_embeddings and not value_head, parallel_output=True,
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage())
-    if value_head:
+    if value_head and model.post_process:  # only the last stage has an output layer to replace
         model.output_layer = ValueHead(config)
     if torch.cuda.is_available():
         model = model.cuda()
