@@ -904,20 +904,19 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 
 @pytest.mark.parametrize("algo,tensor_parallel,pipeline_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
     ("grpo", 1, 1), ("ppo", 1, 1), pytest.param("ppo", 2, 1, marks=pytest.mark.slow),
-    pytest.param("grpo", 1, 2, marks=pytest.mark.slow)])
+    pytest.param("grpo", 1, 2, marks=pytest.mark.slow), pytest.param("ppo", 1, 2, marks=pytest.mark.slow)])
 async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel, pipeline_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
     --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts; only PPO
     runs so, as it exercises all GRPO's TP2 does (the policy's split weights, their gradients, their sync)
     and the value model besides. With --pipeline-model-parallel-size 2 the two ranks are the model's two
-    stages, and the rollout engine gets the weights gathered from both. It must learn (issue 30): the reward
-    rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion in the Megatron path fails here
-    and not only on a GPU. PPO's value
-    model must learn too: GAE over values stuck at 0 is a whitened REINFORCE, which learns this task as well,
-    but its value loss is then the zero-value baseline, 0.5 x the mean squared return of the step's rows
-    (the rewards are 0 or 1, so 0.5 x the mean reward); a value model that tracks the returns brings it under
-    half that."""
+    stages (the value model's too, for PPO), and the rollout engine gets the weights gathered from both. It
+    must learn (issue 30): the reward rises by 0.3 or more in 30 steps, so a broken gradient or weight
+    conversion in the Megatron path fails here and not only on a GPU. PPO's value model must learn too: GAE
+    over values stuck at 0 is a whitened REINFORCE, which learns this task as well, but its value loss is then
+    the zero-value baseline, 0.5 x the mean squared return of the step's rows (the rewards are 0 or 1, so 0.5 x
+    the mean reward); a value model that tracks the returns brings it under half that."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
