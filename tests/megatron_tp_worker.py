@@ -208,9 +208,10 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
 
 
 def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int,
-                    data_parallel: int, expert_parallel: int) -> None:
+                    data_parallel: int, expert_parallel: int, recompute: bool) -> None:
     """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies; an MoE model's experts divided among
-    ``expert_parallel`` of each stage's ranks) train GRPO with a KL reference
+    ``expert_parallel`` of each stage's ranks; their layers recomputed with ``recompute``) train GRPO with a KL
+    reference
     (scored through the stages too), two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`:
     the update is the clipped gradient), a step on each batch. Rank 0 writes the weights as loaded and as
     streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
@@ -218,7 +219,7 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
     checkpoint (one file per stage and rank) before the last step, taking it again."""
     build = functools.partial(grpo_with_sgd, folder, 2, tensor_parallel=tensor_parallel,
                               pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-                              expert_parallel=expert_parallel)
+                              expert_parallel=expert_parallel, recompute=recompute)
 
     engine = build()
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
@@ -420,7 +421,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
     elif sys.argv[1] == "pipeline":
-        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
+        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]), sys.argv[9] == "recompute")
     elif sys.argv[1] == "packed":
         train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:10]))
     elif sys.argv[1] == "ppo":

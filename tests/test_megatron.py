@@ -320,9 +320,6 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
                                          "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2: an MoE model's recomputed layers would "
-                                         "replay another micro-batch's experts .* leave --recompute-activations out"):
-        megatron.build_model(tiny_config("qwen3_moe", VOCAB), pipeline_parallel=2, recompute=True)
     with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
         megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
@@ -1227,14 +1224,16 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
-@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
-    ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
-    ("glm4_moe", 1, 2, 1, 1),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
-    ("qwen3-tied", 1, 2, 1, 1),  # the last stage's output layer a copy of the first's embedding
+@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel,recompute", [
+    ("qwen3", 1, 2, 1, 1, False), ("qwen3", 2, 2, 1, 1, False),  # CI time: PP2 ~15 s, TP2 x PP2 ~30 s
+    ("qwen3_moe", 1, 2, 1, 1, False), ("qwen3_moe", 1, 2, 1, 1, True),
+    ("glm4_moe", 1, 2, 1, 1, False),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
+    ("qwen3-tied", 1, 2, 1, 1, False),  # the last stage's output layer a copy of the first's embedding
     *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
-        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2), ("qwen3-tied", 2, 2, 1, 1)))])
+        ("qwen3", 1, 2, 2, 1, False), ("qwen3_moe", 2, 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, 2, False),
+        ("qwen3-tied", 2, 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, 2, True)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
-                                                   data_parallel, expert_parallel):
+                                                   data_parallel, expert_parallel, recompute):
     """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
     ``data_parallel`` copies that split each mini-batch's samples), each holding its
     slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
@@ -1247,7 +1246,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     process resumes it too (resharded: the weights the stages held before the last step, and that step). An
     MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
-    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. A tied
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. Where the
+    stages recompute their layers (the one process does not), each micro-batch's backward pass replays its own
+    experts, though the 1F1B schedule has run the next micro-batch's forward pass in between. A tied
     model's last stage holds a copy of the embedding as its output layer: it stays bit for bit the first
     stage's after every step, and is published, written and resharded as the one tensor."""
     model, checkpoint, folder = hf_models[case]
@@ -1255,7 +1256,7 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
     ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
-                       pipeline_parallel, data_parallel, expert_parallel])
+                       pipeline_parallel, data_parallel, expert_parallel, "recompute" if recompute else "keep"])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
     streamed = dict(ranks["streamed"])

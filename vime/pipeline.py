@@ -172,8 +172,6 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
                                         expert_parallel=config.job.expert_model_parallel_size,
                                         recompute=config.job.recompute_activations,
                                         pipeline_parallel=config.job.pipeline_model_parallel_size)
-            megatron.check_pipeline_parallel(folder_config, config.job.pipeline_model_parallel_size,
-                                             recompute=config.job.recompute_activations)
     if config.rollout.rollout_backend == "vllm":
         from vime.backends import vllm_rollout
 

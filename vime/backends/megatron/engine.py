@@ -28,7 +28,7 @@ from vime.backends.base import TensorBatch
 from vime.backends.master_weights import MasterWeights
 from vime.backends.megatron.distributed_optimizer import Part, ShardedAdamW, ShardedMasterWeights
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
-from vime.backends.megatron.model import ForwardOutput, build_model, check_pipeline_parallel, forward
+from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
 from vime.backends.megatron.resharding import (
     Shapes,
@@ -155,7 +155,6 @@ class MegatronTrainEngine(TorchTrainEngine):
                  data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "",
                  distributed_optimizer: bool = False, pipeline_parallel: int = 1) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
-        check_pipeline_parallel(self.hf_config, pipeline_parallel, recompute=recompute)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel, self.pipeline_parallel = data_parallel, pipeline_parallel
         self.sharded_optimizer = distributed_optimizer and data_parallel > 1  # one copy: nothing to divide

@@ -55,12 +55,12 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     With ``pipeline_parallel`` > 1 this process holds its stage's slice of the layers: the embedding on the
     first stage, the final norm and the output layer on the last: for a tied model (``tie_word_embeddings``)
     megatron-core's copy of the embedding, which it starts from the first stage's (the engine sums the two
-    copies' gradients). :func:`check_pipeline_parallel` says what cannot be split so far.
+    copies' gradients). An MoE model's stages may recompute their layers: ``routing._routing`` queues each
+    micro-batch's replayed experts for its backward pass.
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
-    check_pipeline_parallel(hf_config, pipeline_parallel, recompute=recompute)
     init_parallel(tensor_parallel, expert_parallel, data_parallel, pipeline_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
                                 tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute,
@@ -98,21 +98,6 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     if torch.cuda.is_available():
         model = model.cuda()
     return model
-
-
-def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, recompute: bool = False) -> None:
-    """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: an MoE model whose
-    layers recompute (a replay of the rollout's experts held for the backward pass, see
-    ``routing._routing``, would be replaced by the next micro-batch's before that backward pass runs: the 1F1B
-    schedule interleaves them)."""
-    if pipeline_parallel == 1:
-        return
-    flag = f"--pipeline-model-parallel-size {pipeline_parallel}"
-    if any(moe_layer_pattern(hf_config)) and recompute:
-        raise ValueError(f"{flag}: an MoE model's recomputed layers would replay another micro-batch's experts "
-                         "under the 1F1B schedule (megatron-core's queue of replays for the backward pass is not "
-                         "used yet); leave --recompute-activations out, or train with --pipeline-model-parallel-size "
-                         "1")
 
 
 @dataclasses.dataclass
