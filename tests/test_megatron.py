@@ -1073,7 +1073,8 @@ def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_p
 @pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute,pipeline_parallel", [
     ("qwen3", 2, 1, 1, False, 1), ("qwen3", 1, 1, 1, False, 2), ("qwen3-tied", 1, 1, 1, False, 2),  # CI time: ~15 s
     *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
-        ("qwen3_moe", 2, 4, 2, True, 1), ("qwen3_moe", 1, 1, 1, False, 2), ("qwen3", 2, 1, 1, False, 2)))])
+        ("qwen3_moe", 2, 4, 2, True, 1), ("qwen3_moe", 1, 1, 1, False, 2), ("qwen3_moe", 1, 1, 1, True, 2),
+        ("qwen3", 2, 1, 1, False, 2)))])
 def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel,
                                                              data_parallel, recompute, pipeline_parallel, tmp_path):
     """PPO's value model under tensor parallelism: each rank's value head computes the values of its share of
@@ -1085,7 +1086,8 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     In pipeline stages the value model is split as the policy is, its head on the last stage (a tied policy's
     value model holds no copy of the embedding there: its output layer is the head), and runs through
     megatron-core's schedule apart from the policy: its values to score the batch, then its value loss's
-    forward and backward passes; an MoE's stages replay their own layers' experts in it too."""
+    forward and backward passes; an MoE's stages replay their own layers' experts in it too, recomputing
+    layers or not."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
     torch.save(_fields(batch), tmp_path / "batch.pt")
@@ -1189,7 +1191,8 @@ def test_a_checkpoint_of_tensor_parallel_ranks_resumes_in_pipeline_stages(hf_mod
     pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 1), id="bf16-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2, 1), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow),
-    pytest.param("qwen3-tied", "grpo", "bf16", (1, 1, 2, 2), id="tied-bf16-dp2-pp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3-tied", "grpo", "bf16", (1, 1, 2, 2), id="tied-bf16-dp2-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen3-tied", "ppo", "bf16", (1, 1, 2, 2), id="ppo-tied-bf16-dp2-pp2", marks=pytest.mark.slow)])
 def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
     """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
     (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
@@ -1200,7 +1203,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     rank keeps the fp32 masters of its parts only (about half the plain run's), steps them and rounds them into
     its part of the bf16 weights, which the gather makes whole: a gather that left the other ranks' parts
     stale would differ from the plain run's metrics and weights, far over the tolerance. In two pipeline
-    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors."""
+    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors, the value model's too (ppo)."""
     model, _, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
