@@ -3,10 +3,10 @@ and data parallel), a leader
 (``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
 leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
 leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
-value model trained by ranks under ``torchrun`` (``ppo``); the plain and the distributed optimizer side by side
-(``distributed-optimizer``); padded rows and packed ones side by side (``packed``); one side of a
-checkpoint saved in one layout and resumed in another (``layouts``); or pipeline stages (``pipeline``) training
-over two steps.
+value model trained by ranks under ``torchrun``, in pipeline stages too (``ppo``); the plain and the
+distributed optimizer side by side (``distributed-optimizer``); padded rows and packed ones side by side
+(``packed``); one side of a checkpoint saved in one layout and resumed in another (``layouts``); or pipeline
+stages (``pipeline``) training over two steps.
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -79,30 +79,33 @@ def grpo_with_sgd(folder: str, updates_per_step: int, max_tokens: int = 0, **lay
 
 
 def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expert_parallel: int,
-              data_parallel: int, recompute: bool) -> None:
-    """PPO on every rank, plain SGD (:func:`plain_sgd`): rank 0 writes the step's metrics, the value model's
-    values after it (the head has moved off zero) and whether a trainer resumed from a checkpoint of all
-    ranks takes the next step exactly as the original."""
+              data_parallel: int, recompute: bool, pipeline_parallel: int) -> None:
+    """PPO on every rank, plain SGD (:func:`plain_sgd`): rank 0 writes the step's metrics, the policy's weights
+    after it (gathered from every stage), the value model's values after it (the head has moved off zero), and
+    the metrics of the next step of the original and of a trainer resumed from a checkpoint of all ranks
+    (``again``, ``resumed``: compared NaN-aware, since pipeline stages get the metrics unpickled, a NaN among
+    them no longer ``math.nan`` itself)."""
     def build() -> MegatronTrainEngine:
         engine = MegatronTrainEngine(folder, algo="ppo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),
                                      loss=PolicyLossConfig(), grpo_config=GRPOConfig(), ppo_config=PPOConfig(),
                                      temperature=0.7, total_steps=4, tensor_parallel=tensor_parallel,
                                      expert_parallel=expert_parallel, data_parallel=data_parallel,
-                                     recompute=recompute)
+                                     recompute=recompute, pipeline_parallel=pipeline_parallel)
         plain_sgd(engine, lr=0.5)
         return engine
 
     engine = build()
     batch = TensorBatch(**torch.load(batch_file, weights_only=True))
     metrics = engine.train_step(batch)
+    trained = gathered_weights(engine, "cpu")
     values = engine.score(batch)["values"]
     checkpoint = Path(out).with_name("checkpoint")
     engine.save(checkpoint)
     resumed = build()
     resumed.load(checkpoint)
-    resumed_alike = resumed.train_step(batch) == engine.train_step(batch)
+    again = {"resumed": resumed.train_step(batch), "again": engine.train_step(batch)}
     if dist.get_rank() == 0:
-        torch.save({"metrics": metrics, "values": values, "resumed_alike": resumed_alike}, out)
+        torch.save({"metrics": metrics, "trained": trained, "values": values, **again}, out)
     dist.destroy_process_group()
 
 
@@ -205,9 +208,10 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
 
 
 def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: int, pipeline_parallel: int,
-                    data_parallel: int, expert_parallel: int) -> None:
+                    data_parallel: int, expert_parallel: int, recompute: bool) -> None:
     """Pipeline stages (of tensor-parallel ranks, in ``data_parallel`` copies; an MoE model's experts divided among
-    ``expert_parallel`` of each stage's ranks) train GRPO with a KL reference
+    ``expert_parallel`` of each stage's ranks; their layers recomputed with ``recompute``) train GRPO with a KL
+    reference
     (scored through the stages too), two mini-batches of micro-batches of 2 per step, plain SGD (:func:`plain_sgd`:
     the update is the clipped gradient), a step on each batch. Rank 0 writes the weights as loaded and as
     streamed to rollout engines, the scores before the first step, every step's metrics, the weights after each
@@ -215,7 +219,7 @@ def train_in_stages(folder: str, batches_file: str, out: str, tensor_parallel: i
     checkpoint (one file per stage and rank) before the last step, taking it again."""
     build = functools.partial(grpo_with_sgd, folder, 2, tensor_parallel=tensor_parallel,
                               pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-                              expert_parallel=expert_parallel)
+                              expert_parallel=expert_parallel, recompute=recompute)
 
     engine = build()
     batches = [TensorBatch(**fields) for fields in torch.load(batches_file, weights_only=True)]
@@ -417,11 +421,12 @@ if __name__ == "__main__":
     elif sys.argv[1] == "distributed-optimizer":
         train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
     elif sys.argv[1] == "pipeline":
-        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]))
+        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]), sys.argv[9] == "recompute")
     elif sys.argv[1] == "packed":
         train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:10]))
     elif sys.argv[1] == "ppo":
-        train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute")
+        train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute",
+                  int(sys.argv[9]))
     else:
         main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
              sys.argv[7] == "recompute")

@@ -320,13 +320,6 @@ def test_unsupported_models_and_layouts_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="1 processes for --tensor-model-parallel-size 2 x --data-parallel-size 2 x "
                                          "--pipeline-model-parallel-size 2: launch with torchrun --nproc-per-node 8"):
         megatron.build_model(tiny_config("qwen3", VOCAB), tensor_parallel=2, data_parallel=2, pipeline_parallel=2)
-    for config, value_head, refusal in (
-            (tiny_config("qwen3_moe", VOCAB), False, "an MoE model's recomputed layers would replay another "
-                                                     "micro-batch's experts .* leave --recompute-activations out"),
-            (tiny_config("qwen3", VOCAB), True, "PPO's value model is not split into pipeline stages yet; use --algo "
-                                                "grpo")):
-        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 2: {refusal}"):
-            megatron.build_model(config, pipeline_parallel=2, value_head=value_head, recompute=True)
     with pytest.raises(ValueError, match="pick a --pipeline-model-parallel-size that divides them, not 3"):
         megatron.transformer_config(tiny_config("qwen3", VOCAB), pipeline_parallel=3)
     odd = tiny_config("qwen3_moe", VOCAB)
@@ -908,20 +901,19 @@ def test_bf16_step_on_cuda_trains_from_fp32_masters(hf_models, case):
 
 @pytest.mark.parametrize("algo,tensor_parallel,pipeline_parallel", [  # CI time: ppo one rank 70 s; ppo TP2 slow
     ("grpo", 1, 1), ("ppo", 1, 1), pytest.param("ppo", 2, 1, marks=pytest.mark.slow),
-    pytest.param("grpo", 1, 2, marks=pytest.mark.slow)])
+    pytest.param("grpo", 1, 2, marks=pytest.mark.slow), pytest.param("ppo", 1, 2, marks=pytest.mark.slow)])
 async def test_the_pipeline_trains_with_the_megatron_backend(tmp_path, algo, tensor_parallel, pipeline_parallel):
     """--train-backend megatron: the arithmetic scenario's five actors with megatron-core as the trainer,
     weights synced to the torch rollout engine each step; fp32 both sides, so the log-probs agree. With
     --tensor-model-parallel-size 2 the trainer actor leads a second rank in a process it starts; only PPO
     runs so, as it exercises all GRPO's TP2 does (the policy's split weights, their gradients, their sync)
     and the value model besides. With --pipeline-model-parallel-size 2 the two ranks are the model's two
-    stages, and the rollout engine gets the weights gathered from both. It must learn (issue 30): the reward
-    rises by 0.3 or more in 30 steps, so a broken gradient or weight conversion in the Megatron path fails here
-    and not only on a GPU. PPO's value
-    model must learn too: GAE over values stuck at 0 is a whitened REINFORCE, which learns this task as well,
-    but its value loss is then the zero-value baseline, 0.5 x the mean squared return of the step's rows
-    (the rewards are 0 or 1, so 0.5 x the mean reward); a value model that tracks the returns brings it under
-    half that."""
+    stages (the value model's too, for PPO), and the rollout engine gets the weights gathered from both. It
+    must learn (issue 30): the reward rises by 0.3 or more in 30 steps, so a broken gradient or weight
+    conversion in the Megatron path fails here and not only on a GPU. PPO's value model must learn too: GAE
+    over values stuck at 0 is a whitened REINFORCE, which learns this task as well, but its value loss is then
+    the zero-value baseline, 0.5 x the mean squared return of the step's rows (the rewards are 0 or 1, so 0.5 x
+    the mean reward); a value model that tracks the returns brings it under half that."""
     from vime.metrics import MetricsFollower
     from vime.pipeline import train
     from vime.scenarios import arithmetic
@@ -981,13 +973,13 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path,
 
 
 def _train_on_ranks(tmp_path: Path, folder: Path, batch: TensorBatch, tensor_parallel: int, expert_parallel: int,
-                    data_parallel: int, recompute: bool, mode: str = "") -> dict:
-    """What rank 0 of ``megatron_tp_worker.py`` (``mode``: which of its trainers; none: GRPO's) wrote after training
-    on ``batch`` under torchrun, one rank per tensor x data parallel copy (gloo)."""
+                    data_parallel: int, recompute: bool) -> dict:
+    """What rank 0 of ``megatron_tp_worker.py`` wrote after training GRPO on ``batch`` under torchrun, one rank per
+    tensor x data parallel copy (gloo)."""
     torch.save(_fields(batch), tmp_path / "batch.pt")
     return _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
-                     [*([mode] if mode else []), folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel,
-                      expert_parallel, data_parallel, "recompute" if recompute else "keep"])
+                     [folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
+                      data_parallel, "recompute" if recompute else "keep"])
 
 
 def _fields(batch: TensorBatch) -> dict[str, torch.Tensor | None]:
@@ -1078,32 +1070,45 @@ def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_p
         assert (packed["weights"][name] - tensor).abs().max() <= 1e-5, name
 
 
-@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute", [
-    ("qwen3", 2, 1, 1, False), pytest.param("qwen3_moe", 2, 4, 2, True, marks=pytest.mark.slow)])  # CI time
+@pytest.mark.parametrize("case,tensor_parallel,expert_parallel,data_parallel,recompute,pipeline_parallel", [
+    ("qwen3", 2, 1, 1, False, 1), ("qwen3", 1, 1, 1, False, 2), ("qwen3-tied", 1, 1, 1, False, 2),  # CI time: ~15 s
+    *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
+        ("qwen3_moe", 2, 4, 2, True, 1), ("qwen3_moe", 1, 1, 1, False, 2), ("qwen3_moe", 1, 1, 1, True, 2),
+        ("qwen3", 2, 1, 1, False, 2)))])
 def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel,
-                                                             data_parallel, recompute, tmp_path):
+                                                             data_parallel, recompute, pipeline_parallel, tmp_path):
     """PPO's value model under tensor parallelism: each rank's value head computes the values of its share of
-    the positions, gathered whole on every rank, and its gradient is summed over the ranks; the values after
-    a step (the head off zero), the step's metrics (the value model's gradient norm, ``value_grad_norm``, among
-    them) and a resumed trainer's next step are those of one process. Plain SGD: Adam's step would hide a
-    gradient counted twice. In the MoE layout (two copies of two ranks, the experts divided among all four,
-    layers recomputed) the value model replays the batch's experts as the policy does."""
+    the positions, gathered whole on every rank, and its gradient is summed over the ranks; the policy's weights
+    and the values after a step (the head off zero), the step's metrics (the value model's gradient norm,
+    ``value_grad_norm``, among them) and a resumed trainer's next step are those of one process. Plain SGD:
+    Adam's step would hide a gradient counted twice. In the MoE layout (two copies of two ranks, the experts
+    divided among all four, layers recomputed) the value model replays the batch's experts as the policy does.
+    In pipeline stages the value model is split as the policy is, its head on the last stage (a tied policy's
+    value model holds no copy of the embedding there: its output layer is the head), and runs through
+    megatron-core's schedule apart from the policy: its values to score the batch, then its value loss's
+    forward and backward passes; an MoE's stages replay their own layers' experts in it too, recomputing
+    layers or not."""
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
-    ranks = _train_on_ranks(tmp_path, folder, batch, tensor_parallel, expert_parallel, data_parallel, recompute,
-                            mode="ppo")
+    torch.save(_fields(batch), tmp_path / "batch.pt")
+    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+                      ["ppo", folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
+                       data_parallel, "recompute" if recompute else "keep", pipeline_parallel])
     single = _engine(megatron.MegatronTrainEngine, folder, algo="ppo")
     plain_sgd(single, lr=0.5)
     expected = single.train_step(batch)
     assert expected["value_grad_norm"] > 0  # the value model's own, summed over the ranks' shares as the policy's
+    assert sorted(ranks["metrics"]) == sorted(expected)
     for key in expected:
         assert ranks["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), key
+    for name, tensor in single.named_weights().items():
+        assert (ranks["trained"][name] - tensor).abs().max() <= 1e-5, name
     values = single.score(batch)["values"]
     assert values.abs().max() > 0.05 and (ranks["values"] - values).abs().max() <= 1e-5
-    assert ranks["resumed_alike"]
+    assert ranks["resumed"] == pytest.approx(ranks["again"], rel=0, abs=0, nan_ok=True)  # exactly
 
 
-@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; three by default
+@pytest.mark.parametrize("case,algo,dtype,ranks_layout,ranks_save", [  # CI time: 10-15 s each; six by default
     pytest.param("qwen3", "ppo", "fp32", (2, 1, 1, 1), True, id="ppo-tp2-to-one"),
     pytest.param("qwen3", "grpo", "bf16", (2, 1, 1, 1), True, id="bf16-tp2-to-one"),
     pytest.param("qwen3", "grpo", "fp32", (1, 1, 2, 1), True, id="dp2-to-one", marks=pytest.mark.slow),
@@ -1112,14 +1117,17 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     pytest.param("qwen3", "grpo", "fp32", (1, 1, 1, 2), True, id="pp2-to-one"),
     pytest.param("qwen3_moe", "grpo", "fp32", (1, 1, 1, 2), False, id="moe-one-to-pp2", marks=pytest.mark.slow),
     pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), True, id="tied-pp2-to-one"),
-    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), False, id="tied-one-to-pp2")])
+    pytest.param("qwen3-tied", "grpo", "fp32", (1, 1, 1, 2), False, id="tied-one-to-pp2"),
+    pytest.param("qwen3-tied", "ppo", "fp32", (1, 1, 1, 2), True, id="ppo-tied-pp2-to-one"),
+    pytest.param("qwen3", "ppo", "fp32", (1, 1, 1, 2), False, id="ppo-one-to-pp2", marks=pytest.mark.slow)])
 def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo, dtype, ranks_layout, ranks_save):
     """A checkpoint saved by ranks of one layout (``ranks_layout``: tensor, expert, data parallel, pipeline
     stages) resumes in one process, or one saved by one process resumes on those ranks (``ranks_save`` False):
     the weights it resumes
     from are the saving run's bit for bit, and the step after it is the uninterrupted run's: its metrics, the
     updated weights and, for ppo, the value model's values (its weights and optimizer state resharded with the
-    policy's). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
+    policy's; from pipeline stages and into them too: its head on the last stage only, its weights saved by the
+    whole model's names). AdamW, whose second step depends on the first's moments and step count: a resume that dropped
     them would take another step, which the test checks it would notice. In bf16 the masters carry the exact
     weights, and the step after is one of two tensor-parallel ranks in bf16 beside one rank's (issue 34, item
     6): they agree within bf16's rounding (the update within 20 %, where a forgotten optimizer state is over
@@ -1183,7 +1191,8 @@ def test_a_checkpoint_of_tensor_parallel_ranks_resumes_in_pipeline_stages(hf_mod
     pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 1), id="bf16-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "grpo", "fp32", (2, 2, 2, 1), id="moe-tp2-ep2-dp2", marks=pytest.mark.slow),
     pytest.param("qwen3", "grpo", "bf16", (1, 1, 2, 2), id="bf16-dp2-pp2", marks=pytest.mark.slow),
-    pytest.param("qwen3-tied", "grpo", "bf16", (1, 1, 2, 2), id="tied-bf16-dp2-pp2", marks=pytest.mark.slow)])
+    pytest.param("qwen3-tied", "grpo", "bf16", (1, 1, 2, 2), id="tied-bf16-dp2-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen3-tied", "ppo", "bf16", (1, 1, 2, 2), id="ppo-tied-bf16-dp2-pp2", marks=pytest.mark.slow)])
 def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, case, algo, dtype, layout):
     """``distributed_optimizer``: data-parallel ranks each keeping AdamW's state for their part of every tensor
     (the experts' among the ranks holding copies of them, as with two tensor-parallel ranks holding all four
@@ -1194,7 +1203,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     rank keeps the fp32 masters of its parts only (about half the plain run's), steps them and rounds them into
     its part of the bf16 weights, which the gather makes whole: a gather that left the other ranks' parts
     stale would differ from the plain run's metrics and weights, far over the tolerance. In two pipeline
-    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors."""
+    stages (bf16, DP2 x PP2), each stage's copies divide that stage's tensors, the value model's too (ppo)."""
     model, _, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
@@ -1218,14 +1227,16 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         assert distributed_bytes <= plain_bytes / data_parallel * 1.05
 
 
-@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel", [  # CI time: PP2
-    ("qwen3", 1, 2, 1, 1), ("qwen3", 2, 2, 1, 1), ("qwen3_moe", 1, 2, 1, 1),  # ~15 s, TP2 x PP2 ~30 s
-    ("glm4_moe", 1, 2, 1, 1),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
-    ("qwen3-tied", 1, 2, 1, 1),  # the last stage's output layer a copy of the first's embedding
+@pytest.mark.parametrize("case,tensor_parallel,pipeline_parallel,data_parallel,expert_parallel,recompute", [
+    ("qwen3", 1, 2, 1, 1, False), ("qwen3", 2, 2, 1, 1, False),  # CI time: PP2 ~15 s, TP2 x PP2 ~30 s
+    ("qwen3_moe", 1, 2, 1, 1, False), ("qwen3_moe", 1, 2, 1, 1, True),
+    ("glm4_moe", 1, 2, 1, 1, False),  # its first layer dense: a stage of dense layers only, under R3, replays nothing
+    ("qwen3-tied", 1, 2, 1, 1, False),  # the last stage's output layer a copy of the first's embedding
     *(pytest.param(*layout, marks=pytest.mark.slow) for layout in (
-        ("qwen3", 1, 2, 2, 1), ("qwen3_moe", 2, 2, 1, 1), ("qwen3_moe", 2, 2, 1, 2), ("qwen3-tied", 2, 2, 1, 1)))])
+        ("qwen3", 1, 2, 2, 1, False), ("qwen3_moe", 2, 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, 2, False),
+        ("qwen3-tied", 2, 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, 2, True)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
-                                                   data_parallel, expert_parallel):
+                                                   data_parallel, expert_parallel, recompute):
     """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
     ``data_parallel`` copies that split each mini-batch's samples), each holding its
     slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
@@ -1238,7 +1249,9 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     process resumes it too (resharded: the weights the stages held before the last step, and that step). An
     MoE model (one MoE layer per stage)
     replays given experts (R3): each stage its own layers' of the whole model's, in every micro-batch's
-    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. A tied
+    training and scoring passes; with ``expert_parallel`` each stage's ranks divide its experts whole. Where the
+    stages recompute their layers (the one process does not), each micro-batch's backward pass replays its own
+    experts, though the 1F1B schedule has run the next micro-batch's forward pass in between. A tied
     model's last stage holds a copy of the embedding as its output layer: it stays bit for bit the first
     stage's after every step, and is published, written and resharded as the one tensor."""
     model, checkpoint, folder = hf_models[case]
@@ -1246,7 +1259,7 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
     ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
-                       pipeline_parallel, data_parallel, expert_parallel])
+                       pipeline_parallel, data_parallel, expert_parallel, "recompute" if recompute else "keep"])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
     assert [name for name in checkpoint if not torch.equal(ranks["loaded"][name], checkpoint[name])] == []
     streamed = dict(ranks["streamed"])

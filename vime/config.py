@@ -337,8 +337,7 @@ class JobConfig:
                                                    "on the last), micro-batches through megatron-core's 1F1B "
                                                    "schedule (a tied output layer: a copy of the embedding on the "
                                                    "last stage, kept equal); the trainer runs tensor x data x "
-                                                   "pipeline ranks. So far: GRPO-style estimators (not ppo), MoE "
-                                                   "stages without --recompute-activations")
+                                                   "pipeline ranks; PPO's value model in the same stages")
     expert_model_parallel_size: int = setting(1, "Megatron expert parallelism: an MoE model's routed experts are "
                                                  "divided among this many ranks, each holding its experts whole: 1, "
                                                  "--tensor-model-parallel-size (each copy of the trainer holds them "
@@ -347,7 +346,7 @@ class JobConfig:
     recompute_activations: bool = setting(False, "Megatron activation recomputation: each layer keeps only its input "
                                                  "and runs its forward again in the backward pass (activations of "
                                                  "one layer at a time instead of all; about a third more compute); "
-                                                 "routing replay holds through it")
+                                                 "routing replay holds through it, in pipeline stages too")
     use_distributed_optimizer: bool = setting(False, "Megatron's distributed optimizer (ZeRO-1): each data-parallel "
                                                      "copy keeps AdamW's moments for its 1/--data-parallel-size part "
                                                      "of every tensor, steps that part and gathers the others' after "

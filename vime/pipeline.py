@@ -175,9 +175,6 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
                                         expert_parallel=config.job.expert_model_parallel_size,
                                         recompute=config.job.recompute_activations,
                                         pipeline_parallel=config.job.pipeline_model_parallel_size)
-            megatron.check_pipeline_parallel(folder_config, config.job.pipeline_model_parallel_size,
-                                             value_head=config.job.algo == "ppo",
-                                             recompute=config.job.recompute_activations)
         card = card_bytes or (gpu_memory.card_bytes(placed.trainer.split(",")[0]) if placed.trainer else None)
         if model and placed.trainer and card:
             gpu_memory.check_fits(config, placed, hf_config, card, configs[-1] if critic else None)

@@ -253,16 +253,22 @@ class TorchTrainEngine(TrainEngine):
         return [self._response_logprobs(model, batch, micro) for micro in chunks]
 
     def _mini_batch_passes(self, batch: TensorBatch, chunks: list[MicroBatch],
-                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                           value_loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
                            ) -> list[dict[str, torch.Tensor]]:
-        """Forward and backward of the policy on each micro-batch of ``chunks``, the gradients accumulating;
-        ``loss_of(micro, logprobs, entropy)`` gives a micro-batch's loss and
-        statistics (:meth:`_micro_loss`), which are returned in ``chunks``' order. Another backend overrides
-        this to schedule the passes its own way (pipeline stages), and may return the statistics on only some
-        of its ranks."""
+        """Forward and backward of the policy (and, with ``value_loss_of``, the value model) on each micro-batch
+        of ``chunks``, the gradients accumulating; ``loss_of(micro, logprobs, entropy)`` gives a micro-batch's
+        policy loss and statistics (:meth:`_micro_loss`), ``value_loss_of(micro, values)`` its value loss and
+        statistics (:meth:`_micro_value_loss`); each micro-batch's statistics, both together, are returned in
+        ``chunks``' order. Another backend overrides this to schedule the passes its own way (pipeline stages),
+        and may return the statistics on only some of its ranks."""
         figures = []
         for micro in chunks:
             loss, stats = loss_of(micro, *self._response_logprobs(self.policy, batch, micro))
+            if value_loss_of is not None:
+                value_loss, value_stats = value_loss_of(micro, self._values(batch, micro))
+                loss = loss + value_loss
+                stats.update(value_stats)
             loss.backward()
             figures.append(stats)
         return figures
@@ -281,7 +287,17 @@ class TorchTrainEngine(TrainEngine):
         inputs = self._inputs(batch, micro)
         with self._replaying(self.critic, inputs.experts):
             values = self._call(self.critic, inputs)
+        return self._response_values(values, inputs)
+
+    @staticmethod
+    def _response_values(values: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """:meth:`_values` from the value model's ``values [rows, width]`` of ``inputs`` (one row when packed)."""
         return inputs.responses(values[:, inputs.first:])
+
+    def _value_passes(self, batch: TensorBatch, chunks: list[MicroBatch]) -> list[torch.Tensor]:
+        """:meth:`_values` for each micro-batch of ``chunks``, without gradients: what another backend overrides to
+        run the passes its own way (pipeline stages)."""
+        return [self._values(batch, micro) for micro in chunks]
 
     @torch.no_grad()
     def score(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, torch.Tensor]:
@@ -300,12 +316,13 @@ class TorchTrainEngine(TrainEngine):
         scores = {key: torch.zeros_like(batch.rollout_logprobs) for key in keys}
         policy = self._forward_passes(self.policy, batch, chunks)
         reference = self._forward_passes(self.reference, batch, chunks) if self.reference is not None else None
+        values = self._value_passes(batch, chunks) if self.critic is not None else None
         for index, micro in enumerate(chunks):
             figures = dict(zip(("old_logprobs", "entropy"), policy[index]))
             if reference is not None:
                 figures["ref_logprobs"] = reference[index][0]
-            if self.critic is not None:
-                figures["values"] = self._values(batch, micro)
+            if values is not None:
+                figures["values"] = values[index]
             if micro.counted:
                 for key, value in figures.items():
                     scores[key][micro.rows] = value
@@ -347,9 +364,10 @@ class TorchTrainEngine(TrainEngine):
                                           self.loss.loss_scale_tokens or mask.shape[-1])
             chunks = self._micro_batches(mini, sizes)
             loss_of = functools.partial(self._micro_loss, batch, scores=scores, advantages=advantages,
-                                        returns=returns, normalizer=normalizer, value_normalizer=value_normalizer,
-                                        scored_here=scored_in_training)
-            for micro, stats in zip(chunks, self._mini_batch_passes(batch, chunks, loss_of)):
+                                        normalizer=normalizer, scored_here=scored_in_training)
+            value_loss_of = None if self.critic is None else functools.partial(
+                self._micro_value_loss, batch, scores=scores, returns=returns, value_normalizer=value_normalizer)
+            for micro, stats in zip(chunks, self._mini_batch_passes(batch, chunks, loss_of, value_loss_of)):
                 tokens = float(micro.sizes.response_tokens.sum()) if micro.counted else 0.0
                 for key, value in stats.items():
                     totals.setdefault(key, []).append((value, tokens))
@@ -391,17 +409,16 @@ class TorchTrainEngine(TrainEngine):
         return on_device(chunks, sizes, self.device)
 
     def _micro_loss(self, batch: TensorBatch, micro: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, *,
-                    scores: dict[str, torch.Tensor], advantages: torch.Tensor, returns: torch.Tensor | None,
-                    normalizer: float, value_normalizer: float,
+                    scores: dict[str, torch.Tensor], advantages: torch.Tensor, normalizer: float,
                     scored_here: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of one micro-batch from the policy's ``logprobs`` and ``entropy`` of its response tokens
-        (with the value model's, for ppo), to be backpropagated, and its statistics. ``scored_here``: this
-        forward's log-probs and entropies are the step's scores (written into ``scores``). A pass that does not
-        count (see :func:`replica_micro_batches`) adds nothing to either."""
-        rows, counted = micro.rows, micro.counted
+        """The policy's loss of one micro-batch from its ``logprobs`` and ``entropy`` of its response tokens, to be
+        backpropagated, and its statistics. ``scored_here``: this forward's log-probs and entropies are the step's
+        scores (written into ``scores``). A pass that does not count (see :func:`replica_micro_batches`) adds
+        nothing to either."""
+        rows = micro.rows
         mask = batch.response_mask[rows]
         old_logprobs = logprobs.detach() if scored_here else scores["old_logprobs"][rows]
-        if scored_here and counted:
+        if scored_here and micro.counted:
             scores["old_logprobs"][rows] = old_logprobs
             scores["entropy"][rows] = entropy.detach()
         stale = (batch.versions[rows] >= 0) & (batch.versions[rows] < self.weight_version)
@@ -411,16 +428,30 @@ class TorchTrainEngine(TrainEngine):
                                   if "ref_logprobs" in scores else None,
                                   behaviour_logprobs=batch.rollout_logprobs[rows], normalizer=normalizer)
         stats["loss"] = loss.detach()
-        if self.critic is not None:
-            assert returns is not None
-            values = self._values(batch, micro)
-            value_loss, value_stats = ppo.value_loss(values, scores["values"][rows], returns[rows], mask,
-                                                     self.ppo.value_clip, normalizer=value_normalizer)
-            loss = loss + self.ppo.value_coef * value_loss
-            stats.update(value_stats, value_loss=value_loss.detach())
-        if not counted:  # a pass for the other copies' exchanges only
-            loss, stats = loss * 0, {key: value * 0 for key, value in stats.items()}
+        return _counted_only(micro, loss, stats)
+
+    def _micro_value_loss(self, batch: TensorBatch, micro: MicroBatch, values: torch.Tensor, *,
+                          scores: dict[str, torch.Tensor], returns: torch.Tensor | None,
+                          value_normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The value model's loss of one micro-batch (ppo) from its ``values`` of the response tokens, weighted by
+        ``value_coef``, and its statistics: a loss of its own, since the two models share no parameters (the
+        policy's loss adds nothing to the value model's gradients, nor this to the policy's), so a backend may
+        backpropagate the two apart. A pass that does not count adds nothing."""
+        assert returns is not None
+        rows = micro.rows
+        value_loss, stats = ppo.value_loss(values, scores["values"][rows], returns[rows], batch.response_mask[rows],
+                                           self.ppo.value_clip, normalizer=value_normalizer)
+        stats["value_loss"] = value_loss.detach()
+        return _counted_only(micro, self.ppo.value_coef * value_loss, stats)
+
+
+def _counted_only(micro: MicroBatch, loss: torch.Tensor,
+                  stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss`` and ``stats`` of ``micro``, zeros where it is a pass for the other copies' exchanges only (see
+    :func:`replica_micro_batches`): kept in the graph, so that the backward pass still joins them."""
+    if micro.counted:
         return loss, stats
+    return loss * 0, {key: value * 0 for key, value in stats.items()}
 
 
 def refused_layout(folder: Path, written: dict[str, Any], mine: dict[str, Any]) -> ValueError:

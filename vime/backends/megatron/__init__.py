@@ -46,13 +46,15 @@ tensor-parallel size) or, with expert parallelism over a copy's ranks or
 all copies' ranks, divided among them whole; each split tensor is cut and
 gathered over the group that divides it. Activation recomputation
 (``recompute``) checkpoints every layer; a replay of the rollout's experts
-then holds until the backward pass has run the layers again. Pipeline
+is then queued until the backward pass has run the layers again (in
+pipeline stages too, where 1F1B runs later forwards first). Pipeline
 parallelism (``pipeline_parallel``) gives each stage a contiguous slice of
 the layers and runs the micro-batches through megatron-core's 1F1B
 schedule, the loss on the last stage; the weights are gathered from every
 stage for conversion and publication, and an MoE model's stages replay
 their own layers' experts (a tied model's last stage a copy of the
-embedding, kept equal; what is refused: ``model.check_pipeline_parallel``). What is deliberately not
+embedding, kept equal; PPO's value model in the same stages, its head on the
+last, run through the schedule apart from the policy). What is deliberately not
 here yet: sequence packing and a value model on GPUs of its own.
 
 On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
@@ -63,7 +65,7 @@ dispatcher there too, over gloo.
 from vime.backends.megatron.conversion import FAMILIES, hf_to_megatron, transformer_config
 from vime.backends.megatron.engine import MegatronTrainEngine
 from vime.backends.megatron.logprobs import token_logprobs, vocab_parallel_token_stats
-from vime.backends.megatron.model import ForwardOutput, build_model, check_pipeline_parallel, forward
+from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.modules import GroupedExperts, SDPAttention, SequenceParallelRMSNorm, ValueHead
 from vime.backends.megatron.parallel import init_parallel
 from vime.backends.megatron.routing import end_replay
@@ -80,7 +82,6 @@ from vime.backends.megatron.weights import (
 
 __all__ = [
     "FAMILIES", "CheckpointFiles", "ForwardOutput", "GroupedExperts", "MegatronTrainEngine", "SDPAttention",
-    "check_pipeline_parallel",
     "SequenceParallelRMSNorm", "build_model", "end_replay", "forward", "hf_tensors", "hf_to_megatron", "hf_weights",
     "init_parallel", "load_hf_weights", "model_tensors", "read_hf_folder", "token_logprobs", "transformer_config",
     "unsharded_weights", "ValueHead", "vocab_parallel_token_stats", "write_hf_folder",

@@ -28,13 +28,14 @@ from vime.backends.base import TensorBatch
 from vime.backends.master_weights import MasterWeights
 from vime.backends.megatron.distributed_optimizer import Part, ShardedAdamW, ShardedMasterWeights
 from vime.backends.megatron.logprobs import vocab_parallel_token_stats
-from vime.backends.megatron.model import ForwardOutput, build_model, check_pipeline_parallel, forward
+from vime.backends.megatron.model import ForwardOutput, build_model, forward
 from vime.backends.megatron.parallel import _sum_over
 from vime.backends.megatron.resharding import (
     Shapes,
     check_models,
     model_shapes,
     resharded_state,
+    saved_critic_names,
     saved_shapes,
     shard_records,
     trained_names,
@@ -142,7 +143,8 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     PPO's value model is the policy's GPTModel (or ``critic_model_path``'s) with a
     :class:`~vime.backends.megatron.modules.ValueHead` in place of the output layer, on the policy's ranks
-    and in their layout, replaying the rollout's experts under R3 as the policy does; its optimizer state
+    and in their layout (in pipeline stages: split as the policy is, the head on the last stage, its passes
+    scheduled apart from the policy's), replaying the rollout's experts under R3 as the policy does; its optimizer state
     and masters are the policy's kind, and each rank's shard of it is in that rank's trainer state (resharded
     with the policy's).
     """
@@ -153,7 +155,6 @@ class MegatronTrainEngine(TorchTrainEngine):
                  data_parallel: int = 1, recompute: bool = False, critic_model_path: str = "",
                  distributed_optimizer: bool = False, pipeline_parallel: int = 1) -> None:
         self.hf_config, self._checkpoint = read_hf_folder(model_path)
-        check_pipeline_parallel(self.hf_config, pipeline_parallel, value_head=algo == "ppo", recompute=recompute)
         self.tensor_parallel, self.expert_parallel, self.recompute = tensor_parallel, expert_parallel, recompute
         self.data_parallel, self.pipeline_parallel = data_parallel, pipeline_parallel
         self.sharded_optimizer = distributed_optimizer and data_parallel > 1  # one copy: nothing to divide
@@ -302,34 +303,58 @@ class MegatronTrainEngine(TorchTrainEngine):
         last stage's)."""
         if self.pipeline_parallel == 1:
             return super()._forward_passes(model, batch, chunks)
+        logprobs, entropy = self._scored_in_stages(model, batch, chunks)
+        return list(zip(logprobs, entropy, strict=True))
 
-        def stats_only(micro: MicroBatch, logprobs: torch.Tensor,
-                       entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
+    def _value_passes(self, batch: TensorBatch, chunks: list[MicroBatch]) -> list[torch.Tensor]:
+        """Under pipeline parallelism the value model's forward passes run through its stages as the policy's do
+        (:meth:`_forward_passes`): the values are the last stage's, zeros on the others."""
+        if self.pipeline_parallel == 1:
+            return super()._value_passes(batch, chunks)
+        assert self.critic is not None
+        values, = self._scored_in_stages(self.critic, batch, chunks)
+        return values
 
-        figures = self._pipelined(model, batch, chunks, stats_only, forward_only=True)
+    def _scored_in_stages(self, model: _AsCausalLM, batch: TensorBatch,
+                          chunks: list[MicroBatch]) -> list[list[torch.Tensor]]:
+        """``model``'s response outputs (:meth:`_stage_outputs`) of each micro-batch, one list per output, from
+        forward passes through the stages: the last stage's, and zeros of their shape on the others."""
+        def outputs_only(micro: MicroBatch, *outputs: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            return outputs[0].sum() * 0, dict(enumerate(outputs))
+
+        figures = self._pipelined(model, batch, chunks, outputs_only, forward_only=True)
+        count = 1 if isinstance(model, _AsValueModel) else 2
         if not parallel_state.is_pipeline_last_stage():
-            return [(torch.zeros(len(micro.rows), batch.response_ids.shape[1], device=self.device),) * 2
-                    for micro in chunks]
-        return [(stats["logprobs"], stats["entropy"]) for stats in figures]
+            return [[torch.zeros(len(micro.rows), batch.response_ids.shape[1], device=self.device) for micro in chunks]
+                    for _ in range(count)]
+        return [[outputs[index] for outputs in figures] for index in range(count)]
 
     def _mini_batch_passes(self, batch: TensorBatch, chunks: list[MicroBatch],
-                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+                           loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                           value_loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
                            ) -> list[dict[str, torch.Tensor]]:
         """Under pipeline parallelism, megatron-core's 1F1B schedule runs the forward and backward passes of
-        the micro-batches through the stages; the statistics are the last stage's (none on the others:
-        :meth:`train_step` broadcasts the last stage's metrics)."""
+        the micro-batches through the stages, the policy's, then (ppo) the value model's on its own: the two
+        losses share no parameters, so each model's backward pass needs only its own loss. The statistics are
+        the last stage's (none on the others: :meth:`train_step` broadcasts the last stage's metrics)."""
         if self.pipeline_parallel == 1:
-            return super()._mini_batch_passes(batch, chunks, loss_of)
-        return self._pipelined(self.policy, batch, chunks, loss_of, forward_only=False)
+            return super()._mini_batch_passes(batch, chunks, loss_of, value_loss_of)
+        figures = self._pipelined(self.policy, batch, chunks, loss_of, forward_only=False)
+        if value_loss_of is not None:
+            assert self.critic is not None
+            for stats, value_stats in zip(figures, self._pipelined(self.critic, batch, chunks, value_loss_of,
+                                                                   forward_only=False), strict=True):
+                stats.update(value_stats)
+        return figures
 
     def _pipelined(self, model: _AsCausalLM, batch: TensorBatch, chunks: list[MicroBatch],
-                   loss_of: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                   forward_only: bool) -> list[dict[str, torch.Tensor]]:
+                   loss_of: Callable[..., tuple[torch.Tensor, dict[Any, torch.Tensor]]],
+                   forward_only: bool) -> list[dict[Any, torch.Tensor]]:
         """The micro-batches ``chunks`` (right-padded rows, or one packed row each: :meth:`_inputs`) through the
-        pipeline stages by megatron-core's own schedule (``get_forward_backward_func``: 1F1B, or forward passes
-        only), each stage exchanging activations and their gradients with its neighbours. The last stage turns
-        its logits into the response tokens' log-probs and entropies and ``loss_of`` into the micro-batch's loss
+        pipeline stages of ``model`` (the policy, the KL reference or the value model) by megatron-core's own
+        schedule (``get_forward_backward_func``: 1F1B, or forward passes only), each stage exchanging activations
+        and their gradients with its neighbours. The last stage turns its output into the response tokens'
+        log-probs and entropies, or values (:meth:`_stage_outputs`), and ``loss_of`` into the micro-batch's loss
         (normalised by its mini-batch, as in the reference trainer: the token count of 1 handed to the schedule,
         under ``calculate_per_token_loss``, keeps it from dividing the loss again) and statistics, which it
         returns in ``chunks``' order; the other stages return none."""
@@ -350,8 +375,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                              sample_lengths=inputs.sample_lengths, replay_experts=experts,
                              whole_vocabulary=False).logits
 
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-                loss, stats = loss_of(micro, *self._response_stats(logits, inputs))
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[Any, torch.Tensor]]:
+                loss, stats = loss_of(micro, *self._stage_outputs(model, output, inputs))
                 return loss, one, stats
 
             return output, loss_func
@@ -360,6 +385,14 @@ class MegatronTrainEngine(TorchTrainEngine):
             return get_forward_backward_func()(forward_step_func=step, data_iterator=iter(chunks), model=[model.model],
                                                num_microbatches=len(chunks), seq_length=0, micro_batch_size=0,
                                                forward_only=forward_only)
+
+    def _stage_outputs(self, model: _AsCausalLM, output: torch.Tensor, inputs: ModelInputs) -> tuple[torch.Tensor, ...]:
+        """What the last stage's ``output`` of ``inputs`` gives the loss: the policy's (or the KL reference's)
+        log-probs and entropies of the response tokens, from its logits (this rank's share of the vocabulary); the
+        value model's values of them, in fp32 (as :class:`_AsValueModel` gives them)."""
+        if isinstance(model, _AsValueModel):
+            return (self._response_values(output.squeeze(-1).float(), inputs),)
+        return self._response_stats(output, inputs)
 
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Complete the gradients, then take the norm over the whole model and clip to it.
@@ -437,10 +470,15 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def _trainer_state(self) -> dict[str, Any]:
         """The reference trainer's state of this rank, and where its shards lie in the whole tensors (for a
-        trainer of another layout to reshard it: ``resharding``)."""
+        trainer of another layout to reshard it: ``resharding``); the value model's weights by the whole model's
+        names (:func:`saved_critic_names`)."""
         models = self._gpt_models()
-        return {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
-                "parameters": [trained_names(model) for model in models]}
+        state = {**super()._trainer_state(), "shards": [shard_records(model) for model in models],
+                 "parameters": [trained_names(model) for model in models]}
+        if self.critic is not None:
+            saved = saved_critic_names(self.critic.model)
+            state["critic"] = {saved[key]: value for key, value in state["critic"].items()}
+        return state
 
     def _saved_state(self, folder: Path) -> dict[str, Any]:
         """This rank's own file when the checkpoint was written in this layout (read as it is, as fast as
@@ -452,6 +490,9 @@ class MegatronTrainEngine(TorchTrainEngine):
             if state.get("layout", self.layout) == self.layout:
                 if "shards" in state:  # one saved before the records were kept passes, as it did
                     check_models(saved_shapes([state]), model_shapes(self._gpt_models()), folder)
+                if self.critic is not None and state.get("critic") is not None:  # by this stage's own names
+                    own = {saved: key for key, saved in saved_critic_names(self.critic.model).items()}
+                    state = {**state, "critic": {own[name]: value for name, value in state["critic"].items()}}
                 return state
         # on the CPU: a GPU's tensors would otherwise be copied back to the GPU each was saved from (or fail on a
         # host with fewer GPUs); the optimizer and the masters move this rank's part to its parameters' device

@@ -49,17 +49,18 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
     the vocabulary (:func:`forward` gathers them); ``expert_parallel`` and
     ``data_parallel`` (see :func:`init_parallel`) decide how an MoE model's
     experts are shared; ``recompute``: see :func:`transformer_config`. ``value_head``: PPO's value model, a
-    :class:`ValueHead` in place of the output layer (its logits are then one value per position).
+    :class:`ValueHead` in place of the output layer (its logits are then one value per position; on a last
+    pipeline stage, where it is); its embedding is not tied to it, whatever ``tie_word_embeddings`` says.
 
     With ``pipeline_parallel`` > 1 this process holds its stage's slice of the layers: the embedding on the
     first stage, the final norm and the output layer on the last: for a tied model (``tie_word_embeddings``)
     megatron-core's copy of the embedding, which it starts from the first stage's (the engine sums the two
-    copies' gradients). :func:`check_pipeline_parallel` says what cannot be split so far.
+    copies' gradients). An MoE model's stages may recompute their layers: ``routing._routing`` queues each
+    micro-batch's replayed experts for its backward pass.
     """
     if expert_parallel > 1 and not any(moe_layer_pattern(hf_config)):
         raise ValueError(f"--expert-model-parallel-size divides an MoE model's experts; this "
                          f"{hf_config.model_type} model has none: leave it at 1")
-    check_pipeline_parallel(hf_config, pipeline_parallel, value_head=value_head, recompute=recompute)
     init_parallel(tensor_parallel, expert_parallel, data_parallel, pipeline_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, routing_replay=routing_replay,
                                 tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, recompute=recompute,
@@ -88,33 +89,15 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, ro
             config=config, transformer_layer_spec=block, vocab_size=hf_config.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
             rotary_percent=rope.get("partial_rotary_factor", 1.0), rotary_base=rope["rope_theta"],
-            share_embeddings_and_output_weights=hf_config.tie_word_embeddings, parallel_output=True,
+            # a value model's output layer is its head, tied to nothing: no copy of the embedding on a last stage
+            share_embeddings_and_output_weights=hf_config.tie_word_embeddings and not value_head, parallel_output=True,
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage())
-    if value_head:
+    if value_head and model.post_process:  # only the last stage has an output layer to replace
         model.output_layer = ValueHead(config)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
-
-
-def check_pipeline_parallel(hf_config: Any, pipeline_parallel: int, *, value_head: bool = False,
-                            recompute: bool = False) -> None:
-    """ValueError, saying what to pass instead, for what pipeline stages cannot hold yet: an MoE model whose
-    layers recompute (a replay of the rollout's experts held for the backward pass, see
-    ``routing._routing``, would be replaced by the next micro-batch's before that backward pass runs: the 1F1B
-    schedule interleaves them) and PPO's value model (its head on the last stage)."""
-    if pipeline_parallel == 1:
-        return
-    flag = f"--pipeline-model-parallel-size {pipeline_parallel}"
-    if any(moe_layer_pattern(hf_config)) and recompute:
-        raise ValueError(f"{flag}: an MoE model's recomputed layers would replay another micro-batch's experts "
-                         "under the 1F1B schedule (megatron-core's queue of replays for the backward pass is not "
-                         "used yet); leave --recompute-activations out, or train with --pipeline-model-parallel-size "
-                         "1")
-    if value_head:
-        raise ValueError(f"{flag}: PPO's value model is not split into pipeline stages yet; use --algo grpo, or "
-                         "--pipeline-model-parallel-size 1")
 
 
 @dataclasses.dataclass

@@ -74,7 +74,7 @@ def init_parallel(tensor_parallel: int = 1, expert_parallel: int = 1, data_paral
 
 def stage_layers(num_layers: int) -> range:
     """The whole model's layers (0-based) that this rank's pipeline stage holds: an even, contiguous share,
-    megatron-core's own split (``check_pipeline_parallel`` refuses a count the stages do not divide). The one
+    megatron-core's own split (``conversion.transformer_config`` refuses a count the stages do not divide). The one
     place stages are laid out; a built stage's own layers say the same (``layer_number``)."""
     per_stage = num_layers // parallel_state.get_pipeline_model_parallel_world_size()
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage

@@ -36,7 +36,15 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 
-from vime.backends.megatron.weights import _joined, _shard, _split_rule, model_tensors, named_parameters, whole_shape
+from vime.backends.megatron.weights import (
+    _joined,
+    _shard,
+    _split_rule,
+    model_tensors,
+    named_parameters,
+    whole_model_names,
+    whole_shape,
+)
 
 Split = tuple[int, int, int, int]  # (dim, parts, rank, ranks): the rank's part, as ``weights._part`` cuts it
 Record = tuple[tuple[int, ...], Split | None]  # a tensor's whole shape, and the part a rank holds (None: whole)
@@ -134,11 +142,21 @@ def resharded_state(states: Sequence[dict[str, Any]], trained: Sequence[torch.nn
                     if value.dim() else value  # the step count, the same for all; the moments, elementwise
                     for key, value in held.items()}
     critic = None
-    if len(trained) > 1:  # the value model's weights, role 1 (ROLES), by the names its wrapper gives them
-        critic = {key: rejoin(1, key.removeprefix("model."), value, lambda state, _, key=key: state["critic"][key])
+    if len(trained) > 1:  # the value model's weights, role 1 (ROLES), saved by the whole model's names
+        saved = saved_critic_names(models[1])
+        critic = {key: rejoin(1, saved[key].removeprefix("model."), value,
+                              lambda state, _, name=saved[key]: state["critic"][name])
                   if isinstance(value, torch.Tensor) else value
                   for key, value in trained[1].state_dict(keep_vars=True).items()}
     return {**first, "optimizer": optimizer, "masters": masters, "critic": critic}
+
+
+def saved_critic_names(model: GPTModel) -> dict[str, str]:
+    """The names of PPO's value model's state (its wrapper's, ``model.`` and this pipeline stage's own layer
+    numbers, around the GPTModel ``model``) -> those a checkpoint keeps it by: the whole model's
+    (:func:`whole_model_names`), so that a trainer of other stages finds its own entries among any rank's. The two
+    are the same without stages, as in every checkpoint saved before the value model could be split."""
+    return {f"model.{name}": f"model.{whole}" for name, whole in whole_model_names(model).items()}
 
 
 class _Rejoin:

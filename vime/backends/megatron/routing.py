@@ -2,8 +2,8 @@
 through megatron-core's ``RouterReplay``, with the gate weights still differentiable.
 
 ``model.forward`` is where a forward records or replays; the Hugging Face models' own R3 is
-``vime.backends.routing_replay``. Activation recomputation makes a replay outlive its forward, until
-the backward pass has run the layers again (:func:`end_replay`).
+``vime.backends.routing_replay``. Activation recomputation makes a replay outlive its forward, queued until
+the backward pass has run the layers again (:func:`end_replay` drops what is left).
 """
 
 from __future__ import annotations
@@ -61,12 +61,15 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
     ``p * batch + r``, and under sequence parallelism each rank's routers see only its share of those.
 
     A replay in a training forward of a recomputing model outlives the call: the backward pass runs each
-    layer's forward again, which must route as the first did. The next call (or :func:`end_replay`) ends
-    it. That holds because each backward follows its own forward; interleaved micro-batches (pipeline
-    parallelism) would need megatron-core's queue of replays for the backward pass instead, so an MoE model's
-    stages do not recompute (``model.check_pipeline_parallel``)."""
+    layer's forward again, which must route as the first did. Each such forward queues its experts in
+    megatron-core's list of replays for the backward pass, and leaves the routers replaying from it
+    (``REPLAY_BACKWARD``): each recomputed layer takes the oldest of its queue. In pipeline stages the 1F1B
+    schedule runs later micro-batches' forwards before a backward, but the backward passes follow the
+    forwards' order, so each takes its own forward's experts; with one stage each backward follows its own
+    forward, and a call first drops whatever an earlier one left (a forward whose backward never ran). The
+    engine drops the queue after a step (:func:`end_replay`)."""
     recomputing = model.config.recompute_granularity == "full"
-    if recomputing:
+    if recomputing and model.config.pipeline_model_parallel_size == 1:
         end_replay(model)
     if experts is None and not record:
         yield []
@@ -90,7 +93,10 @@ def _routing(model: GPTModel, shape: tuple[int, int], width: int, experts: torch
                 handle.set_router_replay_action(RouterReplayAction.RECORD)
         yield handles
     finally:
-        if not kept:
+        if kept:  # the experts stay queued for the backward pass's recomputation
+            for handle in handles:
+                handle.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        else:
             _route_freely(handles)
 
 

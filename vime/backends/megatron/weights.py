@@ -30,9 +30,17 @@ def model_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
     pipeline stage's layers are named by their place in the whole model (``decoder.layers.{offset + i}``), as
     the conversions to Hugging Face names and the checkpoint records know them, and the last stage's copy of a
     tied embedding by the embedding's name (:func:`_whole_model_name`)."""
+    state = model.state_dict(keep_vars=True)
+    return {whole: state[name] for name, whole in whole_model_names(model).items()
+            if isinstance(state[name], torch.Tensor)}
+
+
+def whole_model_names(model: GPTModel) -> dict[str, str]:
+    """Each name of ``model.state_dict()`` (a pipeline stage's own layer numbers) -> the whole model's name of that
+    entry (:func:`_whole_model_name`): the names a checkpoint keeps PPO's value model by, which a trainer of other
+    stages can find its own among."""
     offset = layer_offset(model)
-    return {_whole_model_name(name, tensor, offset): tensor
-            for name, tensor in model.state_dict(keep_vars=True).items() if isinstance(tensor, torch.Tensor)}
+    return {name: _whole_model_name(name, value, offset) for name, value in model.state_dict(keep_vars=True).items()}
 
 
 def named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
