@@ -33,6 +33,7 @@ def measure_on_this_rank(folder: str, data_parallel: int, dtype: str) -> None:
     from vime.backends.base import collate
     from vime.backends.megatron import MegatronTrainEngine
     from vime.backends.megatron.distributed_optimizer import master_bytes, state_bytes
+    from vime.backends.plain_collectives import gather_plain
     from vime.config import OptimConfig
 
     generator = torch.Generator().manual_seed(0)
@@ -48,9 +49,7 @@ def measure_on_this_rank(folder: str, data_parallel: int, dtype: str) -> None:
                                      distributed_optimizer=distributed)
         engine.train_step(batch)
         mine = [state_bytes(engine.optimizer), master_bytes(engine.masters)]
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        figures[name] = every
+        figures[name] = gather_plain(mine)
         del engine
     if dist.get_rank() == 0:
         print(json.dumps(figures), flush=True)

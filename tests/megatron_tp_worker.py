@@ -37,6 +37,7 @@ from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
 from vime.backends.base import TensorBatch
 from vime.backends.megatron import MegatronTrainEngine
+from vime.backends.plain_collectives import gather_plain
 from vime.config import OptimConfig
 
 
@@ -198,9 +199,8 @@ def train_with_distributed_optimizer(folder: str, batches_file: str, out: str, t
     metrics["resumed"] = [resumed.train_step(batches[-1])]
     tied_alike = [tied_copies_alike(engine) for engine in (*engines.values(), resumed)]
     weights = {name: gathered_weights(engine, "cpu") for name, engine in {**engines, "resumed": resumed}.items()}
-    sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, [[state_bytes(engine.optimizer) for engine in engines.values()],
-                                   [master_bytes(engine.masters) for engine in engines.values()]])
+    sizes = gather_plain([[state_bytes(engine.optimizer) for engine in engines.values()],
+                          [master_bytes(engine.masters) for engine in engines.values()]])
     if dist.get_rank() == 0:
         torch.save({"metrics": metrics, "weights": weights, "state_bytes": [rank[0] for rank in sizes],
                     "master_bytes": [rank[1] for rank in sizes], "tied_alike": tied_alike}, out)

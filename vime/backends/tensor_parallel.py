@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from vime.backends.base import TensorBatch, TrainEngine
+from vime.backends.plain_collectives import gather_plain
 from vime.config import RunConfig
 from vime.trainer_ranks import HEAD, Follower, RankPlan, RankSlot, start_here
 from vime.transports.gpu import Spec, address_towards, dtype_named, gpu_uuid
@@ -362,7 +363,7 @@ def _shared_in_step(engine: Any, orders: Orders, bucket_bytes: int,
     (the consumer is done with it) and stop with it when it stops early, so no rank waits in a gather alone."""
     leader = dist.get_rank() == 0
     for specs, buffers in engine.shared_buckets(bucket_bytes, dtype):
-        offered = [msgpack.unpackb(data) for data in _gather_bytes(msgpack.packb(buffers[0]), engine.device)]
+        offered = gather_plain(buffers[0])
         if leader:
             stop = True
             try:
@@ -374,19 +375,6 @@ def _shared_in_step(engine: Any, orders: Orders, bucket_bytes: int,
             (stop,) = orders.receive()
             if stop:
                 return
-
-
-def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
-    """Every rank's ``payload``, in rank order, on every rank (two all-gathers: the lengths, then the bytes)."""
-    size = dist.get_world_size()
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([len(payload)], device=device))
-    longest = max(int(length) for length in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    pieces = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
-    dist.all_gather(pieces, padded.to(device))
-    return [bytes(piece[:int(length)].cpu().numpy()) for piece, length in zip(pieces, lengths)]
 
 
 def _broadcast(tensor: torch.Tensor, device: str) -> torch.Tensor:

@@ -54,8 +54,9 @@ schedule, the loss on the last stage; the weights are gathered from every
 stage for conversion and publication, and an MoE model's stages replay
 their own layers' experts (a tied model's last stage a copy of the
 embedding, kept equal; PPO's value model in the same stages, its head on the
-last, run through the schedule apart from the policy). What is deliberately not
-here yet: sequence packing and a value model on GPUs of its own.
+last, run through the schedule apart from the policy). Samples are packed into rows
+with ``--use-dynamic-batch-size`` (``vime.backends.packing``). What is deliberately
+not here yet: a value model on GPUs of its own.
 
 On CPU (tests only) ``vime.backends.cpu_compat`` patches the CUDA calls
 megatron-core cannot do without; MoE layers use the ``alltoall`` token

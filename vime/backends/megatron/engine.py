@@ -50,6 +50,7 @@ from vime.backends.megatron.weights import (
     write_hf_folder,
 )
 from vime.backends.packing import MicroBatch, ModelInputs, SampleSizes
+from vime.backends.plain_collectives import broadcast_plain, gather_plain
 from vime.backends.routing_replay import MODEL_TYPES as MOE_MODEL_TYPES
 from vime.backends.torch_train import TorchTrainEngine, refused_layout
 from vime.config import OptimConfig
@@ -283,9 +284,7 @@ class MegatronTrainEngine(TorchTrainEngine):
                     end_replay(model.model)
         if self.pipeline_parallel == 1:
             return metrics
-        shared = [metrics]
-        dist.broadcast_object_list(shared, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
-        return shared[0]
+        return broadcast_plain(metrics, src=_last_stage(), group=parallel_state.get_pipeline_model_parallel_group())
 
     def score(self, batch: TensorBatch, sizes: SampleSizes | None = None) -> dict[str, torch.Tensor]:
         """The reference trainer's scores; under pipeline parallelism computed on the last stage and broadcast
@@ -522,9 +521,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         mine = model_shapes(self._gpt_models())
         if self.pipeline_parallel == 1:
             return mine
-        stages: list[list[Shapes]] = [[] for _ in range(self.pipeline_parallel)]
-        dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
-        return [{name: shape for stage in stages for name, shape in stage[role].items()} for role in range(len(mine))]
+        stages = gather_plain(mine, group=parallel_state.get_pipeline_model_parallel_group())
+        return [{name: tuple(shape) for stage in stages for name, shape in stage[role].items()}
+                for role in range(len(mine))]
 
     def _unreshardable(self, folder: Path, saved: dict[str, Any], why: str) -> ValueError:
         """The refusal of a checkpoint that resharding cannot read in this layout: the saving run's layout

@@ -21,6 +21,8 @@ from vime.backends.hf import check_model_folder
 from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_maps
 from vime.backends.megatron.modules import ValueHead
 from vime.backends.megatron.parallel import stage_layers
+from vime.backends.plain_collectives import gather_plain
+from vime.transports.gpu import dtype_named
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # a tied model's embedding, and its output layer
 
@@ -205,9 +207,9 @@ def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in mine.items():
             yield name, _unshard(name, tensor).detach()
         return
-    held: list[Any] = [None] * stages  # each stage's tensors: name, whole shape, dtype, in its order
-    dist.all_gather_object(held, [(name, whole_shape(name, tensor), tensor.dtype) for name, tensor in mine.items()],
-                           group=pipeline)
+    # each stage's tensors: name, whole shape, dtype name, in its order
+    held = gather_plain([(name, whole_shape(name, tensor), str(tensor.dtype).removeprefix("torch."))
+                         for name, tensor in mine.items()], group=pipeline)
     stage = dist.get_rank(pipeline)
     gathered: set[str] = set()
     for owner, tensors in enumerate(held):
@@ -219,7 +221,7 @@ def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
             if owner == stage:
                 whole = _unshard(name, mine[name]).detach().contiguous()
             else:
-                whole = torch.empty(shape, dtype=dtype, device=next(iter(mine.values())).device)
+                whole = torch.empty(shape, dtype=dtype_named(dtype), device=next(iter(mine.values())).device)
             dist.broadcast(whole, src=source, group=pipeline)
             yield name, whole
 
