@@ -38,7 +38,8 @@ trainer's memory once the step's version is published, in MiB: ``trainer_rss_mib
 ``trainer_gpu_allocated_mib`` (what torch holds on rank 0's GPU): a leak per version is a line that climbs.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
-batch (and for an engine being built on our GPU), ``time_sleep_s`` waiting for
+batch (and for an engine being built on our GPU), ``time_collate_s`` making its
+samples one padded batch of tensors, ``time_sleep_s`` waiting for
 colocated engines to go to sleep, ``time_train_s``, ``time_weight_sync_s``
 (waking them included), and of the sleep time ``time_drain_s``, the engines
 finishing responses; the batch brings ``time_generate_s`` and
@@ -217,10 +218,12 @@ class Trainer(Actor):
             batch = await self.batches.receive()
             waited = time.perf_counter() - started
             samples = batch.samples
+            collating = time.perf_counter()
             tensors = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                               [s.logprobs for s in samples], [s.versions for s in samples],
                               [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
                               [s.routed_experts for s in samples], [s.loss_mask for s in samples])
+            collated = time.perf_counter() - collating
             waited += await self.gpu.take()  # for an engine being built on our GPU
             async with self.weights_lock:
                 slept = time.perf_counter()
@@ -234,9 +237,9 @@ class Trainer(Actor):
             synced = time.perf_counter()
             await self._write_checkpoints(step)
             train_s = trained - train_started
-            times = {"step_time_s": synced - started, "time_wait_s": waited, "time_sleep_s": train_started - slept,
-                     "time_drain_s": drained or 0.0, "time_train_s": train_s, "time_weight_sync_s": synced - trained,
-                     "time_checkpoint_s": time.perf_counter() - synced}
+            times = {"step_time_s": synced - started, "time_wait_s": waited, "time_collate_s": collated,
+                     "time_sleep_s": train_started - slept, "time_drain_s": drained or 0.0, "time_train_s": train_s,
+                     "time_weight_sync_s": synced - trained, "time_checkpoint_s": time.perf_counter() - synced}
             tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
                       / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,

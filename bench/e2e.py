@@ -81,8 +81,9 @@ from vime.flops import matmul_peak_tflops
 from vime.metrics import MetricsFollower, trained_ages
 
 SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time_train_s",
-         "weight_sync": "time_weight_sync_s", "sleep": "time_sleep_s", "wait": "time_wait_s"}
-OPTIONAL = {"time_sleep_s"}  # absent from runs made before the trainer wrote it: 0 there
+         "weight_sync": "time_weight_sync_s", "sleep": "time_sleep_s", "wait": "time_wait_s",
+         "collate": "time_collate_s"}
+OPTIONAL = {"time_sleep_s", "time_collate_s"}  # absent from runs made before the trainer wrote them: 0 there
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
              "-lms", "500"]
 
@@ -279,8 +280,8 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
 def table(results: list[dict[str, Any]]) -> str:
     """One line per run; '-' where a figure is missing."""
     head = (f"{'run':<24} {'k':>2} {'steps':>5} {'step':>7} {'rollout':>7} {'reward':>7} {'train':>7} {'sync':>7} "
-            f"{'sleep':>7} {'wait':>7} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} {'gpu busy':>9} {'stale':>5} "
-            f"{'dlogp first/last/max':>26} {'speedup':>11} {'peak GiB':>8}")
+            f"{'sleep':>7} {'wait':>7} {'collate':>7} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} {'gpu busy':>9} "
+            f"{'stale':>5} {'dlogp first/last/max':>26} {'speedup':>11} {'peak GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         split = " ".join(_show(r["split"][part], "7.3f") for part in SPLIT)

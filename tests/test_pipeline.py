@@ -27,8 +27,9 @@ TESTS = Path(__file__).parent
 
 REQUIRED = {"step", "weight_version", "raw_reward", "train_rollout_logprob_abs_diff", "staleness_mean",
             "staleness_max", "samples", "response_tokens", "step_time_s", "rollout_tokens_per_s", "loss", "entropy",
-            "time_wait_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s",
+            "time_wait_s", "time_collate_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s",
             "train_tflops_per_gpu"}
+TRAINER_PARTS = ("time_wait_s", "time_collate_s", "time_sleep_s", "time_train_s", "time_weight_sync_s")
 
 
 def config_for(run_dir: Path, **overrides):
@@ -45,6 +46,10 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(1, 46))
     assert REQUIRED <= set(rows[0])
+    # the trainer's time split accounts for its step: what is left is a lock or two, not a hidden phase
+    unaccounted = [row["step_time_s"] - sum(row[key] for key in TRAINER_PARTS) for row in rows]
+    assert min(unaccounted) >= 0 and statistics.median(unaccounted) < 0.02, unaccounted
+    assert all(0 < row["time_collate_s"] < row["step_time_s"] for row in rows)
     assert all(0 < row["train_tflops_per_gpu"] < 10 for row in rows)  # a CPU process: well under 10 TFLOP/s
     start = statistics.fmean(row["raw_reward"] for row in rows[:3])
     end = statistics.fmean(row["raw_reward"] for row in rows[-5:])
