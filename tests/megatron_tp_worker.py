@@ -84,7 +84,7 @@ def train_ppo(folder: str, batch_file: str, out: str, tensor_parallel: int, expe
     """PPO on every rank, plain SGD (:func:`plain_sgd`): rank 0 writes the step's metrics, the policy's weights
     after it (gathered from every stage), the value model's values after it (the head has moved off zero), and
     the metrics of the next step of the original and of a trainer resumed from a checkpoint of all ranks
-    (``again``, ``resumed``: compared NaN-aware, since pipeline stages get the metrics unpickled, a NaN among
+    (``again``, ``resumed``: compared NaN-aware, since pipeline stages get the metrics as msgpack, a NaN among
     them no longer ``math.nan`` itself)."""
     def build() -> MegatronTrainEngine:
         engine = MegatronTrainEngine(folder, algo="ppo", optim=OptimConfig(updates_per_step=2, micro_batch_size=2),

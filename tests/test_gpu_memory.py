@@ -77,13 +77,22 @@ def test_a_4b_trainer_beside_an_awake_engine_is_refused_with_what_to_change():
         gpu_memory.check_fits(colocated, placed, shape, 80 * GIB)
     said = str(refused.value)
     assert "67.4 GiB" in said and "40.0 GiB" in said and "80.0 GiB" in said
-    assert "--vllm-enable-sleep-mode true" in said and "--vllm-gpu-memory-utilization below 0.16" in said
+    # the room left, 15.75 % of the card, rounded down: following the advice fits
+    assert "--vllm-enable-sleep-mode true" in said and "--vllm-gpu-memory-utilization 0.15 or less" in said
+    assert "--expert-model-parallel-size" not in said  # a dense model
+    two = _run(**COLOCATED, vllm_args={"gpu_memory_utilization": 0.1})
+    with pytest.raises(ValueError, match=r"16.0 GiB that 2 colocated vLLM engine\(s\) keep awake .* "
+                                         r"--vllm-gpu-memory-utilization 0.07 or less"):
+        gpu_memory.check_fits(two, Placement("0", ["0", "0"], ""), shape, 80 * GIB)  # each takes its share
     asleep = _run(**COLOCATED, vllm_args={"gpu_memory_utilization": 0.5, "enable_sleep_mode": True})
     assert gpu_memory.check_fits(asleep, placed, shape, 80 * GIB).engine_bytes == 0
     # PPO's value model doubles what is trained: no longer fits even asleep
     ppo = _run(**COLOCATED, algo="ppo", vllm_args={"enable_sleep_mode": True})
-    with pytest.raises(ValueError, match="a larger --tensor-model-parallel-size"):
+    with pytest.raises(ValueError, match="a larger --tensor-model-parallel-size") as refused:
         gpu_memory.check_fits(ppo, placed, shape, 80 * GIB)
+    assert "sleep-mode" not in str(refused.value)  # asleep already
+    with pytest.raises(ValueError, match="or --expert-model-parallel-size"):
+        gpu_memory.check_fits(_run(), Placement("0", [], ""), _tiny("qwen3_moe"), 2**16)
 
 
 def test_the_distributed_optimizer_divides_masters_and_moments_over_the_copies():
@@ -91,6 +100,9 @@ def test_the_distributed_optimizer_divides_masters_and_moments_over_the_copies()
     plain = gpu_memory.trainer_memory(_run(data_parallel_size=4), shape)
     sharded = gpu_memory.trainer_memory(_run(data_parallel_size=4, use_distributed_optimizer=True), shape)
     assert plain.state_bytes == plain.parameters * 18 and sharded.state_bytes == sharded.parameters * (6 + 3)
+    # divided as the elements are, not rounded up per parameter: 1.5 bytes of masters and moments at DP8
+    eight = gpu_memory.trainer_memory(_run(data_parallel_size=8, use_distributed_optimizer=True), shape)
+    assert eight.state_bytes == eight.parameters * 6 + eight.parameters * 12 // 8
     fp32 = gpu_memory.trainer_memory(_run(data_parallel_size=4).replace(dtype="fp32"), shape)
     assert fp32.state_bytes == fp32.parameters * 16
 

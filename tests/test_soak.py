@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from vime.devtools.soak import KINDS, Plan, SoakFailed, _actors, _run_processes, audit, soak
+from vime.devtools.soak import KINDS, Plan, SoakFailed, audit, listed_actors, run_processes, soak
 from vime.pipeline import last_error
 
 FLAGS = ["--steps", "36", "--save-every", "3", "--max-staleness", "2", "--rollout-workers", "3",
@@ -103,7 +103,7 @@ def test_a_stalled_run_is_reported_with_its_live_actors_and_the_commands_stacks(
 
     def freeze_the_trainer() -> None:  # no step can come: the run hangs at step 0
         while not stop.wait(0.2):
-            trainer = [row for row in _actors(tmp_path / "run") if row["role"] == "trainer"]
+            trainer = [row for row in listed_actors(tmp_path / "run") if row["role"] == "trainer"]
             if trainer:
                 os.kill(trainer[0]["pid"], signal.SIGSTOP)
                 return
@@ -119,5 +119,5 @@ def test_a_stalled_run_is_reported_with_its_live_actors_and_the_commands_stacks(
     said = str(stalled.value)
     assert "no new step for 15 s after step 0; actors alive: router, reward" in said  # spawned first
     assert "Thread 0x" in said and 'File "' in said  # faulthandler's dump of the command's threads
-    assert _run_processes(tmp_path / "run") == []
+    assert run_processes(tmp_path / "run") == []
     assert json.loads((tmp_path / "soak.json").read_text()) == {"kills": [], "launches": []}

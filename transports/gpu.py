@@ -46,7 +46,8 @@ def dtype_named(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a dtype travels: its name without ``torch.`` ("bfloat16"), which :func:`dtype_named` reads back."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -63,7 +64,7 @@ def share(tensor: torch.Tensor) -> dict[str, Any]:
         raise ValueError(f"a tensor on {tensor.device}: CUDA IPC shares CUDA tensors only")
     _, (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _, counter,
         counter_offset, event, event_sync) = reduce_tensor(tensor.detach())
-    return {"shape": list(size), "stride": list(stride), "offset": offset, "dtype": _dtype_name(dtype),
+    return {"shape": list(size), "stride": list(stride), "offset": offset, "dtype": dtype_name(dtype),
             "gpu": gpu_uuid(device), "handle": handle, "storage_bytes": storage_bytes,
             "storage_offset": storage_offset, "counter": counter, "counter_offset": counter_offset,
             "event": event, "event_sync": event_sync}
@@ -101,7 +102,7 @@ def specs(tensors: dict[str, torch.Tensor]) -> list[Spec]:
 
 
 def _spec(name: str, tensor: torch.Tensor) -> Spec:
-    return name, list(tensor.shape), _dtype_name(tensor.dtype)
+    return name, list(tensor.shape), dtype_name(tensor.dtype)
 
 
 def _padded(nbytes: int) -> int:

@@ -135,6 +135,13 @@ class RolloutConfig:
             raise ValueError(f"--forced-response-lengths takes max or uniform:MIN (MIN >= 1), not "
                              f"{self.forced_response_lengths!r}")
 
+    @property
+    def sleep_mode(self) -> bool:
+        """vLLM's sleep mode is on (``--vllm-enable-sleep-mode``): true as a flag or JSON true; a value that is
+        not JSON stays text, so ``False`` is read here, in one place, as off too."""
+        value = self.vllm_args.get("enable_sleep_mode", False)
+        return value is True or str(value).lower() in ("1", "true", "yes")
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:

@@ -19,11 +19,12 @@ What is counted, per trainer GPU (the rank holding the most):
   ``--use-distributed-optimizer`` the masters and moments are divided over the data-parallel copies;
 * PPO's value model likewise (its own backbone, no output layer); a KL reference model's weights only;
 * with ``--colocate`` and no sleep mode, the ``--vllm-gpu-memory-utilization`` share of the card each engine
-  keeps through the training step.
+  on the GPU keeps through the training step: vLLM sizes its KV cache to fill that budget, less the activations
+  of its profiling pass, which it frees (small beside the budget at any size it is used at).
 
-Not counted, so the figure is a lower bound and a refusal is certain: activations (they depend on the batch and
-``--recompute-*``), the CUDA context, allocator fragmentation, a sleeping engine's remains. A run that passes can
-still run out of memory; one that is refused could not have run.
+Not counted: activations (they depend on the batch and ``--recompute-*``), the CUDA context, allocator
+fragmentation, a sleeping engine's remains. So the trainer's part is a lower bound, and a refused run could not
+have run; a run that passes can still run out of memory.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class TrainerMemory:
     """The batch-independent bytes of one trainer GPU (the stage and rank that hold the most), by kind."""
 
     parameters: int  # of the policy on that GPU
+    experts: bool  # some of them are routed experts (--expert-model-parallel-size divides those)
     state_bytes: int  # weights, gradients, masters and moments of everything trained there, and a reference
-    engine_bytes: int  # what colocated awake rollout engines keep through a training step
+    engines: int = 0  # colocated rollout engines awake on that GPU through a training step
+    engine_bytes: int = 0  # what they keep
 
     @property
     def total(self) -> int:
@@ -111,11 +114,12 @@ def trainer_memory(config: Any, hf_config: Any, critic_hf_config: Any | None = N
     if job.algo == "ppo":
         critic = parameters_per_gpu(critic_hf_config or hf_config, **sizes, output_layer=False)
         stages = [state + _state(dense, experts, per_param, copies) for state, (dense, experts) in zip(stages, critic)]
-    if config.loss.kl_loss_coef or config.loss.kl_coef:
+    if config.loss.needs_reference:
         weight = per_param[0]
         stages = [state + (dense + experts) * weight for state, (dense, experts) in zip(stages, policy)]
     heaviest = max(range(len(stages)), key=stages.__getitem__)
-    return TrainerMemory(parameters=sum(policy[heaviest]), state_bytes=stages[heaviest], engine_bytes=0)
+    return TrainerMemory(parameters=sum(policy[heaviest]), experts=any(experts for _, experts in policy),
+                         state_bytes=stages[heaviest])
 
 
 def _bytes_per_parameter(dtype: str) -> tuple[int, int, int]:
@@ -133,34 +137,32 @@ def _optimizer_copies(job: Any) -> tuple[int, int]:
 
 
 def _state(dense: int, experts: int, per_param: tuple[int, int, int], copies: tuple[int, int]) -> int:
+    """Bytes of ``dense`` and ``experts`` trained parameters; the optimizer's part divided over its copies as the
+    elements are (rounded down: the count stays a lower bound)."""
     weight, gradient, optimizer = per_param
-    return (dense * (weight + gradient + math.ceil(optimizer / copies[0]))
-            + experts * (weight + gradient + math.ceil(optimizer / copies[1])))
+    return ((dense + experts) * (weight + gradient) + dense * optimizer // copies[0]
+            + experts * optimizer // copies[1])
 
 
-def engine_share_bytes(config: Any, placed: Any, card_bytes: int) -> int:
-    """What the rollout engines on one trainer GPU keep through a training step: with ``--colocate`` and vLLM
-    awake, the ``--vllm-gpu-memory-utilization`` share of the card (vLLM's default 0.9) for each engine on the
-    GPU that has the most (``placed``: the run's :class:`vime.placement.Placement`); asleep, not counted."""
-    rollout = config.rollout
-    if not config.placement.colocate or _truthy(rollout.vllm_args.get("enable_sleep_mode")):
+def engines_on_a_gpu(config: Any, placed: Any) -> int:
+    """How many rollout engines stay awake through a training step on the trainer GPU that has the most: with
+    ``--colocate`` and vLLM's sleep mode off, those ``placed`` (the run's :class:`vime.placement.Placement`) puts
+    on it; else none."""
+    if not config.placement.colocate or config.rollout.sleep_mode:
         return 0
     engines = [(devices or "").split(",") for devices in placed.engines]
-    sharing = max((sum(gpu in devices for devices in engines) for gpu in (placed.trainer or "").split(",") if gpu),
-                  default=0)
-    return int(float(rollout.vllm_args.get("gpu_memory_utilization", 0.9)) * card_bytes) * sharing
-
-
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).lower() in ("1", "true", "yes")
+    return max((sum(gpu in devices for devices in engines) for gpu in (placed.trainer or "").split(",") if gpu),
+               default=0)
 
 
 def check_fits(config: Any, placed: Any, hf_config: Any, card_bytes: int,
                critic_hf_config: Any | None = None) -> TrainerMemory:
     """The counted memory of one trainer GPU; a ValueError saying what to change when it is more than
     ``card_bytes``."""
-    counted = trainer_memory(config, hf_config, critic_hf_config)
-    counted = dataclasses.replace(counted, engine_bytes=engine_share_bytes(config, placed, card_bytes))
+    engines = engines_on_a_gpu(config, placed)
+    share = float(config.rollout.vllm_args.get("gpu_memory_utilization", 0.9))  # vLLM's default
+    counted = dataclasses.replace(trainer_memory(config, hf_config, critic_hf_config), engines=engines,
+                                  engine_bytes=int(share * card_bytes) * engines)
     if counted.total <= card_bytes:
         return counted
     raise ValueError(_what_to_change(config, counted, card_bytes))
@@ -171,20 +173,21 @@ def _what_to_change(config: Any, counted: TrainerMemory, card_bytes: int) -> str
     said = (f"the trainer cannot fit its GPUs: each needs at least {counted.state_bytes / GIB:.1f} GiB for weights, "
             f"gradients and optimizer state ({counted.parameters / 1e9:.2f} B parameters of the policy on the "
             f"fullest GPU, {config.model.dtype})")
-    if counted.engine_bytes:
-        said += (f", beside the {counted.engine_bytes / GIB:.1f} GiB a colocated vLLM engine keeps awake "
-                 "(--vllm-gpu-memory-utilization)")
+    if counted.engines:
+        said += (f", beside the {counted.engine_bytes / GIB:.1f} GiB that {counted.engines} colocated vLLM "
+                 f"engine(s) keep awake (--vllm-gpu-memory-utilization)")
     said += f", and the card has {card_bytes / GIB:.1f} GiB. Before activations, which come on top. Change: "
     ways = []
-    if counted.engine_bytes:
+    if counted.engines and counted.state_bytes < card_bytes:
         ways.append("--vllm-enable-sleep-mode true (the engine gives its memory back for every training step)")
-        room = (card_bytes - counted.state_bytes) / card_bytes
-        if room > 0.05:
-            ways.append(f"--vllm-gpu-memory-utilization below {room:.2f}")
+        room = math.floor((card_bytes - counted.state_bytes) / card_bytes / counted.engines * 100) / 100
+        if room >= 0.05:
+            ways.append(f"--vllm-gpu-memory-utilization {room:.2f} or less")
     if job.data_parallel_size > 1 and not job.use_distributed_optimizer:
         ways.append("--use-distributed-optimizer (divides masters and moments over the data-parallel copies)")
-    ways.append("a larger --tensor-model-parallel-size or --pipeline-model-parallel-size (more GPUs for the "
-                "trainer: --actor-num-gpus-per-node, --actor-num-nodes)")
+    parallel = "--tensor-model-parallel-size or --pipeline-model-parallel-size" + (
+        ", or --expert-model-parallel-size" if counted.experts else "")
+    ways.append(f"a larger {parallel} (more GPUs for the trainer: --actor-num-gpus-per-node, --actor-num-nodes)")
     if config.model.dtype != "bf16":
         ways.append("--dtype bf16")
     return said + "; or ".join(ways)

@@ -179,7 +179,7 @@ class TrainerGpu:
         Returns the longest time an engine took to finish its responses, or None when none sleeps. One that
         cannot sleep stays awake, with a warning: training may then run short of memory."""
         sleepers = sorted(workers & self.sharing)
-        if not (sleepers and self.run.rollout.vllm_args.get("enable_sleep_mode")):
+        if not (sleepers and self.run.rollout.sleep_mode):
             return None
         drains = [0.0]
 

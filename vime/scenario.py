@@ -37,7 +37,9 @@ DEFAULT = "arithmetic"
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, as actors do
+    # kill -USR1 PID: every thread's stack, as actors do; to the process's own stderr, whatever a caller such as
+    # pytest has put in sys.stderr meanwhile
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0] if argv and not argv[0].startswith("-") else DEFAULT  # the name comes first: flags take values
     if name not in SCENARIOS:

@@ -121,6 +121,11 @@ class PolicyLossConfig:
         if self.kl_coef < 0 or self.kl_loss_coef < 0 or self.loss_scale_tokens < 0:
             raise ValueError("--kl-coef, --kl-loss-coef and --loss-scale-tokens must be >= 0")
 
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term or penalty against the initial policy: the trainer keeps a frozen reference model."""
+        return bool(self.kl_loss_coef or self.kl_coef)
+
 
 def check_estimator(estimator: str, loss: PolicyLossConfig) -> None:
     """ValueError unless ``estimator`` is known and the loss settings make sense with it. ``--kl-coef``

@@ -91,7 +91,7 @@ class TorchTrainEngine(TrainEngine):
         self.layout: dict[str, Any] = {"train_backend": "torch"}  # what wrote a checkpoint: the backend, its ranks
         self.policy = self._load_policy(model_path).to(device)
         self.reference = (self._load_policy(model_path).to(device).requires_grad_(False)
-                          if loss.kl_loss_coef or loss.kl_coef else None)
+                          if loss.needs_reference else None)
         if self.reference is not None and dtype == "bf16":
             to_bf16(self.reference)  # as the policy's weights are: the KL starts at exactly 0
         self.critic = self._load_critic(critic_model_path or model_path).to(device) if algo == "ppo" else None

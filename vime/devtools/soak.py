@@ -167,10 +167,10 @@ class _Watch:
             step = _last_step(self.run_dir)
             if step != last_step:
                 last_step, progress_at = step, time.monotonic()
-                if self.recovering is not None and self._trained_again(step, earlier_file):
-                    self.recovering.recovered_by = "--resume"
-                    self.recovering.recovery_s = round(self._now() - self.recovering.at_s, 1)
-                    self.recovering = None
+            if self.recovering is not None and self._trained_again(step, earlier_file):
+                self.recovering.recovered_by = "--resume"
+                self.recovering.recovery_s = round(self._now() - self.recovering.at_s, 1)
+                self.recovering = None
             if time.monotonic() - progress_at > self.stall_s:
                 raise SoakFailed(f"no new step for {self.stall_s:.0f} s after step {last_step}; "
                                  f"{self._stalled_with()}; see {self.run_dir}/logs/")
@@ -198,12 +198,14 @@ class _Watch:
         """Which of the run's actors were alive when it stalled, and what the command last said, ending with the
         stack of each of its threads (SIGUSR1: faulthandler; the actors' go to their logs): the run folder of a
         CI test is gone by the time anyone reads its log."""
-        alive = [row for row in _actors(self.run_dir) if _alive(row["pid"])]
+        alive = [row for row in listed_actors(self.run_dir) if _alive(row["pid"])]
         for pid in [self.process.pid, *(row["pid"] for row in alive)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        said = _tail(self.log.read_text(errors="replace"), 60)
+        deadline = time.monotonic() + 5.0
+        while "Thread 0x" not in (said := self.log.read_text(errors="replace")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = _tail(said, 60)
         return f"actors alive: {', '.join(row['name'] for row in alive) or 'none'}; {self.log} ends with:\n{said}\n"
 
     def _kill(self, kind: str, step: int) -> Kill | None:
@@ -212,7 +214,7 @@ class _Watch:
         if kind == "driver":
             name, pid = "driver", self.process.pid
         else:
-            alive = [row for row in _actors(self.run_dir) if row["role"] == kind and _alive(row["pid"])]
+            alive = [row for row in listed_actors(self.run_dir) if row["role"] == kind and _alive(row["pid"])]
             if not alive:
                 return None  # not started yet: due again (Plan.again)
             chosen = random.Random(step).choice(alive)
@@ -229,7 +231,7 @@ class _Watch:
         """Wait until the driver has started the killed worker again (a new process under its name)."""
         while self._now() - kill.at_s < self.stall_s:
             if any(row["name"] == kill.name and row["pid"] != kill.pid and _alive(row["pid"])
-                   for row in _actors(self.run_dir)):
+                   for row in listed_actors(self.run_dir)):
                 kill.recovered_by, kill.recovery_s = "restart", round(self._now() - kill.at_s, 1)
                 return
             if self.process.poll() is not None:
@@ -257,24 +259,29 @@ def _resume_command(scenario: str, killed: Kill, text: str, run_dir: Path, log: 
 
 
 def _kill_tree(process: subprocess.Popen, run_dir: Path) -> None:
-    """kill -9 the command and every process of its run, and wait (10 s at most) until they are gone."""
-    for pid in [process.pid, *_run_processes(run_dir)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """kill -9 the command and every process of its run, again for one that appears meanwhile (a restart under
+    way), until none is left (10 s at most)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    _wait_gone(run_dir, 10.0)
+    deadline = time.monotonic() + 10.0
+    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 def _wait_gone(run_dir: Path, limit_s: float) -> list[int]:
     """Wait for the actors of a launch that ended to exit (an orphan exits once it sees its driver gone);
     the pids still there after ``limit_s``."""
     deadline = time.monotonic() + limit_s
-    while (left := _run_processes(run_dir)) and time.monotonic() < deadline:
+    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 
 
-def _run_processes(run_dir: Path) -> list[int]:
+def run_processes(run_dir: Path) -> list[int]:
     """Processes started for this run: each actor's command line names the run folder."""
     marker = f"--run-dir\0{run_dir}\0".encode()
     found = []
@@ -296,7 +303,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _actors(run_dir: Path) -> list[dict[str, Any]]:
+def listed_actors(run_dir: Path) -> list[dict[str, Any]]:
+    """The actors RUN_DIR/actors.json lists now (name, role, pid, ...); none while it is not written."""
     try:
         return json.loads((run_dir / "actors.json").read_text())["actors"]
     except (OSError, ValueError, KeyError):
@@ -344,7 +352,7 @@ def audit(run_dir: Path, shm: Path | None = None) -> dict[str, Any]:
                         f"{config.data.rollout_batch_size}")
     issued = _issued_prompts(run_dir / "messages" / "router.vlog")
     findings += _cursor_findings(config, issued, groups["issued"])
-    left = _run_processes(run_dir)
+    left = run_processes(run_dir)
     if left:
         findings.append(f"processes of the run still alive at the end: {left}")
     segments = sorted(path.name for path in shm.iterdir()) if shm is not None and shm.is_dir() else []

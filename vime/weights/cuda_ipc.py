@@ -99,7 +99,7 @@ class CudaIpc(WeightPath):
                 if not receivers():
                     break  # before the next bucket is gathered
                 count += 1
-        if run.rollout.vllm_args.get("enable_sleep_mode"):  # also before the failed ones get theirs by nng
+        if run.rollout.sleep_mode:  # also before the failed ones get theirs by nng
             await trio.to_thread.run_sync(engine.release_memory)
         if receivers():
             await to_receivers([], [], count, last=True)

@@ -22,7 +22,7 @@ from vime.backends.megatron.conversion import _converted, _split_to_hf, _tensor_
 from vime.backends.megatron.modules import ValueHead
 from vime.backends.megatron.parallel import stage_layers
 from vime.backends.plain_collectives import gather_plain
-from vime.transports.gpu import dtype_named
+from vime.transports.gpu import dtype_name, dtype_named
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # a tied model's embedding, and its output layer
 
@@ -208,7 +208,7 @@ def unsharded_weights(model: GPTModel) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, _unshard(name, tensor).detach()
         return
     # each stage's tensors: name, whole shape, dtype name, in its order
-    held = gather_plain([(name, whole_shape(name, tensor), str(tensor.dtype).removeprefix("torch."))
+    held = gather_plain([(name, whole_shape(name, tensor), dtype_name(tensor.dtype))
                          for name, tensor in mine.items()], group=pipeline)
     stage = dist.get_rank(pipeline)
     gathered: set[str] = set()
