@@ -51,6 +51,8 @@ def test_the_count_is_the_megatron_models_own(case, value_head):
 
 
 def test_stages_and_tensor_parallel_ranks_divide_the_count():
+    """The split over stages and tensor ranks, against the layout's own arithmetic: megatron-core's stages and
+    tensor ranks need several processes (torchrun), so only the one-rank count above is megatron-core's own."""
     hf_config = _tiny("qwen3-tied")
     (whole, _), = gpu_memory.parameters_per_gpu(hf_config)
     embedding = hf_config.vocab_size * hf_config.hidden_size
