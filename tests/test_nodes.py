@@ -250,6 +250,7 @@ async def test_a_run_puts_its_rollout_workers_on_nodes_and_goes_on_when_one_is_l
 
 
 REJOIN_BATCH = 8  # groups a step; a worker takes 2 at once, so the frozen rollout-0 leaves some for rollout-1
+REJOIN_STEPS = 5  # after step 2, three batches for both workers: the rejoined one is sent, and finishes, some
 
 
 async def _hold_until_node_c_is_down(hosts, run_dir: Path, agents: list[trio.Process], tmp_path: Path) -> None:
@@ -290,12 +291,12 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
     rollout-0 frozen meanwhile (SIGSTOP; spawned actors are watched through their node, not by heartbeats), so
     that the run cannot go past step 1 without node c. Once c is counted lost, an agent started there again with
     the same name but a wrong token is refused, then one with the job's token joins; the driver restarts the
-    stranded worker there, the router sends it groups of the next batch, and it finishes them: every step is
+    stranded worker there, the router sends it groups of the next batches, and it finishes them: every step is
     trained, no group lost or trained twice."""
     run_dir = tmp_path / "run"
     config = arithmetic.prepare(run_dir, arithmetic.defaults().replace(
-        steps=3, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S, rollout_batch_size=REJOIN_BATCH,
-        max_staleness=0, rollout_capacity=2))
+        steps=REJOIN_STEPS, rollout_workers=2, rollout_nodes=2, wait_for_nodes_s=JOIN_S,
+        rollout_batch_size=REJOIN_BATCH, max_staleness=0, rollout_capacity=2))
     seen: dict[str, object] = {}
 
     async def router_counters(job) -> dict[str, int]:
@@ -304,7 +305,7 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
     with _hosts("b", "c") as hosts:
         async with _agents() as agents:
             async def bring_node_c_back(job, row: dict) -> None:
-                if row["step"] == 3:  # the router still runs: what it sent the new rollout-1, what that holds
+                if row["step"] == REJOIN_STEPS:  # the router still runs: what it sent the new rollout-1, what it holds
                     seen["at_end"] = await router_counters(job)
                 if row["step"] != 1:
                     return
@@ -326,7 +327,9 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
                 agents.append(await _start_node(command, token, tmp_path / "node-c-again.out"))
                 await job.wait_event("restarted", "rollout-1", timeout=JOIN_S)
                 seen["address"] = job.actors["rollout-1"].address
-                with trio.fail_after(JOIN_S):  # step 2's groups, all waiting but the two rollout-0 holds
+                # step 2's groups that wait go to it; there may be none (the buffer can have issued both first batches
+                # before it was frozen, and the old rollout-1 made its share): later batches are for both workers
+                with trio.move_on_after(10):
                     while (await router_counters(job)).get("dispatched_to:rollout-1", 0) == seen["sent_before"]:
                         await trio.sleep(0.2)
                 job.kill("rollout-0", signal.SIGCONT)
@@ -342,7 +345,7 @@ async def test_a_node_that_comes_back_after_a_restart_gets_its_rollout_worker_ag
     at_end = seen["at_end"]
     finished_after_rejoin = at_end["dispatched_to:rollout-1"] - seen["sent_before"] - at_end["assigned:rollout-1"]
     assert finished_after_rejoin > 0, (seen["sent_before"], at_end)
-    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == [1, 2, 3]
+    assert [row["step"] for row in MetricsFollower(run_dir).new_rows()] == list(range(1, REJOIN_STEPS + 1))
     assert summary["groups"]["lost"] == 0 and summary["groups"]["trained_twice"] == 0
     ready = [e["worker"] for e in _events(run_dir / "logs" / "router.log", "rollout worker ready")]
     assert sorted(ready) == ["rollout-0", "rollout-1", "rollout-1"]
