@@ -202,9 +202,12 @@ class _Watch:
         for pid in [self.process.pid, *(row["pid"] for row in alive)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 5.0
-        while "Thread 0x" not in (said := self.log.read_text(errors="replace")) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        deadline, said = time.monotonic() + 5.0, ""
+        while time.monotonic() < deadline:  # until the dump has begun and the log has stopped growing
+            time.sleep(0.5)
+            before, said = said, self.log.read_text(errors="replace")
+            if "Thread 0x" in said and said == before:
+                break
         said = _tail(said, 60)
         return f"actors alive: {', '.join(row['name'] for row in alive) or 'none'}; {self.log} ends with:\n{said}\n"
 
