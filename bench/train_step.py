@@ -93,7 +93,8 @@ def run_one(args: argparse.Namespace, algo: str, micro_batch_size: int) -> dict[
     step_s = statistics.median(times)
     tokens = int(batch.attention_mask.sum())
     return dict(
-        algo=algo, micro_batch_size=micro_batch_size, step_s=round(step_s, 3), step_times_s=[round(t, 3) for t in times],
+        algo=algo, micro_batch_size=micro_batch_size, step_s=round(step_s, 3),
+        step_times_s=[round(t, 3) for t in times],
         tokens=tokens, tokens_per_s=round(tokens / step_s), padded_tokens=padded_tokens(batch, micro_batch_size),
         peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device == "cuda" else None,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -153,8 +154,8 @@ def main() -> None:
             parser.error("give --model-path (or --tiny)")
         rows: list[dict[str, Any]] = []
         for algo, size in itertools.product(args.algos, args.micro_batch_sizes):
-            keep_row(rows, run_in_child(args, algo, size), args.json, samples=args.samples, prompt_len=list(args.prompt_len),
-                     response_len=args.response_len, dtype=args.dtype)
+            keep_row(rows, run_in_child(args, algo, size), args.json, samples=args.samples,
+                     prompt_len=list(args.prompt_len), response_len=args.response_len, dtype=args.dtype)
     print(f"\n{'algo':>5} {'micro-batch':>11} {'step s':>7} {'tokens/s':>9} {'padded/real':>11} {'mem GiB':>8}")
     for row in rows:
         if "error" in row:
