@@ -331,6 +331,7 @@ class Buffer(Actor):
             "staleness_mean": statistics.fmean(staleness),
             "staleness_max": float(max(staleness)),
             "time_generate_s": max(g.generate_s for g in groups),
+            **generation_span(groups),
             "time_reward_s": sum(g.reward_s for g in groups),
             "reward_timeouts": float(sum(g.reward_timeouts for g in groups)),
             "partial_rollouts": float(sum(1 for s in samples if len(set(s.generated_versions)) > 1)),
@@ -340,6 +341,17 @@ class Buffer(Actor):
         }
         self.counters["trained"] += batch_size
         await self.tell("trainer", TrainBatch(step=step, samples=samples, stats=stats))
+
+
+def generation_span(groups: list[ScoredGroup]) -> dict[str, float]:
+    """When the batch's generation began and ended by the wall clock (``generate_from``/``generate_until``, from
+    the first group's first token request to the last group's last token) and how long that was
+    (``time_generate_span_s``). ``time_generate_s`` is the longest single group; the span is what a synchronous
+    step waits for, and the window bench/e2e.py reads the GPU's busy samples in. The clocks are the rollout
+    workers' own: across hosts the span is as good as their clocks agree."""
+    start = min(g.finished_at - g.generate_s for g in groups)
+    end = max(g.finished_at for g in groups)
+    return {"generate_from": start, "generate_until": end, "time_generate_span_s": end - start}
 
 
 # What a resumed run's summary must still add up: groups and prompts, not traffic.

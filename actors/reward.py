@@ -91,7 +91,8 @@ class Reward(Actor):
         self.counters["scored_samples"] += len(msg.samples)
         self.counters["reward_timeouts"] += timeouts
         return ScoredGroup(group_id=msg.group_id, samples=msg.samples, worker=msg.worker, generate_s=msg.generate_s,
-                           reward_s=time.perf_counter() - started, reward_timeouts=timeouts)
+                           finished_at=msg.finished_at, reward_s=time.perf_counter() - started,
+                           reward_timeouts=timeouts)
 
 
 # Groups scored at once. A pathological answer holds a worker for up to --reward-timeout (math-verify's own limit

@@ -297,6 +297,7 @@ class RolloutWorker(Actor):
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)
         await self.tell("reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=self.name,
-                                               generate_s=time.monotonic() - group.started))
+                                               generate_s=time.monotonic() - group.started,
+                                               finished_at=time.time()))
         await self.tell("router", GroupDone(group_id=request.group_id))
 

@@ -24,6 +24,9 @@ measured steps):
 * the GPU busy fraction per GPU: mean ``utilization.gpu`` / 100 over the samples
   between the appearance of the warm-up's last row and of the last row (all
   samples for a folder without row_times.json);
+* ``gpu_busy_generate``: the busiest GPU's busy fraction inside the measured batches' generation spans
+  (``generate_from``-``generate_until``, which the buffer writes in each row), and ``overhead_s``: the
+  median step's seconds outside generation, training and the weight sync (``overhead``);
 * the staleness histogram (share of trained samples 0, 1, 2 ... versions old)
   and the weight-sync share (median of weight-sync time over step time);
 * ``train_rollout_logprob_abs_diff``: first, last, max and median over all
@@ -201,6 +204,8 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "logprob_abs_diff": drift(rows, "train_rollout_logprob_abs_diff"),
         "logprob_abs_diff_stale": drift(rows, "train_rollout_logprob_abs_diff_stale"),
         "gpu_busy": busy,
+        "gpu_busy_generate": busy_generating(run_dir, measured),
+        "overhead_s": _median([value for value in map(overhead, measured) if value is not None]),
         "gpu_memory_max_mib": memory,
         "peak_gpu_mem_gib": max(memory) / 1024 if memory else None,  # the fullest GPU's most, over the run
         "gpu_note": labels.get("gpu_note") or note,
@@ -229,13 +234,14 @@ def drift(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
                 steps=len(values)) if values else None
 
 
-def gpu_figures(run_dir: Path, rows: list[dict[str, Any]],
-                warmup: int) -> tuple[list[float] | None, list[float] | None, str | None]:
-    """Busy fraction per GPU index over the measured steps' window, the most memory each used over the
-    whole run (MiB), and a note when the busy fractions are missing or cover the whole run."""
+Samples = list[tuple[float, int, float]]  # (time.time(), GPU index, utilization 0-100) from RUN_DIR/gpu.csv
+
+
+def gpu_samples(run_dir: Path) -> tuple[Samples, dict[int, float]] | None:
+    """The run's GPU samples and the most memory each GPU used (MiB); None without gpu.csv."""
     path = run_dir / "gpu.csv"
     if not path.exists():
-        return None, None, "no gpu.csv"
+        return None
     samples, memory = [], {}
     for line in path.read_text().splitlines():
         try:
@@ -244,6 +250,42 @@ def gpu_figures(run_dir: Path, rows: list[dict[str, Any]],
             continue
         samples.append((stamp, int(index), utilization))
         memory[int(index)] = max(memory.get(int(index), 0.0), mib)
+    return samples, memory
+
+
+def busy_generating(run_dir: Path, measured: list[dict[str, Any]]) -> float | None:
+    """The busiest GPU's busy fraction while the measured steps' batches were generated: the samples inside
+    each row's ``generate_from``-``generate_until`` (the buffer's span of the batch, by the rollout workers'
+    wall clocks). On one GPU that is the GPU; split at k = 0, the rollout's. At k >= 1 training overlaps the
+    spans and counts too. None without samples or spans (runs from before the buffer wrote them)."""
+    found = gpu_samples(run_dir)
+    windows = [(row["generate_from"], row["generate_until"]) for row in measured if "generate_from" in row]
+    busy = collections.defaultdict(list)
+    for stamp, index, utilization in found[0] if found else []:
+        if any(start <= stamp <= end for start, end in windows):
+            busy[index].append(utilization / 100)
+    return max(statistics.fmean(values) for values in busy.values()) if busy else None
+
+
+def overhead(row: dict[str, Any]) -> float | None:
+    """Seconds of the step outside generation, training and the weight sync: the step less the training, the
+    sync and the generation it waited for (at k = 0 the batch's whole span; at k >= 1 the wait, which is the
+    part of the span training did not hide). What is left: message hops, the reward's tail, collation,
+    sleep and wake, the driver's and buffer's turns. None for a row from before the buffer wrote spans."""
+    if "time_generate_span_s" not in row:
+        return None
+    generating = min(row["time_wait_s"], row["time_generate_span_s"])
+    return row["step_time_s"] - row["time_train_s"] - row["time_weight_sync_s"] - generating
+
+
+def gpu_figures(run_dir: Path, rows: list[dict[str, Any]],
+                warmup: int) -> tuple[list[float] | None, list[float] | None, str | None]:
+    """Busy fraction per GPU index over the measured steps' window, the most memory each used over the
+    whole run (MiB), and a note when the busy fractions are missing or cover the whole run."""
+    found = gpu_samples(run_dir)
+    if found is None:
+        return None, None, "no gpu.csv"
+    samples, memory = found
     times = _json(run_dir / "row_times.json")
     note = None
     if times and len(times) == len(rows) > warmup:
@@ -280,7 +322,8 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
 def table(results: list[dict[str, Any]]) -> str:
     """One line per run; '-' where a figure is missing."""
     head = (f"{'run':<24} {'k':>2} {'steps':>5} {'step':>7} {'rollout':>7} {'reward':>7} {'train':>7} {'sync':>7} "
-            f"{'sleep':>7} {'wait':>7} {'collate':>7} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} {'gpu busy':>9} "
+            f"{'sleep':>7} {'wait':>7} {'collate':>7} {'overhead':>8} {'samples/s':>9} {'tok/s':>8} {'mfu':>5} "
+            f"{'gpu busy':>9} {'gen busy':>8} "
             f"{'stale':>5} {'dlogp first/last/max':>26} {'speedup':>11} {'peak GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -291,8 +334,9 @@ def table(results: list[dict[str, Any]]) -> str:
         gap = "/".join(f"{gaps[key]:.1e}" for key in ("first", "last", "max")) if gaps else "-"
         speedup = f"{_show(r['measured_speedup'], '.2f')}/{_show(r['ideal_speedup'], '.2f')}"
         lines.append(f"{Path(r['run_dir']).name:<24} {_show(r['max_staleness'], '>2')} {r['steps']:>5} "
-                     f"{_show(r['step_time_s'], '7.3f')} {split} {_show(r['samples_per_s'], '9.1f')} "
-                     f"{_show(r['tokens_per_s'], '8.0f')} {_show(r['train_mfu'], '5.3f')} {busy:>9} "
+                     f"{_show(r['step_time_s'], '7.3f')} {split} {_show(r.get('overhead_s'), '8.3f')} "
+                     f"{_show(r['samples_per_s'], '9.1f')} {_show(r['tokens_per_s'], '8.0f')} "
+                     f"{_show(r['train_mfu'], '5.3f')} {busy:>9} {_show(r.get('gpu_busy_generate'), '8.2f')} "
                      f"{_show(r['staleness_mean'], '5.2f')} "
                      f"{gap:>26} {speedup:>11} {_show(r.get('peak_gpu_mem_gib'), '8.1f')}"
                      + ("" if r["complete"] else "  (incomplete)"))

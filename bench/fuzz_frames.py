@@ -60,8 +60,9 @@ def example_group(group_size: int = 2) -> GenerateGroup:
 
 EXAMPLES = [
     example_group(), WorkerReady(capacity=4, weight_version=0), WorkerLeaving(group_ids=[1, 2]), GroupDone(group_id=3),
-    RolloutGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1),
-    ScoredGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1, reward_s=0.01),
+    RolloutGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1, finished_at=0.0),
+    ScoredGroup(group_id=3, samples=[sample()], worker="rollout-0", generate_s=0.1, finished_at=0.0,
+                reward_s=0.01),
     WantBatch(step=0), TrainBatch(step=0, samples=[sample()], stats={"x": 1.0}),
     WantWeights(weight_version=0, gpus=[]),
     WeightsChunk(version=1, index=0, count=1, tensors={"w": torch.ones(4, 4)}), WeightsPublished(version=1),

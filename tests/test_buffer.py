@@ -54,7 +54,8 @@ def scored(request: GenerateGroup, rewards: list[float], version: int) -> Scored
     samples = [Sample(group_id=request.group_id, index=i, prompt_ids=request.prompt_ids, response_ids=[3],
                       logprobs=[-1.0], versions=[version], finish_reason="stop", label=request.label,
                       metadata=request.metadata, reward=reward) for i, reward in enumerate(rewards)]
-    return ScoredGroup(group_id=request.group_id, samples=samples, worker="rollout-0", generate_s=0.1, reward_s=0.01)
+    return ScoredGroup(group_id=request.group_id, samples=samples, worker="rollout-0", generate_s=0.1,
+                       finished_at=0.0, reward_s=0.01)
 
 
 def envelope(payload) -> Envelope:

@@ -94,7 +94,7 @@ from vime.messages.pipeline import Sample, ScoredGroup
 from vime.transports.codec import Envelope, decode_frame, encode, encode_frame
 sample = Sample(group_id=0, index=0, prompt_ids=[1], response_ids=[2], logprobs=[-0.5], versions=[0],
                 finish_reason="stop", label="3", metadata={})
-group = ScoredGroup(group_id=0, samples=[sample], worker="w", generate_s=0.1, reward_s=0.2)
+group = ScoredGroup(group_id=0, samples=[sample], worker="w", generate_s=0.1, finished_at=0.0, reward_s=0.2)
 frame = encode_frame("ipc://x", None, [encode(Envelope("ScoredGroup", "reward", "buffer", 1, None, 0.0, 0, False,
                                                        group))])
 assert decode_frame(frame, max_message_bytes=1 << 20).messages[0].payload == group

@@ -9,6 +9,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ TESTS = Path(__file__).parent
 REQUIRED = {"step", "weight_version", "raw_reward", "train_rollout_logprob_abs_diff", "staleness_mean",
             "staleness_max", "samples", "response_tokens", "step_time_s", "rollout_tokens_per_s", "loss", "entropy",
             "time_wait_s", "time_collate_s", "time_train_s", "time_weight_sync_s", "time_generate_s", "time_reward_s",
-            "train_tflops_per_gpu"}
+            "train_tflops_per_gpu", "generate_from", "generate_until", "time_generate_span_s"}
 TRAINER_PARTS = ("time_wait_s", "time_collate_s", "time_sleep_s", "time_train_s", "time_weight_sync_s")
 
 
@@ -42,10 +43,15 @@ async def test_short_grpo_run_learns_from_chance(tmp_path):
     held_out.write_text("".join(json.dumps(row) + "\n" for row in arithmetic.prompts()[::3]))
     config = config_for(run_dir, steps=45, seed=3, save_hf_every=15, eval_data=str(held_out), eval_every=15,
                         eval_samples=2, eval_top_k=1)
+    began = time.time()
     summary = await train(config, run_dir, timeout_s=300)
     rows = MetricsFollower(run_dir).new_rows()
     assert [row["step"] for row in rows] == list(range(1, 46))
     assert REQUIRED <= set(rows[0])
+    # each batch's generation span (the buffer's, by the workers' wall clocks) lies in the run and holds its
+    # longest group: bench/e2e.py reads the GPU's busy samples inside it
+    assert all(began < row["generate_from"] <= row["generate_until"] < time.time() for row in rows)
+    assert all(row["time_generate_s"] <= row["time_generate_span_s"] + 1e-6 for row in rows)
     # the trainer's time split accounts for its step: what is left is a lock or two, not a hidden phase
     unaccounted = [row["step_time_s"] - sum(row[key] for key in TRAINER_PARTS) for row in rows]
     assert min(unaccounted) >= 0 and statistics.median(unaccounted) < 0.02, unaccounted

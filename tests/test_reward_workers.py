@@ -240,7 +240,8 @@ async def test_the_reward_actor_scores_later_groups_while_a_slow_one_waits_and_s
     def group(group_id: int, response: str) -> RolloutGroup:
         sample = Sample(group_id=group_id, index=0, prompt_ids=[1], response_ids=[2], logprobs=[0.0], versions=[0],
                         finish_reason="stop", label="1", metadata={}, response_text=response)
-        return RolloutGroup(group_id=group_id, samples=[sample], worker="rollout-0", generate_s=0.0)
+        return RolloutGroup(group_id=group_id, samples=[sample], worker="rollout-0", generate_s=0.0,
+                            finished_at=0.0)
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:

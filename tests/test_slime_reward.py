@@ -106,7 +106,7 @@ async def test_a_slime_reward_scores_the_rollouts_samples_in_the_reward_actor(fu
     sent and the run's settings as args, by slime's names and vime's. Before --custom-rm-path: no such setting."""
     record = tmp_path / "seen.jsonl"
     config = RunConfig().replace(custom_rm_path=f"slime_rms.{function}", group_size=2, model_path="/models/Qwen3")
-    group = RolloutGroup(group_id=7, worker="rollout-0", generate_s=0.0,
+    group = RolloutGroup(group_id=7, worker="rollout-0", generate_s=0.0, finished_at=0.0,
                          samples=[_sample(0, "4", "stop", record), _sample(1, "5", "length", record)])
     scored = await _scored_by_the_reward_actor(config, group)
     assert [sample.reward for sample in scored.samples] == [1.0, 0.0]

@@ -136,7 +136,7 @@ class Simulation:
                           logprobs=[-1.0] * 4, versions=v, finish_reason="length", label=request.label,
                           metadata={}) for i, v in enumerate(versions)]
         self.tell(worker, "reward", RolloutGroup(group_id=request.group_id, samples=samples, worker=worker,
-                                                 generate_s=0.0))
+                                                 generate_s=0.0, finished_at=0.0))
         self.tell(worker, "router", GroupDone(group_id=request.group_id))
         if self.rng.random() < self.kill_rate:
             self.kill(worker)
@@ -161,7 +161,7 @@ class Simulation:
         for sample in group.samples:
             sample.reward = float(self.rng.random() < 0.5)
         self.tell("reward", "buffer", ScoredGroup(group_id=group.group_id, samples=group.samples, worker=group.worker,
-                                                  generate_s=0.0, reward_s=0.0))
+                                                  generate_s=0.0, finished_at=0.0, reward_s=0.0))
 
     def train(self, batch: TrainBatch) -> None:
         assert batch.step == self.step == self.trainer_version

@@ -68,8 +68,8 @@ NOT_REPLAYED: dict[str, str] = {
 
 # Durations measured with a wall clock, by message kind: a replay cannot reproduce how long something took.
 MEASURED: dict[str, frozenset[str]] = {
-    "RolloutGroup": frozenset({"generate_s"}),
-    "ScoredGroup": frozenset({"generate_s", "reward_s"}),
+    "RolloutGroup": frozenset({"generate_s", "finished_at"}),
+    "ScoredGroup": frozenset({"generate_s", "finished_at", "reward_s"}),
 }
 
 # Real seconds a replayed actor may sit idle (no thread running, its clock caught up) before what it has

@@ -106,6 +106,7 @@ class RolloutGroup:
     samples: list[Sample]
     worker: str
     generate_s: float  # wall time from the group's start to its last token
+    finished_at: float  # the wall clock (time.time()) at its last token: the buffer spans a batch's generation
 
 
 @message
@@ -116,6 +117,7 @@ class ScoredGroup:
     samples: list[Sample]
     worker: str
     generate_s: float
+    finished_at: float
     reward_s: float
     reward_timeouts: int = 0  # samples scored 0 because their reward call ran past --reward-timeout
 
