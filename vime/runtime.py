@@ -41,7 +41,6 @@ import os
 import random
 import signal
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -49,6 +48,7 @@ import pynng
 import structlog
 import trio
 
+from vime.inbound import UNRECORDED_KINDS, Inbound
 from vime.messages.model_files import ModelFileChunk, ModelFileRead, ModelManifest, ModelManifestQuery
 from vime.messages.runtime import (
     Directory,
@@ -62,9 +62,9 @@ from vime.messages.runtime import (
 )
 from vime.settings import setting
 from vime.tasks import BetweenSteps, Changed, Wakeup  # noqa: F401 (the runtime's primitives)
-from vime.transports.codec import BadMessage, Envelope, FrameError, decode_frame, encode, encode_frame
+from vime.transports.codec import Envelope, encode, encode_frame
 from vime.transports.msglog import LogWriter
-from vime.transports.shm import SegmentPool, map_segment
+from vime.transports.shm import SegmentPool
 from vime.transports.sockets import Inbox, Outbox, TlsFiles
 
 # Runtime chatter that depends on wall-clock timers, the garbage collector or
@@ -76,9 +76,6 @@ from vime.transports.sockets import Inbox, Outbox, TlsFiles
 UNREPLAYED_KINDS: frozenset[type] = frozenset({Heartbeat, Register, SegmentsFree, Status, ModelManifestQuery,
                                                ModelManifest, ModelFileRead, ModelFileChunk})
 
-# Kinds whose frames are left out of message logs (``--record``): a model file's chunks would put the whole model,
-# 16 MiB a frame, in the driver's log and the joined worker's. The reads that ask for them are logged.
-UNRECORDED_KINDS: frozenset[type] = frozenset({ModelFileChunk})
 
 _MAX_STRANGERS = 16
 
@@ -187,7 +184,7 @@ class _PendingAsk:
             await self._event.wait()
 
 
-class Actor:
+class Actor(Inbound):
     """Base of every vime actor. Subclasses set ``role`` and write handlers.
 
     Hooks: ``on_start`` runs once the actor is registered and before the
@@ -625,104 +622,7 @@ class Actor:
             self._nursery.start_soon(outbox.pump)
         return outbox
 
-    # ------------------------------------------------------------ receiving
-
-    async def _receive_loop(self) -> None:
-        assert self._inbox is not None
-        for frames in itertools.count(1):
-            buffer = await self._inbox.receive()
-            self._accept_frame(buffer, time.time())
-            if frames % 8 == 0:  # receive() does not yield while frames keep coming; handlers must run
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            while len(self._queue) >= self.settings.inbox_capacity and not self._pending:
-                await self._queue_space.park()
-
-    def _accept_frame(self, buffer: Any, arrived: float, shm: Callable[[str, int], Any] | None = None) -> None:
-        """Decode, log and route one frame; never raises for bad input.
-
-        ``shm`` stands in for shared memory (replay serves segments from the
-        log); live segments are mapped and given back to their sender once
-        the last tensor viewing them is gone.
-        """
-        mapped: list[tuple[str, Any]] = []
-
-        def resolve_shm(name: str, nbytes: int) -> Any:
-            segment = (shm or map_segment)(name, nbytes)
-            mapped.append((name, segment))
-            return segment
-
-        self.counters["frames_in"] += 1
-        try:
-            frame = decode_frame(buffer, max_message_bytes=self.settings.max_message_bytes, resolve_shm=resolve_shm,
-                                 token=self.settings.token)
-        except FrameError as err:
-            self.errors["malformed"] += 1
-            self.log.warning("dropped unreadable frame", error=str(err), size=len(buffer))
-            return
-        if mapped or self._log_writer is not None:
-            sender = next((m.sender for m in frame.messages if m.sender), None)  # one sender per frame
-            if shm is None:
-                for name, segment in mapped:
-                    weakref.finalize(segment, self._segment_released, sender, name)
-            if self._log_writer is not None and not any(
-                    isinstance(m, Envelope) and type(m.payload) in UNRECORDED_KINDS for m in frame.messages):
-                attachments = {name: memoryview(segment)[:len(segment)] for name, segment in mapped}
-                self._log_writer.write("in", sender or frame.reply_address, buffer, attachments, wall_time=arrived)
-                attachments.clear()
-            mapped.clear()
-        if self.settings.token is not None and frame.token != self.settings.token:
-            self._refuse_frame(frame, arrived)
-            return
-        for item in frame.messages:
-            if isinstance(item, BadMessage):
-                self._reject(item, frame.reply_address)
-            else:
-                if item.sender not in self.directory:
-                    self._learned[item.sender] = frame.reply_address
-                self._route(item, arrived)
-
-    def _refuse_frame(self, frame: Any, arrived: float) -> None:
-        """Refuse a frame whose token is wrong -- except a refusal of our own ask.
-
-        The peer that refuses us cannot sign its answer with a token we hold;
-        letting "unauthorized" answers to our pending asks through is what
-        lets a joiner with a wrong token say why it was turned away.
-        """
-        refusals = [m for m in frame.messages if isinstance(m, Envelope) and isinstance(m.payload, ErrorReply)
-                    and m.payload.reason == "unauthorized" and m.reply_to in self._pending]
-        for refusal in refusals:
-            self._route(refusal, arrived)
-        if len(refusals) == len(frame.messages):
-            return
-        self.errors["unauthorized"] += len(frame.messages) - len(refusals)
-        senders = sorted({m.sender or "?" for m in frame.messages})
-        self.log.warning("refused messages with a wrong or missing token", senders=senders,
-                         reply_address=frame.reply_address)
-        for item in frame.messages:
-            if item.wants_reply and item.sender:  # answered at its address, which we do not learn
-                error = ErrorReply(reason="unauthorized", kind=item.kind,
-                                   error="wrong or missing join token; pass --token with the job's token")
-                self._nursery.start_soon(self._reply_error, item.sender, item.id, error, frame.reply_address)
-
-    def _reject(self, bad: BadMessage, reply_address: str) -> None:
-        self.errors[bad.reason] += 1
-        self.log.warning("rejected message", reason=bad.reason, error=bad.error, kind=bad.kind, sender=bad.sender)
-        if bad.wants_reply and bad.sender and bad.id is not None:
-            error = ErrorReply(reason=bad.reason, error=bad.error, kind=bad.kind)
-            self._nursery.start_soon(self._reply_error, bad.sender, bad.id, error, reply_address)
-
-    def _segment_released(self, owner: str | None, name: str) -> None:
-        """Finalizer of a received segment's mapping: may run in any thread, at any time."""
-        if owner is None or self._trio_token is None:
-            return
-        self._released.append((owner, name))
-        with contextlib.suppress(trio.RunFinishedError):
-            self._trio_token.run_sync_soon(self._release_ready.unpark_all)
-
-    async def _release_loop(self) -> None:
-        while True:
-            await self._release_ready.park()
-            await self._give_segments_back()
+    # ------------------------------------------------------------ replies to bad input, segments back
 
     async def _give_segments_back(self) -> None:
         """Tell each sender which of its segments we no longer view."""
@@ -754,27 +654,6 @@ class Actor:
             await self._send(to, error, weight_version=None, reply_to=msg_id, address=address or None)
         except (LookupError, PeerGone, pynng.NNGException, ValueError) as err:  # ValueError: an address we cannot dial
             self.log.warning("could not send an error reply", to=to, error=str(err))
-
-    def _route(self, envelope: Envelope, arrived: float) -> None:
-        self.counters["received"] += 1
-        if type(envelope.payload) is SegmentsFree:  # runtime bookkeeping: never waits behind a handler
-            self._segments.give_back(envelope.payload.names)
-            return
-        if envelope.reply_to is not None:
-            pending = self._pending.get(envelope.reply_to)
-            if pending is not None and envelope.sender == pending.peer:
-                pending.finish(reply=envelope)
-            else:
-                self.counters["late_replies"] += 1
-            return
-        if self.on_arrival(envelope):
-            return
-        if envelope.kind not in self._handlers:
-            self._reject(BadMessage("unhandled", f"{self.role} has no handler for {envelope.kind}",
-                                    envelope.kind, envelope.sender, envelope.id, envelope.wants_reply), "")
-            return
-        self._queue.append((envelope, arrived))
-        self._queue_ready.unpark()
 
     async def _handle_loop(self) -> None:
         while True:

@@ -59,7 +59,7 @@ class ModelFileRead:
 @message
 class ModelFileChunk:
     """driver -> asker, the answer to ModelFileRead: the bytes, framed beside the header (never copied into it).
-    Left out of message logs (``vime.runtime.UNRECORDED_KINDS``): they would hold the whole model."""
+    Left out of message logs (``vime.inbound.UNRECORDED_KINDS``): they would hold the whole model."""
 
     path: str
     offset: int
