@@ -114,7 +114,8 @@ class Buffer(Actor):
         self.source.seek(state.source_epoch, state.source_index)
         self.injected.extend(state.injected)
         self.in_flight = {request.group_id: request for request in state.in_flight}
-        self.ready.extend((_version(group), group) for group in state.ready)
+        # a kept group's finish time is from before the restart: spanning the downtime would say nothing
+        self.ready.extend((_version(group), dataclasses.replace(group, finished_at=None)) for group in state.ready)
         self.counters.update(state.counters)
         self.counters["resumed_in_flight"] += len(state.in_flight)
         self.log.info("resumed", batches_sent=state.batches_sent, in_flight=len(state.in_flight),
@@ -348,9 +349,13 @@ def generation_span(groups: list[ScoredGroup]) -> dict[str, float]:
     the first group's first token request to the last group's last token) and how long that was
     (``time_generate_span_s``). ``time_generate_s`` is the longest single group; the span is what a synchronous
     step waits for, and the window bench/e2e.py reads the GPU's busy samples in. The clocks are the rollout
-    workers' own: across hosts the span is as good as their clocks agree."""
-    start = min(g.finished_at - g.generate_s for g in groups)
-    end = max(g.finished_at for g in groups)
+    workers' own: across hosts the span is as good as their clocks agree. Groups without a finish time (kept
+    over a resume) are left out; a batch of only those has no span."""
+    timed = [g for g in groups if g.finished_at is not None]
+    if not timed:
+        return {}
+    start = min(g.finished_at - g.generate_s for g in timed)
+    end = max(g.finished_at for g in timed)
     return {"generate_from": start, "generate_until": end, "time_generate_span_s": end - start}
 
 

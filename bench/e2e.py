@@ -26,7 +26,8 @@ measured steps):
   samples for a folder without row_times.json);
 * ``gpu_busy_generate``: the busiest GPU's busy fraction inside the measured batches' generation spans
   (``generate_from``-``generate_until``, which the buffer writes in each row), and ``overhead_s``: the
-  median step's seconds outside generation, training and the weight sync (``overhead``);
+  median over the measured steps of each step's seconds outside generation, training and the weight sync
+  (``overhead``). It holds the collate and sleep columns' seconds: the table's columns do not add up;
 * the staleness histogram (share of trained samples 0, 1, 2 ... versions old)
   and the weight-sync share (median of weight-sync time over step time);
 * ``train_rollout_logprob_abs_diff``: first, last, max and median over all
@@ -87,6 +88,7 @@ SPLIT = {"rollout": "time_generate_s", "reward": "time_reward_s", "train": "time
          "weight_sync": "time_weight_sync_s", "sleep": "time_sleep_s", "wait": "time_wait_s",
          "collate": "time_collate_s"}
 OPTIONAL = {"time_sleep_s", "time_collate_s"}  # absent from runs made before the trainer wrote them: 0 there
+Samples = list[tuple[float, int, float]]  # (time.time(), GPU index, utilization 0-100): RUN_DIR/gpu.csv's lines
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
              "-lms", "500"]
 
@@ -176,7 +178,8 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
     elapsed = sum(row["step_time_s"] for row in measured)
     ages = trained_ages(measured)
     trained = sum(ages.values())
-    busy, memory, note = gpu_figures(run_dir, rows, warmup)
+    found = gpu_samples(run_dir)
+    busy, memory, note = gpu_figures(run_dir, found, rows, warmup)
     tokens_per_s = sum(row["response_tokens"] for row in measured) / elapsed if elapsed else None
     gpus = placed_gpus(config)
     tflops = _median([row["train_tflops_per_gpu"] for row in measured if row.get("train_tflops_per_gpu")])
@@ -204,7 +207,7 @@ def figures(run_dir: Path, warmup: int, labels: dict[str, Any]) -> dict[str, Any
         "logprob_abs_diff": drift(rows, "train_rollout_logprob_abs_diff"),
         "logprob_abs_diff_stale": drift(rows, "train_rollout_logprob_abs_diff_stale"),
         "gpu_busy": busy,
-        "gpu_busy_generate": busy_generating(run_dir, measured),
+        "gpu_busy_generate": busy_generating(found[0] if found else [], measured),
         "overhead_s": _median([value for value in map(overhead, measured) if value is not None]),
         "gpu_memory_max_mib": memory,
         "peak_gpu_mem_gib": max(memory) / 1024 if memory else None,  # the fullest GPU's most, over the run
@@ -234,9 +237,6 @@ def drift(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
                 steps=len(values)) if values else None
 
 
-Samples = list[tuple[float, int, float]]  # (time.time(), GPU index, utilization 0-100) from RUN_DIR/gpu.csv
-
-
 def gpu_samples(run_dir: Path) -> tuple[Samples, dict[int, float]] | None:
     """The run's GPU samples and the most memory each GPU used (MiB); None without gpu.csv."""
     path = run_dir / "gpu.csv"
@@ -253,15 +253,14 @@ def gpu_samples(run_dir: Path) -> tuple[Samples, dict[int, float]] | None:
     return samples, memory
 
 
-def busy_generating(run_dir: Path, measured: list[dict[str, Any]]) -> float | None:
+def busy_generating(samples: Samples, measured: list[dict[str, Any]]) -> float | None:
     """The busiest GPU's busy fraction while the measured steps' batches were generated: the samples inside
     each row's ``generate_from``-``generate_until`` (the buffer's span of the batch, by the rollout workers'
     wall clocks). On one GPU that is the GPU; split at k = 0, the rollout's. At k >= 1 training overlaps the
     spans and counts too. None without samples or spans (runs from before the buffer wrote them)."""
-    found = gpu_samples(run_dir)
     windows = [(row["generate_from"], row["generate_until"]) for row in measured if "generate_from" in row]
     busy = collections.defaultdict(list)
-    for stamp, index, utilization in found[0] if found else []:
+    for stamp, index, utilization in samples:
         if any(start <= stamp <= end for start, end in windows):
             busy[index].append(utilization / 100)
     return max(statistics.fmean(values) for values in busy.values()) if busy else None
@@ -278,11 +277,11 @@ def overhead(row: dict[str, Any]) -> float | None:
     return row["step_time_s"] - row["time_train_s"] - row["time_weight_sync_s"] - generating
 
 
-def gpu_figures(run_dir: Path, rows: list[dict[str, Any]],
+def gpu_figures(run_dir: Path, found: tuple[Samples, dict[int, float]] | None, rows: list[dict[str, Any]],
                 warmup: int) -> tuple[list[float] | None, list[float] | None, str | None]:
     """Busy fraction per GPU index over the measured steps' window, the most memory each used over the
-    whole run (MiB), and a note when the busy fractions are missing or cover the whole run."""
-    found = gpu_samples(run_dir)
+    whole run (MiB), and a note when the busy fractions are missing or cover the whole run; ``found`` is
+    :func:`gpu_samples`'s."""
     if found is None:
         return None, None, "no gpu.csv"
     samples, memory = found
@@ -422,7 +421,9 @@ def main() -> int:
             write_json(args.json, results, machine, args.append)
     print(f"\nmedian seconds per step over the steps after the first {args.warmup}; samples/s, tok/s, gpu busy and "
           "stale (mean age) over those steps;\ndlogp over all steps (same-version tokens; in async runs older ones); "
-          "speedup: samples/s over the sync run's / ideal")
+          "speedup: samples/s over the sync run's / ideal;\noverhead: the step less training, weight sync and "
+          "the generation waited for (collate and sleep are in it); gen busy: the busiest GPU inside the batches' "
+          "generation spans")
     print(table(results))
     return 0
 

@@ -1,5 +1,5 @@
 """The trainer's own step on an RL batch: seconds per step, tokens/s and peak memory of
-``TrainEngine.train_step`` as the trainer actor runs it, one row per micro-batch size, side by side.
+``TrainEngine.train_step`` as the trainer actor runs it, one row per (estimator, micro-batch size), side by side.
 
 ``bench/train.py`` times the model's forward and backward at one sequence length. This times what a
 pipeline step does around them: right-padded samples of varying prompt length, cut into micro-batches
@@ -8,11 +8,12 @@ policy loss, clipping and AdamW on fp32 masters. The batch is ``--samples`` resp
 ``--response-len`` tokens after prompts of ``--prompt-len`` tokens (``MIN:MAX``, uniform), random token
 ids, rewards of 1 and 0 by turns (so advantages are not zero), ``--updates-per-step`` optimizer steps (1, as in
 the TRL-settings runs: the training pass's log-probs are the old ones, so there is no scoring pass); the
-model is the one at ``--model-path``. ``--algos grpo ppo`` times each micro-batch size under both estimators:
-PPO's step adds the value model's pass before the update (its values, for GAE) and its training in each
-mini-batch, a second model of the policy's shape with its own AdamW state (``--critic-model-path`` left out)
-(a random full-size Qwen3 from ``python -m vime.devtools.make_tiny_model --shape ...``). Each micro-batch
-size runs in a process of its own: running out of memory costs only its row.
+model is the one at ``--model-path``
+(a random full-size Qwen3 from ``python -m vime.devtools.make_tiny_model --shape ...``). ``--algos grpo ppo``
+times each micro-batch size under both estimators: PPO's step adds the value model's pass before the update (its
+values, for GAE) and its training in each mini-batch, a second model of the policy's shape with its own AdamW
+state (``--critic-model-path`` left out). Each (estimator, micro-batch size) runs in a process of its own:
+running out of memory costs only its row.
 
 Usage::
 

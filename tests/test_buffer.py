@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.actors.buffer import Buffer
+from vime.actors.buffer import Buffer, generation_span
 from vime.messages.pipeline import (
     EvalResult,
     GenerateGroup,
@@ -25,6 +25,7 @@ from vime.messages.pipeline import (
 from vime.runtime import ActorSettings
 from vime.scenarios import arithmetic
 from vime.transports.codec import Envelope
+from vime.transports.records import build, to_fields
 
 TESTS = Path(__file__).parent
 
@@ -211,3 +212,16 @@ async def test_an_exhausted_source_stops_the_run_saying_what_to_do(model_path):
 async def test_groups_stop_at_the_eos_of_the_tokenizer_unless_told_otherwise(model_path):
     buffer, sent = await started_buffer(model_path, stop_token_ids=())
     assert issued(sent)[0].sampling["stop_token_ids"] == [buffer.tokenizer.eos_token_id]
+
+
+def test_a_batch_spans_its_groups_generation_and_leaves_out_groups_without_a_finish_time() -> None:
+    """Groups written before ``finished_at`` existed (a checkpoint's ready groups, an old message log) still
+    decode, and a batch's generation span leaves them out, as it leaves out groups kept over a resume."""
+    old = to_fields(ScoredGroup(group_id=1, samples=[], worker="rollout-0", generate_s=2.0, reward_s=0.1))
+    del old["finished_at"]
+    assert build(ScoredGroup, old).finished_at is None
+    timed = [ScoredGroup(group_id=i, samples=[], worker="rollout-0", generate_s=2.0 + i, finished_at=100.0 + i,
+                         reward_s=0.1) for i in range(3)]
+    span = generation_span([*timed, build(ScoredGroup, old)])
+    assert span == {"generate_from": 98.0, "generate_until": 102.0, "time_generate_span_s": 4.0}
+    assert generation_span([build(ScoredGroup, old)]) == {}

@@ -1,8 +1,8 @@
-"""How an actor takes frames in: decode them, check the job's token, log them, and route each message to a
-pending ask, to the runtime's own bookkeeping or to the handler queue; what is bad on the way in (garbage, a
-wrong token, a kind nobody handles) is counted, logged and answered here, as the failure semantics at the top of
-:mod:`vime.runtime` say. :class:`Inbound` is the receiving half of :class:`vime.runtime.Actor`: the state it
-reads and writes is the actor's (counters, the directory, the pending asks, the queue)."""
+"""How an actor takes frames in: decode and log them (refused ones too), check the job's token, and route each
+message to a pending ask, to the runtime's own bookkeeping or to the handler queue; what is bad on the way in
+(garbage, a wrong token, a kind nobody handles) is counted, logged and answered here, as the failure semantics at
+the top of :mod:`vime.runtime` say. :class:`Inbound` is the receiving half of :class:`vime.runtime.Actor`: the
+state it reads and writes is the actor's (counters, the directory, the pending asks, the queue)."""
 
 from __future__ import annotations
 

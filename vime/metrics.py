@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from vime.messages.pipeline import Sample
 
 
+# Row keys that are not curves: the step is the x axis, and wall-clock times (epoch seconds) lose all but 128-s
+# steps as a board's float32 scalars.
+_NOT_PLOTTED = frozenset({"step", "generate_from", "generate_until"})
+
 class MetricsWriter:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -45,7 +49,7 @@ class MetricsWriter:
         self._file.flush()
         if self._board is not None:
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key not in _NOT_PLOTTED and isinstance(value, (int, float)):
                     self._board.add_scalar(key, value, row["step"])
             self._board.flush()
 

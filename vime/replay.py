@@ -66,7 +66,7 @@ NOT_REPLAYED: dict[str, str] = {
               "processes it starts and the clock, not its messages; its log is for `python -m vime.replay show`",
 }
 
-# Durations measured with a wall clock, by message kind: a replay cannot reproduce how long something took.
+# Durations and times read from a wall clock, by message kind: a replay cannot reproduce when or how long.
 MEASURED: dict[str, frozenset[str]] = {
     "RolloutGroup": frozenset({"generate_s", "finished_at"}),
     "ScoredGroup": frozenset({"generate_s", "finished_at", "reward_s"}),

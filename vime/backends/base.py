@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from vime.backends.hf import checkpoint_names
@@ -153,36 +155,48 @@ def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list
     when any sample has them, are padded with -1 (free routing) where a sample has none. ``loss_masks``
     (1: a token the model generated; 0: one inserted, like a tool result) keep inserted tokens out of
     the loss and the metrics; without them (or where a sample's is None) every response token is trained on."""
-    count = len(prompts)
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    longest = max(len(r) for r in responses)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    filled = _filled(prompt_lengths + response_lengths)  # [samples, width]: True on a sample's own tokens
+    answered = _filled(response_lengths)  # [samples, longest]: True on its response tokens
     batch = TensorBatch(
-        input_ids=torch.full((count, width), pad_token_id, dtype=torch.long),
-        attention_mask=torch.zeros((count, width), dtype=torch.long),
-        response_start=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-        response_mask=torch.zeros((count, longest), dtype=torch.float32),
-        response_ids=torch.zeros((count, longest), dtype=torch.long),
-        rollout_logprobs=torch.zeros((count, longest), dtype=torch.float32),
-        versions=torch.full((count, longest), -1, dtype=torch.long),
+        input_ids=torch.full(filled.shape, pad_token_id, dtype=torch.long),
+        attention_mask=filled.long(),
+        response_start=prompt_lengths,
+        response_mask=answered.float(),
+        response_ids=torch.zeros(answered.shape, dtype=torch.long),
+        rollout_logprobs=torch.zeros(answered.shape, dtype=torch.float32),
+        versions=torch.full(answered.shape, -1, dtype=torch.long),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
     )
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        length = len(prompt) + len(response)
-        batch.input_ids[row, :length] = torch.tensor(prompt + response)
-        batch.attention_mask[row, :length] = 1
-        mask = loss_masks[row] if loss_masks else None
-        batch.response_mask[row, :len(response)] = 1 if mask is None else torch.tensor(mask, dtype=torch.float32)
-        batch.response_ids[row, :len(response)] = torch.tensor(response)
-        batch.rollout_logprobs[row, :len(response)] = torch.tensor(logprobs[row], dtype=torch.float32)
-        batch.versions[row, :len(response)] = torch.tensor(versions[row])
+    # One tensor per field from the rows end to end, placed through the masks (row-major, as the rows are
+    # concatenated): a copy per row and field cost ~0.1 s for TRL's 512 x 600 tokens, on every step.
+    batch.input_ids[filled] = _flat(row for pair in zip(prompts, responses) for row in pair)
+    batch.response_ids[answered] = _flat(responses)
+    batch.rollout_logprobs[answered] = _flat(logprobs, numpy.float32)
+    batch.versions[answered] = _flat(versions)
+    if loss_masks and any(mask is not None for mask in loss_masks):
+        batch.response_mask[answered] = _flat((([1] * len(response) if mask is None else mask)
+                                               for mask, response in zip(loss_masks, responses)), numpy.float32)
     recorded = [experts for experts in routed_experts or () if experts is not None]
     if recorded:
-        batch.routed_experts = torch.full((count, width, *recorded[0].shape[1:]), -1, dtype=torch.int16)
+        batch.routed_experts = torch.full((*filled.shape, *recorded[0].shape[1:]), -1, dtype=torch.int16)
         for row, experts in enumerate(routed_experts):
             if experts is not None:
                 batch.routed_experts[row, :experts.shape[0]] = experts
     return batch
+
+
+def _filled(lengths: torch.Tensor) -> torch.Tensor:
+    """[rows, longest] booleans, True on the first ``lengths[row]`` places of each row."""
+    return torch.arange(int(lengths.max())) < lengths[:, None]
+
+
+def _flat(rows: Iterable[list[Any]], dtype: type = numpy.int64) -> torch.Tensor:
+    """The rows end to end, as one 1-D tensor of ``dtype`` (numpy's ``fromiter``: six times torch.tensor's speed
+    on a list of Python ints)."""
+    return torch.from_numpy(numpy.fromiter(itertools.chain.from_iterable(rows), dtype))
 
 
 class TrainEngine(abc.ABC):

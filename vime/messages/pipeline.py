@@ -106,7 +106,9 @@ class RolloutGroup:
     samples: list[Sample]
     worker: str
     generate_s: float  # wall time from the group's start to its last token
-    finished_at: float  # the wall clock (time.time()) at its last token: the buffer spans a batch's generation
+    # the wall clock (time.time()) at its last token, from which the buffer spans a batch's generation; None in
+    # a message log or checkpoint written before it was sent
+    finished_at: float | None = None
 
 
 @message
@@ -117,9 +119,9 @@ class ScoredGroup:
     samples: list[Sample]
     worker: str
     generate_s: float
-    finished_at: float
     reward_s: float
     reward_timeouts: int = 0  # samples scored 0 because their reward call ran past --reward-timeout
+    finished_at: float | None = None  # as RolloutGroup's; None too after a resume (the span restarts)
 
 
 @message
