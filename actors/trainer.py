@@ -211,6 +211,7 @@ class Trainer(Actor):
     async def _train_loop(self) -> None:
         await self.wait_for_peer("buffer", timeout=600.0)
         await self.gpu.first_turn()
+        checkpoint_s = 0.0  # the checkpoint after the step before, outside every step's own time
         for step in range(self.first_step, self.run.job.steps):
             self.gpu.release()  # until this step has its batch, an engine may be built on our GPU
             started = time.perf_counter()
@@ -235,11 +236,10 @@ class Trainer(Actor):
                 trained = time.perf_counter()
                 weight_paths = await self._publish()
             synced = time.perf_counter()
-            await self._write_checkpoints(step)
             train_s = trained - train_started
             times = {"step_time_s": synced - started, "time_wait_s": waited, "time_collate_s": collated,
                      "time_sleep_s": train_started - slept, "time_drain_s": drained or 0.0, "time_train_s": train_s,
-                     "time_weight_sync_s": synced - trained, "time_checkpoint_s": time.perf_counter() - synced}
+                     "time_weight_sync_s": synced - trained, "time_checkpoint_s": checkpoint_s}
             tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
                       / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
@@ -249,17 +249,23 @@ class Trainer(Actor):
             await self.rows.add(row)
             self.log.info("step", step=step + 1, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
+            saving = time.perf_counter()
+            await self._write_checkpoints(step)
+            checkpoint_s = time.perf_counter() - saving
 
     async def _write_checkpoints(self, step: int) -> None:
-        """After ``step``: a resumable checkpoint every ``save_every`` steps (but the last), once the rows
-        before it are written; a Hugging Face folder every ``save_hf_every`` steps."""
+        """After ``step``: a resumable checkpoint every ``save_every`` steps (but the last), once its step's row
+        is on disk; a Hugging Face folder every ``save_hf_every`` steps. A checkpoint published before its row
+        lost that row for good when the trainer stopped in between: a resumed run keeps the rows up to the
+        checkpoint's step and trains from the next (the soak met it, the driver waiting forever for the row)."""
         job = self.run.job
         if job.save_every and (step + 1) % job.save_every == 0 and step + 1 < job.steps:
-            await self.rows.until_written(step, self.engine.weight_version)
+            await self.rows.until_written(step + 1)
             state = await self.ask("buffer", SnapshotQuery(step=step + 1), timeout=600.0)
             path = await trio.to_thread.run_sync(checkpoint.save_training, self.run_dir, step + 1, self.engine,
                                                  self.tokenizer, state)
-            self.log.info("checkpoint written", path=str(path), step=step + 1, groups_in_flight=len(state.in_flight))
+            self.log.info("checkpoint written", path=str(path), step=step + 1, rows_written=self.rows.written,
+                          groups_in_flight=len(state.in_flight))
         if job.save_hf_every and (step + 1) % job.save_hf_every == 0:
             await self._export(self.run_dir / "hf" / f"step_{step + 1}")
 

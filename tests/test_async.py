@@ -3,9 +3,12 @@ and a resume, a worker joining over tcp -- with exact accounting of every prompt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +142,44 @@ async def test_a_killed_trainer_or_buffer_resumes_from_the_checkpoint_with_nothi
     evals = [json.loads(line)["weight_version"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert sorted(evals) == [0, 2, 4, 6, 8, 10, 12]
     assert [row.get("eval/weight_version") for row in rows] == [None, 2, None, 4, None, 6, None, 8, None, 10, None, 12]
+
+
+async def test_a_checkpoint_is_published_only_once_its_steps_row_is_in_metrics_jsonl(tmp_path):
+    """A resumed run keeps the rows up to its checkpoint's step and trains from the next, so a checkpoint
+    published before its step's row loses that row for good if the trainer stops in between. The soak met it:
+    the trainer, told to stop as the router died, wrote checkpoint 18 and never row 18; the resumed driver then
+    waited forever for 36 rows. Here a thread reads metrics.jsonl the moment each checkpoint is named latest
+    (with evaluation on, a row waits for its version's score, the widest gap there was)."""
+    run_dir = tmp_path / "run"
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in arithmetic.prompts()[:8]))
+    config = config_for(run_dir, steps=9, rollout_workers=2, rollout_batch_size=16, rollout_capacity=4,
+                        max_staleness=2, save_every=2, eval_data=str(held_out), eval_every=2)
+    rows_at: dict[int, list[int]] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        pointer = checkpoint.folder(run_dir) / "latest"
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                step = checkpoint.step_of(Path(pointer.read_text().strip()))
+                if step not in rows_at:
+                    whole = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+                    rows_at[step] = [json.loads(line)["step"] for line in whole]
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        await train(config, run_dir, timeout_s=240)
+    finally:
+        stop.set()
+        watcher.join()
+    assert sorted(rows_at) == [2, 4, 6, 8]
+    assert all(rows_at[step][-1] >= step for step in rows_at), rows_at
+    said = [json.loads(line) for line in (run_dir / "logs" / "trainer.log").read_text().splitlines()
+            if '"checkpoint written"' in line]
+    assert [(entry["step"], entry["rows_written"]) for entry in said] == [(2, 2), (4, 4), (6, 6), (8, 8)]
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):

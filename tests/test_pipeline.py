@@ -11,15 +11,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 from vime import rewards
 from vime.config import RunConfig
 from vime.groups import forced_lengths
 from vime.metrics import MetricsFollower
-from vime.pipeline import train
+from vime.pipeline import _follow, train
 from vime.replay import replay, show
 from vime.scenarios import arithmetic
 from vime.weights import choose
@@ -313,3 +315,18 @@ def test_a_critic_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
     (critic / "config.json").write_text(json.dumps({**settings, "vocab_size": settings["vocab_size"] - 1}))
     with pytest.raises(ValueError, match="--critic-model-path .* fewer than the .* of --model-path"):
         preflight(config.replace(critic_model_path=str(critic)))
+
+
+async def test_the_driver_ends_at_the_last_steps_row_and_names_a_row_an_earlier_life_lost(tmp_path):
+    """A row lost to an earlier life of a run (a checkpoint published before its row, by a trainer from before
+    that was fixed) left the driver counting rows forever: 35 of 36 never became 36. The last step's row ends
+    the wait; the gap is named."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "weight_version": s}) + "\n"
+                                                    for s in (1, 2, 4, 5, 6)))
+    job = SimpleNamespace(events=[], actors={})
+    with capture_logs() as logs, trio.fail_after(10):
+        rows, arrived = await _follow(job, tmp_path, 6, None, None, None, time.monotonic(), [])
+    assert [row["step"] for row in rows] == [1, 2, 4, 5, 6] and len(arrived) == 5
+    assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == [
+        f"{tmp_path}/metrics.jsonl lacks the rows of steps 3: an earlier life of this run stopped between a "
+        "checkpoint and its row"]

@@ -53,6 +53,10 @@ class MetricsWriter:
                     self._board.add_scalar(key, value, row["step"])
             self._board.flush()
 
+    def sync(self) -> None:
+        """The rows written so far, on disk."""
+        os.fsync(self._file.fileno())
+
     def close(self) -> None:
         self._file.close()
         if self._board is not None:
@@ -95,11 +99,12 @@ class StepRows:
             self.written = row["step"]
             self.changed.notify()
 
-    async def until_written(self, steps: int, version: int) -> None:
-        """Return once the rows of the first ``steps`` steps are written and, when ``version`` is evaluated, its
-        result is in: a checkpoint written then makes a resumed run neither lose nor repeat a row."""
-        await self.changed.until(lambda: self.written == steps and (
-            version not in self.eval_versions or version in self.eval_results))
+    async def until_written(self, steps: int) -> None:
+        """Return once the rows of the first ``steps`` steps are written and synced to disk (the last with its
+        version's eval metrics, when that version is evaluated): a checkpoint of step ``steps`` written then makes
+        a resumed run neither lose nor repeat a row, after a kill -9 or a power cut alike."""
+        await self.changed.until(lambda: self.written == steps)
+        await trio.to_thread.run_sync(self.writer.sync)
 
     def close(self) -> None:
         self.writer.close()
@@ -132,6 +137,17 @@ def step_row(step: int, weight_version: int, samples: list[Sample], tensors: Ten
         **stats,
         **metrics,
     }
+
+
+def ranges(values: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``: a short picture of which steps or ids were there."""
+    parts: list[str] = []
+    for value in values:
+        if parts and value == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{value}"
+        else:
+            parts.append(str(value))
+    return ", ".join(parts) if len(parts) < 12 else ", ".join(parts[:5] + ["..."] + parts[-5:])
 
 
 def plain(value: Any) -> Any:

@@ -40,7 +40,7 @@ from vime.data import check_prompting, load_rows
 from vime.evaluation import eval_rows
 from vime.gpu_turns import start_engines_in_turn
 from vime.messages.runtime import StatusQuery
-from vime.metrics import MetricsFollower
+from vime.metrics import MetricsFollower, ranges
 from vime.placement import Placement, environment, place, visible_gpus
 from vime.plugins import import_function
 from vime.report import write_report
@@ -470,14 +470,15 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
                   on_step: Callable[[Cluster, dict[str, Any]], Awaitable[None]] | None,
                   timeout_s: float | None, started: float,
                   rollouts: list[str]) -> tuple[list[dict[str, Any]], list[float]]:
-    """Wait for ``steps`` rows in metrics.jsonl, showing each, and when each came (seconds from ``started``);
-    fail fast if a vital actor dies, or every rollout worker is gone for good (their nodes lost, say: while one
-    is left, the run goes on, the router re-issuing the others' groups)."""
+    """Wait for the row of step ``steps`` in metrics.jsonl, showing each row, and when each came (seconds from
+    ``started``); fail fast if a vital actor dies, or every rollout worker is gone for good (their nodes lost,
+    say: while one is left, the run goes on, the router re-issuing the others' groups). The last step's row ends
+    the wait, not a count of rows: a row lost to an earlier life of the run is named, not waited for forever."""
     seen: list[dict[str, Any]] = []
     arrived: list[float] = []
     follower = MetricsFollower(run_dir)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while len(seen) < steps:
+    while not seen or seen[-1]["step"] < steps:
         broken = [e for e in job.events if e.what == "gave up"]
         died = [e for e in job.events if e.what == "died" and e.name in _VITAL]
         if broken or died:
@@ -507,7 +508,10 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
             if on_step is not None:
                 await on_step(job, row)
         await trio.sleep(0.1)
-    return seen[:steps], arrived[:steps]
+    if missing := sorted(set(range(1, steps + 1)) - {row["step"] for row in seen}):
+        structlog.get_logger().warning(f"{run_dir}/metrics.jsonl lacks the rows of steps {ranges(missing)}: an "
+                                       "earlier life of this run stopped between a checkpoint and its row")
+    return seen, arrived
 
 
 _VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go

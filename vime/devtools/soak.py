@@ -38,6 +38,7 @@ from vime import checkpoint
 from vime.config import RunConfig
 from vime.data import PromptSource, load_rows, prompt_messages
 from vime.messages.pipeline import GenerateGroup
+from vime.metrics import ranges
 from vime.transports.codec import Envelope, decode_frame
 from vime.transports.msglog import scan
 
@@ -344,7 +345,7 @@ def audit(run_dir: Path, shm: Path | None = None) -> dict[str, Any]:
     groups, findings = summary["groups"], []
     steps = [row["step"] for row in rows]
     if steps != list(range(1, config.job.steps + 1)):
-        findings.append(f"metrics.jsonl has steps {_ranges(steps)}, not 1..{config.job.steps} once each")
+        findings.append(f"metrics.jsonl has steps {ranges(steps)}, not 1..{config.job.steps} once each")
     accounted = sum(groups[key] for key in ("trained", "dropped_stale", "dropped_filtered", "in_flight_at_end",
                                             "ready_at_end"))
     if groups["issued"] != accounted or groups["lost"] or groups["trained_twice"]:
@@ -387,7 +388,7 @@ def _cursor_findings(config: RunConfig, issued: dict[int, list[tuple[str, Any]]]
     data = config.data
     findings = []
     if sorted(issued) != list(range(count)):
-        findings.append(f"the router saw groups {_ranges(sorted(issued))}; the buffer issued 0..{count - 1}")
+        findings.append(f"the router saw groups {ranges(sorted(issued))}; the buffer issued 0..{count - 1}")
     source = PromptSource(load_rows(data.data, data.custom_data_source, input_key=data.input_key,
                                     label_key=data.label_key), seed=config.job.seed, epochs=data.epochs)
     wrong = []
@@ -400,14 +401,3 @@ def _cursor_findings(config: RunConfig, issued: dict[int, list[tuple[str, Any]]]
     if wrong:
         findings.append(f"{len(wrong)} group(s) came with another prompt than the data order's: {wrong[:10]}")
     return findings
-
-
-def _ranges(values: list[int]) -> str:
-    """``[1, 2, 3, 5]`` as ``1-3, 5``: a short picture of which steps or ids were there."""
-    parts: list[str] = []
-    for value in values:
-        if parts and value == int(parts[-1].rpartition("-")[2]) + 1:
-            parts[-1] = f"{parts[-1].partition('-')[0]}-{value}"
-        else:
-            parts.append(str(value))
-    return ", ".join(parts) if len(parts) < 12 else ", ".join(parts[:5] + ["..."] + parts[-5:])
