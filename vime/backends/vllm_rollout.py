@@ -94,16 +94,22 @@ class WorkerExtension:
     def vime_begin_load(self) -> None:
         """Start a set, which may come in several batches.
 
-        vLLM's CPU build repacks linear weights into its GEMM kernels' layout once loaded, leaving
-        parameters without loaders: there, loading goes through vLLM's layer-wise reload, which
-        restores the checkpoint layout, loads, and repacks (at :meth:`vime_end_load`)."""
-        from vllm.platforms import current_platform
-
+        Where vLLM changes its parameters once they are loaded, loading goes through vLLM's layer-wise
+        reload, which restores the checkpoint layout, loads, and processes each layer again at
+        :meth:`vime_end_load`. vLLM's CPU build repacks linear weights into its GEMM kernels' layout; a
+        quantized engine (``--vllm-quantization fp8``) holds them in FP8, transposed, beside their scales:
+        the trainer's bf16 weights are quantized again on every update. Loaded straight, an FP8 engine
+        refuses them (a shape mismatch) or, worse, reads bf16 bits as FP8."""
+        model = self.model_runner.model
         self.vime_loaded: set[str] = set()
-        if current_platform.is_cpu():
+        # What a set must fill: the parameters the engine holds (a tied output layer once, as the embedding)
+        # that are there before processing (an FP8 layer's scales are computed from its weight).
+        self.vime_expected = {name for name, _ in model.named_parameters()}
+        if _processed_after_loading(self.model_runner.model_config):
             from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-            initialize_layerwise_reload(self.model_runner.model)
+            initialize_layerwise_reload(model)
+            self.vime_expected &= {name for name, _ in model.named_parameters()}
 
     @torch.no_grad()
     def vime_load_batch(self, batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -114,14 +120,23 @@ class WorkerExtension:
         from vllm.platforms import current_platform
 
         model = self.model_runner.model
-        if current_platform.is_cpu():
+        if _processed_after_loading(self.model_runner.model_config):
             from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
             finalize_layerwise_reload(model, self.model_runner.model_config)
+        if current_platform.is_cpu():
             _repack_tied_head(model, self.model_runner.model_config)
-        missing = sorted({name for name, _ in model.named_parameters()} - self.vime_loaded)
+        missing = sorted(self.vime_expected - self.vime_loaded)
         if missing:
             raise ValueError(f"the weights sent leave {len(missing)} of vLLM's parameters untouched: {missing[:5]}")
+
+
+def _processed_after_loading(model_config: Any) -> bool:
+    """Whether vLLM turns the parameters it loads into another layout or dtype (its CPU build, a quantized
+    engine), so that an update must go through its layer-wise reload."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() or model_config.quantization is not None
 
 
 def _repack_tied_head(model: torch.nn.Module, model_config: Any) -> None:
