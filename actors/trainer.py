@@ -211,7 +211,7 @@ class Trainer(Actor):
     async def _train_loop(self) -> None:
         await self.wait_for_peer("buffer", timeout=600.0)
         await self.gpu.first_turn()
-        checkpoint_s = 0.0  # the checkpoint after the step before, outside every step's own time
+        checkpoint_s = 0.0  # writing checkpoints since the row before: outside every step's own time
         for step in range(self.first_step, self.run.job.steps):
             self.gpu.release()  # until this step has its batch, an engine may be built on our GPU
             started = time.perf_counter()
@@ -236,6 +236,7 @@ class Trainer(Actor):
                 trained = time.perf_counter()
                 weight_paths = await self._publish()
             synced = time.perf_counter()
+            checkpoint_s += await self._export_due(step)
             train_s = trained - train_started
             times = {"step_time_s": synced - started, "time_wait_s": waited, "time_collate_s": collated,
                      "time_sleep_s": train_started - slept, "time_drain_s": drained or 0.0, "time_train_s": train_s,
@@ -244,21 +245,28 @@ class Trainer(Actor):
                       / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
                            trainer_memory_mib(self.gpus), batch.stats, metrics, weight_paths)
-            if step + 1 == self.run.job.steps:  # before the last row: whoever sees it finds the checkpoint
-                await self._export(self.run_dir / "checkpoint")
             await self.rows.add(row)
             self.log.info("step", step=step + 1, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
-            saving = time.perf_counter()
-            await self._write_checkpoints(step)
-            checkpoint_s = time.perf_counter() - saving
+            checkpoint_s = await self._save_resumable(step)
 
-    async def _write_checkpoints(self, step: int) -> None:
-        """After ``step``: a resumable checkpoint every ``save_every`` steps (but the last), once its step's row
-        is on disk; a Hugging Face folder every ``save_hf_every`` steps. A checkpoint published before its row
-        lost that row for good when the trainer stopped in between: a resumed run keeps the rows up to the
-        checkpoint's step and trains from the next (the soak met it, the driver waiting forever for the row)."""
-        job = self.run.job
+    async def _export_due(self, step: int) -> float:
+        """Before ``step``'s row, so that whoever sees the row finds them (the driver ends the run at the last
+        one): a Hugging Face folder every ``save_hf_every`` steps, and RUN_DIR/checkpoint after the last step.
+        The seconds they took."""
+        started, job = time.perf_counter(), self.run.job
+        if job.save_hf_every and (step + 1) % job.save_hf_every == 0:
+            await self._export(self.run_dir / "hf" / f"step_{step + 1}")
+        if step + 1 == job.steps:
+            await self._export(self.run_dir / "checkpoint")
+        return time.perf_counter() - started
+
+    async def _save_resumable(self, step: int) -> float:
+        """After ``step``'s row is on disk: a resumable checkpoint every ``save_every`` steps (but the last); the
+        seconds it took. A checkpoint published before its row lost that row for good when the trainer stopped in
+        between: a resumed run keeps the rows up to the checkpoint's step and trains from the next (the soak met
+        it, the driver waiting forever for the row)."""
+        started, job = time.perf_counter(), self.run.job
         if job.save_every and (step + 1) % job.save_every == 0 and step + 1 < job.steps:
             await self.rows.until_written(step + 1)
             state = await self.ask("buffer", SnapshotQuery(step=step + 1), timeout=600.0)
@@ -266,8 +274,7 @@ class Trainer(Actor):
                                                  self.tokenizer, state)
             self.log.info("checkpoint written", path=str(path), step=step + 1, rows_written=self.rows.written,
                           groups_in_flight=len(state.in_flight))
-        if job.save_hf_every and (step + 1) % job.save_hf_every == 0:
-            await self._export(self.run_dir / "hf" / f"step_{step + 1}")
+        return time.perf_counter() - started
 
     async def _export(self, folder: Path) -> None:
         await trio.to_thread.run_sync(checkpoint.export_hf, folder, self.engine, self.tokenizer)

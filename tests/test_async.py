@@ -17,7 +17,7 @@ import trio
 from vime import checkpoint
 from vime.cluster import Cluster
 from vime.messages.runtime import StatusQuery
-from vime.metrics import MetricsFollower
+from vime.metrics import MetricsFollower, StepRows
 from vime.pipeline import RunFailed, train
 from vime.scenarios import arithmetic
 
@@ -180,6 +180,25 @@ async def test_a_checkpoint_is_published_only_once_its_steps_row_is_in_metrics_j
     said = [json.loads(line) for line in (run_dir / "logs" / "trainer.log").read_text().splitlines()
             if '"checkpoint written"' in line]
     assert [(entry["step"], entry["rows_written"]) for entry in said] == [(2, 2), (4, 4), (6, 6), (8, 8)]
+
+
+async def test_a_stopping_trainer_writes_no_row_and_so_no_checkpoint_after_its_rows_close(tmp_path):
+    """The driver stops the trainer as soon as a vital actor dies; its rows close while a step may still be
+    under way. No row is written after that, and the wait a checkpoint makes for its row never ends (the stop
+    cancels it): a closed file is neither written to nor synced from another task."""
+    rows = StepRows(tmp_path, eval_versions=[], written=0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rows.write_loop)
+        await rows.add({"step": 1, "weight_version": 1})
+        with trio.fail_after(10):
+            await rows.until_written(1)
+        rows.close()
+        await rows.add({"step": 2, "weight_version": 2})
+        with trio.move_on_after(0.5) as waiting:
+            await rows.until_written(2)
+        assert waiting.cancelled_caught
+        nursery.cancel_scope.cancel()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path):

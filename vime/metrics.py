@@ -53,6 +53,10 @@ class MetricsWriter:
                     self._board.add_scalar(key, value, row["step"])
             self._board.flush()
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def sync(self) -> None:
         """The rows written so far, on disk."""
         os.fsync(self._file.fileno())
@@ -95,6 +99,8 @@ class StepRows:
             if version in self.eval_versions:
                 await self.changed.until(lambda: version in self.eval_results)
                 row.update(self.eval_results[version])
+            if self.writer.closed:
+                return  # the trainer is stopping: nothing is written, and so no checkpoint follows (until_written)
             self.writer.write({k: plain(v) for k, v in row.items()})
             self.written = row["step"]
             self.changed.notify()
@@ -102,12 +108,17 @@ class StepRows:
     async def until_written(self, steps: int) -> None:
         """Return once the rows of the first ``steps`` steps are written and synced to disk (the last with its
         version's eval metrics, when that version is evaluated): a checkpoint of step ``steps`` written then makes
-        a resumed run neither lose nor repeat a row, after a kill -9 or a power cut alike."""
-        await self.changed.until(lambda: self.written == steps)
-        await trio.to_thread.run_sync(self.writer.sync)
+        a resumed run neither lose nor repeat a row, after a kill -9 or a power cut alike. Never once the rows
+        are closed (the trainer is stopping: it writes no checkpoint then). The sync runs on trio's thread, where
+        :meth:`close` runs too (a small file's fsync, once a checkpoint)."""
+        await self.changed.until(lambda: self.written == steps or self.writer.closed)
+        if self.writer.closed:
+            await trio.sleep_forever()  # until the stop cancels the caller
+        self.writer.sync()
 
     def close(self) -> None:
         self.writer.close()
+        self.changed.notify()
 
 
 def step_row(step: int, weight_version: int, samples: list[Sample], tensors: TensorBatch, times: dict[str, float],

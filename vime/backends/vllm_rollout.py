@@ -76,8 +76,13 @@ class WorkerExtension:
     def vime_load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]]) -> None:
         """Load one bucket of a set from the CUDA IPC buffer on this worker's GPU (:func:`open_shared` picks it
         from those the trainer's ranks offer). The views are dropped, and the copies finished, before
-        returning: the sender may then reuse its memory."""
-        self.vime_load_batch(unpack(open_shared(buffers), specs))
+        returning: the sender may then reuse its memory. vLLM's layer-wise reload keeps what it is given until
+        the layer is whole, which may be in a later bucket, so there it is given copies: views would by then
+        show the next bucket's bytes."""
+        tensors = unpack(open_shared(buffers), specs)
+        if _processed_after_loading(self.model_runner.model_config):
+            tensors = [(name, tensor.clone()) for name, tensor in tensors]
+        self.vime_load_batch(tensors)
         torch.cuda.synchronize()
 
     def vime_join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
