@@ -236,6 +236,33 @@ def test_a_partial_weight_set_is_refused(dense):
         engine.load_weights(weights, engine.weight_version + 1)
 
 
+def _load_through_a_refilled_buffer(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run in vLLM's worker: a set loaded as the CUDA IPC path loads it, bucket after bucket of views of one
+    buffer that the sender refills once each bucket is loaded (``packed`` reuses its memory so)."""
+    from vime.transports.gpu import packed, unpack
+
+    worker.vime_begin_load()
+    for flat, specs in packed(weights, 1 << 14):
+        worker.vime_load_views(unpack(flat, specs))
+    worker.vime_end_load()
+
+
+def test_a_set_loaded_from_a_refilled_buffer_is_the_set_sent(dense, tmp_path):
+    """vLLM's layer-wise reload (its CPU build, a quantized engine) keeps what it is given until a layer is whole.
+    Given views of the bucket the sender then refills, a layer split over two buckets was built from the next
+    bucket's bytes: log-probs of neither set."""
+    engine, folder, eos, prompts = dense
+    other = tmp_path / "other"
+    arithmetic.build_model(other, seed=4)
+    device = "cuda" if GPU else "cpu"
+    weights = [(name, p.detach().to(device)) for name, p in load_causal_lm(other, DTYPE).named_parameters()]
+    engine.engine.collective_rpc(_load_through_a_refilled_buffer, args=(list(checkpoint_names(dict(weights)).items()),))
+    after = Sequence(next(IDS), prompts[1], SamplingParams(temperature=1.0, max_new_tokens=10))
+    run(engine, [after])
+    assert largest_gap(other, [after]) < TOLERANCE
+    engine.load_weights(dict(load_causal_lm(folder, DTYPE).named_parameters()), engine.weight_version + 1)
+
+
 def test_engine_flags_name_the_closest_valid_ones():
     assert engine_arguments({"gpu_memory_utilization": 0.5}) == {"gpu_memory_utilization": 0.5}
     with pytest.raises(ValueError, match="closest: --vllm-gpu-memory-utilization"):
@@ -333,12 +360,17 @@ def test_colocated_engine_sleeps_and_takes_weights_over_cuda_ipc(dense, tmp_path
 def _fp8_updates(first: str, others: list[str], prompt: list[int]) -> list[dict[str, Any]]:
     """An FP8 engine of ``first`` (weights quantized from its bf16 checkpoint, activations scaled per token as
     they come), in a process of its own, given each of ``others``' weights in turn as a trainer sends them
-    (bf16): the responses and log-probs after each set, and the dtype its layers then hold."""
+    (bf16), the last as the CUDA IPC path brings it: the responses and log-probs after each set, and the dtype
+    its layers then hold."""
     engine = VllmRolloutEngine(first, dtype=DTYPE, seed=0, engine_args={**ENGINE_ARGS, "quantization": "fp8"})
     found = []
     for version, folder in enumerate([first, *others]):
-        if version:
-            engine.load_weights(dict(load_causal_lm(folder, DTYPE).named_parameters()), version)
+        weights = dict(load_causal_lm(folder, DTYPE).named_parameters())
+        if 0 < version < len(others):
+            engine.load_weights(weights, version)
+        elif version:
+            named = [(name, p.detach().cuda()) for name, p in checkpoint_names(weights).items()]
+            engine.engine.collective_rpc(_load_through_a_refilled_buffer, args=(named,))
         sequence = Sequence(version, prompt, SamplingParams(temperature=1.0, max_new_tokens=24))
         run(engine, [sequence])
         found.append({"response": sequence.response_ids, "logprobs": sequence.logprobs,

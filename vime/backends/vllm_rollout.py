@@ -76,14 +76,17 @@ class WorkerExtension:
     def vime_load_shared(self, specs: list[Spec], buffers: list[dict[str, Any]]) -> None:
         """Load one bucket of a set from the CUDA IPC buffer on this worker's GPU (:func:`open_shared` picks it
         from those the trainer's ranks offer). The views are dropped, and the copies finished, before
-        returning: the sender may then reuse its memory. vLLM's layer-wise reload keeps what it is given until
-        the layer is whole, which may be in a later bucket, so there it is given copies: views would by then
-        show the next bucket's bytes."""
-        tensors = unpack(open_shared(buffers), specs)
-        if _processed_after_loading(self.model_runner.model_config):
-            tensors = [(name, tensor.clone()) for name, tensor in tensors]
-        self.vime_load_batch(tensors)
+        returning: the sender may then reuse its memory."""
+        self.vime_load_views(unpack(open_shared(buffers), specs))
         torch.cuda.synchronize()
+
+    def vime_load_views(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a batch of views of memory the sender refills once this returns. vLLM's layer-wise reload keeps
+        what it is given until the layer is whole, which may be in a later batch, so there it is given copies:
+        views would by then show the next batch's bytes."""
+        if _processed_after_loading(self.model_runner.model_config):
+            batch = [(name, tensor.clone()) for name, tensor in batch]
+        self.vime_load_batch(batch)
 
     def vime_join_broadcast(self, address: str, first_rank: int, world_size: int, device: str | None = None) -> None:
         """Join the sender's broadcast group; each of the engine's workers is a receiver of its own."""
