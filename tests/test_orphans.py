@@ -102,21 +102,25 @@ def test_removing_a_dead_process_segments_keeps_the_receivers_mappings(shm_dir):
 
 class Blocker(Actor):
     """Blocks its event loop for good once registered, as a long computation would: only the watchdog thread
-    can end it."""
+    can end it. It says so first (RUN_DIR/blocked): a driver killed before the loop blocks is seen by the loop's
+    own watch, which stops the actor gracefully, and the watchdog never acts (a CI run met it)."""
 
     role = "blocker"
 
     async def on_start(self) -> None:
+        (Path(self.settings.run_dir) / "blocked").touch()
         time.sleep(3600)
 
 
 DRIVER_SCRIPT = """
-import sys, trio
+import pathlib, sys, trio
 from vime import Cluster
 
 async def main():
     async with Cluster.open(sys.argv[1]) as job:
         info = await job.spawn("test_orphans:Blocker", "blocker", timeout=120)
+        while not (pathlib.Path(sys.argv[1]) / "blocked").exists():  # its loop is blocked from now on
+            await trio.sleep(0.05)
         print(info.pid, flush=True)
         await trio.sleep_forever()
 
