@@ -516,8 +516,8 @@ async def _follow(job: Cluster, run_dir: Path, steps: int, show: Callable[[dict[
     if missing := sorted(set(range(1, steps + 1)) - {row["step"] for row in seen}):
         structlog.get_logger().warning(f"{run_dir}/metrics.jsonl lacks the rows of steps {ranges(missing)}: an "
                                        "earlier life of this run stopped between a checkpoint and its row")
-    kept = [(row, when) for row, when in zip(seen, arrived) if row["step"] <= steps]  # --steps below a resume's
-    return [row for row, _ in kept], [when for _, when in kept]
+    kept = sum(row["step"] <= steps for row in seen)  # rows come in step order; --steps below a resume's
+    return seen[:kept], arrived[:kept]
 
 
 _VITAL = ("router", "reward", "trainer", "buffer")  # rollout workers come and go

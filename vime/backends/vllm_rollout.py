@@ -84,7 +84,7 @@ class WorkerExtension:
         """Load a batch of views of memory the sender refills once this returns. vLLM's layer-wise reload keeps
         what it is given until the layer is whole, which may be in a later batch, so there it is given copies:
         views would by then show the next batch's bytes."""
-        if _processed_after_loading(self.model_runner.model_config):
+        if self.vime_reloading:
             batch = [(name, tensor.clone()) for name, tensor in batch]
         self.vime_load_batch(batch)
 
@@ -113,7 +113,8 @@ class WorkerExtension:
         # What a set must fill: the parameters the engine holds (a tied output layer once, as the embedding)
         # that are there before processing (an FP8 layer's scales are computed from its weight).
         self.vime_expected = {name for name, _ in model.named_parameters()}
-        if _processed_after_loading(self.model_runner.model_config):
+        self.vime_reloading = _processed_after_loading(self.model_runner.model_config)
+        if self.vime_reloading:
             from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
             initialize_layerwise_reload(model)
@@ -128,7 +129,7 @@ class WorkerExtension:
         from vllm.platforms import current_platform
 
         model = self.model_runner.model
-        if _processed_after_loading(self.model_runner.model_config):
+        if self.vime_reloading:
             from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
             finalize_layerwise_reload(model, self.model_runner.model_config)
