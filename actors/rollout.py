@@ -29,7 +29,6 @@ which re-issues them, and sends nothing more.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -45,7 +44,7 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.gpu_turns import EngineSleep, wait_for_build_turn
-from vime.groups import Group, forced_lengths
+from vime.groups import Group, first_turns
 from vime.messages.gpu_turns import EngineAsleep, SleepEngine
 from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
 from vime.model_files import local_model_folder
@@ -238,12 +237,8 @@ class RolloutWorker(Actor):
         self.waiting = [(g, params) for g, params in self.waiting if g.min_weight_version > version]
         now = time.monotonic()
         for request, params in ready:
-            sequences = [self._sequence(list(request.prompt_ids), params if length is None else
-                                        dataclasses.replace(params, max_new_tokens=length, stop_token_ids=()),
-                                        seed=sampling_seed(self.run.job.seed, request.group_id, index))
-                         for index, length in enumerate(forced_lengths(
-                             self.run.rollout.forced_response_lengths, params.max_new_tokens, self.run.job.seed,
-                             request.group_id, request.group_size))]
+            sequences = [self._sequence(list(request.prompt_ids), turn, seed=seed) for turn, seed in first_turns(
+                request, params, self.run.rollout.forced_response_lengths, self.run.job.seed)]
             group = self.groups[request.group_id] = Group(request, sequences, now)
             if self.endpoint is not None:  # external agents drive the responses
                 for index in range(len(sequences)):

@@ -7,12 +7,14 @@ response, to be scored and trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 from vime.agent.episode import Episode
-from vime.backends.base import Sequence
+from vime.backends.base import SamplingParams, Sequence
 from vime.messages.pipeline import GenerateGroup, Sample
+from vime.seeds import sampling_seed
 
 
 class Group:
@@ -40,6 +42,16 @@ class Group:
                        routed_experts=s.routed_experts, loss_mask=e.loss_mask if 0 in e.loss_mask else None,
                        reward=reward)
                 for index, (s, e, reward) in enumerate(zip(self.sequences, self.episodes, self.rewards))]
+
+
+def first_turns(request: GenerateGroup, params: SamplingParams, forced: str,
+                run_seed: int) -> list[tuple[SamplingParams, int]]:
+    """The sampling parameters and seed of each response's first turn: the group's parameters, with the length
+    ``--forced-response-lengths`` forces (``forced``; a forced response ignores its stop tokens), and a seed of
+    the run's seed and the response alone (``vime.seeds.sampling_seed``)."""
+    lengths = forced_lengths(forced, params.max_new_tokens, run_seed, request.group_id, request.group_size)
+    return [(params if length is None else dataclasses.replace(params, max_new_tokens=length, stop_token_ids=()),
+             sampling_seed(run_seed, request.group_id, index)) for index, length in enumerate(lengths)]
 
 
 def forced_lengths(spec: str, max_new_tokens: int, seed: int, group_id: int, count: int) -> list[int | None]:
