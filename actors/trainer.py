@@ -58,7 +58,7 @@ import trio
 
 from vime import checkpoint
 from vime.backends import train_engine
-from vime.backends.base import collate
+from vime.backends.base import collate_samples
 from vime.backends.hf import load_tokenizer
 from vime.config import ActorStart
 from vime.flops import training_flops
@@ -220,10 +220,7 @@ class Trainer(Actor):
             waited = time.perf_counter() - started
             samples = batch.samples
             collating = time.perf_counter()
-            tensors = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                              [s.logprobs for s in samples], [s.versions for s in samples],
-                              [s.reward for s in samples], [s.group_id for s in samples], self.pad_token_id,
-                              [s.routed_experts for s in samples], [s.loss_mask for s in samples])
+            tensors = collate_samples(samples, self.pad_token_id)
             collated = time.perf_counter() - collating
             waited += await self.gpu.take()  # for an engine being built on our GPU
             async with self.weights_lock:

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from vime.backends.base import collate
+from vime.backends.base import collate_samples
 from vime.messages.pipeline import Sample, TrainBatch
 from vime.transports.codec import Envelope, decode_frame, encode, encode_frame
 
@@ -62,9 +62,7 @@ def measure(batch: TrainBatch, rounds: int) -> dict[str, float]:
     encode_ms, frame = timed(lambda: encode_frame("ipc:///buffer", None, [encode(envelope)]), rounds)
     decode_ms, decoded = timed(lambda: decode_frame(frame, max_message_bytes=1 << 34), rounds)
     samples = decoded.messages[0].payload.samples
-    collate_ms, _ = timed(lambda: collate(
-        [s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.logprobs for s in samples],
-        [s.versions for s in samples], [s.reward for s in samples], [s.group_id for s in samples], 0), rounds)
+    collate_ms, _ = timed(lambda: collate_samples(samples, 0), rounds)
     return dict(encode_ms=round(encode_ms, 1), decode_ms=round(decode_ms, 1), collate_ms=round(collate_ms, 1),
                 frame_mb=round(len(frame) / 2**20, 2))
 

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
@@ -19,6 +19,9 @@ import torch
 from vime.backends.hf import checkpoint_names
 from vime.config import SamplingParams
 from vime.transports.gpu import BroadcastGroup, SharedBuckets, Spec, gpu_uuid, open_shared, unpack
+
+if TYPE_CHECKING:
+    from vime.messages.pipeline import Sample
 
 
 @dataclasses.dataclass
@@ -145,6 +148,13 @@ class TensorBatch:
         return dataclasses.replace(self, **{
             field.name: value.to(device) for field in dataclasses.fields(self)
             if isinstance(value := getattr(self, field.name), torch.Tensor)})
+
+
+def collate_samples(samples: list[Sample], pad_token_id: int) -> TensorBatch:
+    """A step's scored samples as the trainer trains on them: :func:`collate` of their fields."""
+    return collate([s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.logprobs for s in samples],
+                   [s.versions for s in samples], [s.reward for s in samples], [s.group_id for s in samples],
+                   pad_token_id, [s.routed_experts for s in samples], [s.loss_mask for s in samples])
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
