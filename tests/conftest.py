@@ -107,29 +107,47 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     return certificates.make_tls_files(folder, ca_name)
 
 
+# Files whose tests share no costly module fixture: pytest-xdist may hand their tests to either worker one by one.
+# Every other file's tests stay together on one worker, so a module fixture (a soaked run, a fuzzed wire) is
+# built once.
+SPREAD_FILES = frozenset({"test_megatron.py", "test_scenarios.py", "test_algorithms.py"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests are real tests; on a machine without CUDA they are skipped, saying so."""
+    """GPU tests are real tests; on a machine without CUDA they are skipped, saying so. On one with CUDA they
+    run one at a time (one xdist group: two tests sharing a GPU's memory could fail for it). The rest are
+    grouped by file for ``--dist loadgroup`` (pyproject's addopts), except ``SPREAD_FILES``."""
     import torch
 
-    if torch.cuda.is_available():
-        return
+    on_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA device; run on the GPU machine (see ../shared/device/README.md)")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(pytest.mark.xdist_group("gpu") if on_gpu else skip)
+        elif item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Mark this session's processes and give its segments a folder of its own, before any test starts."""
+    """Mark this session's processes and give its segments a folder of its own, before any test starts. Under
+    pytest-xdist's workers (pyproject's ``-n 2``) each process of the run, the tests' own and every actor and
+    rank they start, gets one CPU thread for torch unless ``OMP_NUM_THREADS`` says otherwise: two tests at once
+    on two cores, each with several processes of one thread per core, would spin on each other (torchrun gives
+    its ranks one thread for the same reason)."""
     mark = os.environ.setdefault(SESSION_MARK, uuid.uuid4().hex)
+    if (getattr(config.option, "numprocesses", None) or 0) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "VIME_SHM_DIR" not in os.environ:
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         os.environ["VIME_SHM_DIR"] = tempfile.mkdtemp(prefix=f"vime-tests-{mark[:8]}-", dir=base)
         config.stash[_OWN_SHM_DIR] = Path(os.environ["VIME_SHM_DIR"])
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run when its tests left vime processes running or files in the shared-memory folder."""
+    """Fail the run when its tests left vime processes running or files in the shared-memory folder. Last of
+    the session's finishers: under pytest-xdist the workers (which inherit the mark and the folder, and so leave
+    the check to the controller) have been shut down by then."""
     folder = session.config.stash.get(_OWN_SHM_DIR, None)
     if folder is None:  # an outer session owns the folder and the check (a pytest run inside a test)
         return

@@ -83,8 +83,12 @@ def test_eval_metrics_count_right_answers_per_prompt_and_per_source():
                                   for name in RECIPES])
 def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
     """The acceptance command, sized for a 2-core CPU: 3 steps of 2 prompts x 2 responses of 24 tokens,
-    eval every 2 versions on 4 held-out prompts, the HF export of the last step reloaded."""
+    eval every 2 versions on 4 held-out prompts, the HF export of the last step reloaded. Only qwen3_4b_gsm8k
+    runs in its recipe's bf16; the others in fp32: on a CPU without bf16 instructions (AVX2 only, as CI's)
+    torch emulates bf16 matrix products, and the 151,680-token output layer made each of these runs 3-4 times
+    longer (a step's training 50-65 s against 5-6 s in fp32), with nothing more to show than one bf16 run does."""
     arch, data, held_out, extra = RECIPES[name]
+    dtype = "bf16" if name == "qwen3_4b_gsm8k" else "fp32"
     if not (SHARED / "qwen3-tokenizer" / "tokenizer.json").is_file() or not (SHARED / data).is_file():
         pytest.skip(f"the shared data folder ({SHARED}) with the Qwen3 tokenizer and {data} is absent here")
     model = make_tiny_model(arch, SHARED / "qwen3-tokenizer", tmp_path / "model", seed=0)
@@ -93,7 +97,7 @@ def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
                "--eval-data", str(SHARED / held_out), "--steps", "3", "--eval-every", "2", "--out", str(run_dir),
                "--rollout-batch-size", "2", "--group-size", "2", "--max-new-tokens", "24", "--eval-max-prompts", "4",
                "--eval-samples", "2", "--eval-max-new-tokens", "24", "--save-hf-every", "3", "--save-every", "0",
-               *extra]
+               "--dtype", dtype, *extra]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -104,7 +108,7 @@ def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert sorted(row["weight_version"] for row in evals) == [0, 2, 3]
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["sampling"]["temperature"] == 0.8 and config["model"]["dtype"] == "bf16"
+    assert config["sampling"]["temperature"] == 0.8 and config["model"]["dtype"] == dtype
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "step_3")
