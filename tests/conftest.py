@@ -107,25 +107,16 @@ def make_tls_files(folder: Path, ca_name: str = "vime-test-ca") -> dict[str, str
     return certificates.make_tls_files(folder, ca_name)
 
 
-# Files whose tests share no costly module fixture: pytest-xdist may hand their tests to either worker one by one.
-# Every other file's tests stay together on one worker, so a module fixture (a soaked run, a fuzzed wire) is
-# built once.
-SPREAD_FILES = frozenset({"test_megatron.py", "test_scenarios.py", "test_algorithms.py"})
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests are real tests; on a machine without CUDA they are skipped, saying so. On one with CUDA they
-    run one at a time (one xdist group: two tests sharing a GPU's memory could fail for it). The rest are
-    grouped by file for ``--dist loadgroup`` (pyproject's addopts), except ``SPREAD_FILES``."""
+    """GPU tests are real tests; on a machine without CUDA they are skipped, saying so."""
     import torch
 
-    on_gpu = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return
     skip = pytest.mark.skip(reason="needs a CUDA device; run on the GPU machine (see ../shared/device/README.md)")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("gpu") if on_gpu else skip)
-        elif item.path.name not in SPREAD_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+            item.add_marker(skip)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -188,6 +189,15 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
+@pytest.fixture
+def slurm_folder() -> Iterator[Path]:
+    """A short folder for a Slurm's files: slurmstepd makes a Unix socket in its spool, and under an xdist
+    worker's longer tmp_path that path passed the 108 bytes a socket's may have (the job never started)."""
+    folder = Path(tempfile.mkdtemp(prefix="vime-slurm-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _slurm_on_this_host(folder: Path, nodes: int) -> Iterator[dict[str, str]]:
     """slurmctld and a slurmd per node, in the foreground (so that this test holds their processes), stopped
@@ -252,10 +262,10 @@ SMALL_RUN = ("--", "arithmetic", "--steps", "3", "--rollout-batch-size", "4")  #
 
 
 @pytest.mark.slow
-def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
+def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path, slurm_folder):
     port = _free_port()
     run_dir = tmp_path / "run"
-    with _slurm_on_this_host(tmp_path / "slurm", 1) as env:
+    with _slurm_on_this_host(slurm_folder, 1) as env:
         refused = _submit_and_wait(env, tmp_path / "refused.out", "--nodes", "1", "--run-dir",
                                    str(tmp_path / "refused"), "--", "arithmetic", "--rollout-batch-size", "many")
         state, log = _submit_and_wait(env, tmp_path / "run.out", "--nodes", "1", "--run-dir", str(run_dir),
@@ -270,12 +280,12 @@ def test_a_real_one_node_slurm_runs_the_default_scenario_to_the_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_two_node_slurm_puts_the_rollout_worker_on_the_node_agent_srun_started(tmp_path):
+def test_a_real_two_node_slurm_puts_the_rollout_worker_on_the_node_agent_srun_started(tmp_path, slurm_folder):
     """Two slurmd on this host stand in for two hosts (their addresses are this host's loopback, which the
     script refuses beyond one node unless an interface is named: --head-interface lo): the script's srun starts
     the agent on n2 with the token made on the head (n1), and the driver places the rollout worker there."""
     run_dir = tmp_path / "run"
-    with _slurm_on_this_host(tmp_path / "slurm", 2) as env:
+    with _slurm_on_this_host(slurm_folder, 2) as env:
         state, log = _submit_and_wait(env, tmp_path / "run.out", "--nodes", "2", "--run-dir", str(run_dir),
                                       "--head-interface", "lo", *SMALL_RUN)
     assert state == "COMPLETED 0:0" and "vime: the driver exited with status 0" in log, f"{state}\n{log}"
