@@ -4,6 +4,7 @@ with a tiny stand-in of its architecture, the real Qwen3 tokenizer and the real 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -109,6 +110,7 @@ def test_scenario_runs_end_to_end_with_a_tiny_stand_in(name, tmp_path):
     assert sorted(row["weight_version"] for row in evals) == [0, 2, 3]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["sampling"]["temperature"] == 0.8 and config["model"]["dtype"] == dtype
+    assert importlib.import_module(f"vime.scenarios.{name}").defaults().model.dtype == "bf16"  # the recipe's own
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "step_3")
