@@ -15,7 +15,8 @@ reward actor (and tells the router it is done). The concerns it delegates:
   the trainer's turn; with vLLM's sleep mode it drains and sleeps through each
   training step on its GPU (SleepEngine) until the next weights.
 * tools -- ``vime.agent.tools``; external agents -- ``vime.agent.endpoint``
-  (``--openai-endpoint``); the group and its samples -- ``vime.groups``.
+  (``--openai-endpoint``); the groups in flight, their engine requests and their samples --
+  ``vime.groups``.
 
 Joining: once built, it tells the trainer it is ready (an ask); the trainer
 sends the current weights and answers with their version; once those are
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 import trio
@@ -44,15 +45,13 @@ from vime.backends.base import RolloutEngine, SamplingParams, Sequence
 from vime.backends.hf import load_tokenizer
 from vime.config import RunConfig
 from vime.gpu_turns import EngineSleep, wait_for_build_turn
-from vime.groups import Group, first_turns
+from vime.groups import Group, InFlight
 from vime.messages.gpu_turns import EngineAsleep, SleepEngine
 from vime.messages.pipeline import GenerateGroup, GroupDone, RolloutGroup, WorkerLeaving, WorkerReady
 from vime.model_files import local_model_folder
 from vime.runtime import Actor, ActorSettings, BetweenSteps, Changed, Wakeup, handles
-from vime.seeds import sampling_seed
 from vime.startup import timed
 from vime.transports.codec import Envelope
-from vime.transports.msglog import STEP
 from vime.weights import RECEIVED, WantWeights, WeightReceiver
 
 
@@ -62,18 +61,15 @@ class RolloutWorker(Actor):
     def __init__(self, settings: ActorSettings, config: dict[str, Any] | None = None) -> None:
         super().__init__(settings, config)
         self.waiting: list[tuple[GenerateGroup, SamplingParams]] = []  # for newer weights, or for the engine
-        self.groups: dict[int, Group] = {}
-        self.by_request: dict[int, tuple[Group, int]] = {}  # engine request id -> its group, its index there
+        self.in_flight = InFlight()  # the groups started, and which response each engine request is a turn of
         self.continuing: list[Sequence] = []  # responses' next turns, after their tool calls
         self.external_turns: dict[int, trio.Event] = {}  # with --openai-endpoint: request id -> set when it ends
         self.stepped = Changed()  # after every engine step (a drain and streaming replies watch it)
         self.endpoint: AgentEndpoint | None = None
-        self.next_request = 0
         self.wake = Wakeup()  # the generation loop has something to do
         self.engine_calls = BetweenSteps(self.wake.set)  # handlers' engine calls, run between two steps
         self.applied = Changed()  # a weight version was applied
         self.leaving = False
-        self.step_gate: Callable[[], Awaitable[None]] | None = None  # set by a replay: see _step_point
 
     async def on_start(self) -> None:
         self.run = RunConfig.from_dict(self.config)
@@ -101,7 +97,7 @@ class RolloutWorker(Actor):
     def start_turn(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> tuple[Sequence, trio.Event]:
         """An external agent's next reply: generated like any turn (with ``stream``, its tokens reach the
         sequence as they come); the event is set when it ends."""
-        sequence = self._sequence(prompt_ids, params, stream=stream)
+        sequence = self.in_flight.sequence(prompt_ids, params, stream=stream)
         done = self.external_turns[sequence.request_id] = trio.Event()
         self.continuing.append(sequence)
         self.wake.set()
@@ -135,7 +131,7 @@ class RolloutWorker(Actor):
         self.wake.set()
         if self.endpoint is not None:
             self.endpoint.withdraw()
-        unfinished = sorted([*self.groups, *(g.group_id for g, _ in self.waiting)])
+        unfinished = sorted([*self.in_flight.groups, *(g.group_id for g, _ in self.waiting)])
         if unfinished:
             self.log.info("handing unfinished groups back", groups=len(unfinished))
         await self.tell_quietly("router", WorkerLeaving(group_ids=unfinished))
@@ -163,14 +159,14 @@ class RolloutWorker(Actor):
     async def _generate_loop(self) -> None:
         while True:
             if self.leaving:  # its groups were handed back: stop spending the engine on them
-                self.engine.abort([*self.by_request, *self.external_turns])
-                self.by_request.clear()
+                self.engine.abort([*self.in_flight.by_request, *self.external_turns])
+                self.in_flight.by_request.clear()
                 return
             await self._run_engine_calls()
-            if self.weights.apply():
-                self._weights_applied()
+            self._apply_weights()
             if self.engine.busy or self._startable():
-                await self._step_point()
+                await self.step_point()  # which groups start next, and so what the engine's batches hold
+                self._apply_weights()  # live, nothing changed since; a replay may only now hold an nng set
                 self._admit()
             if not self.engine.busy or self.weights.loading is not None:
                 await self.wake.wait()
@@ -179,18 +175,6 @@ class RolloutWorker(Actor):
             self.stepped.notify()
             for sequence in finished:
                 await self._finish(sequence)
-
-    async def _step_point(self) -> None:
-        """Which groups the engine starts next, and so what its batches hold, depends on the messages handled by
-        now, which timing decides: a recorded worker marks each such point in its log, and a replayed one waits
-        here (``step_gate``) until the replay reaches the same mark. Only points where the engine is busy or
-        has work to start are marked: how often an idle loop wakes is timing too. Nothing awaits between here
-        and _admit."""
-        if self._log_writer is not None:  # the messages whose handling had started: the replay starts as many
-            dispatched = self.counters["handled"] + self.errors["handler"] + self._busy
-            self._log_writer.write(STEP, "", b"", {}, {"dispatched": dispatched})
-        if self.step_gate is not None:
-            await self.step_gate()
 
     async def _run_engine_calls(self) -> None:
         """What handlers asked of the engine (``vime.tasks.BetweenSteps``); a call that loads weights is an update."""
@@ -204,17 +188,16 @@ class RolloutWorker(Actor):
 
         await self.engine_calls.run(after)
 
+    def _apply_weights(self) -> None:
+        """The newest complete set of weights, if one came since (``vime.weights``), goes into the engine."""
+        if self.weights.apply():
+            self._weights_applied()
+
     def _weights_applied(self) -> None:
         """Wake whoever waits for a version (joining), and count the update."""
         self.applied.notify()
         self.counters["weight_updates"] += 1
         self.log.debug("weights applied", weight_version=self.engine.weight_version)
-
-    def _sequence(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False,
-                  seed: int | None = None) -> Sequence:
-        sequence = Sequence(self.next_request, prompt_ids, params, stream=stream, seed=seed)
-        self.next_request += 1
-        return sequence
 
     def _startable(self) -> bool:
         """Whether _admit would start anything now."""
@@ -237,16 +220,13 @@ class RolloutWorker(Actor):
         self.waiting = [(g, params) for g, params in self.waiting if g.min_weight_version > version]
         now = time.monotonic()
         for request, params in ready:
-            sequences = [self._sequence(list(request.prompt_ids), turn, seed=seed) for turn, seed in first_turns(
-                request, params, self.run.rollout.forced_response_lengths, self.run.job.seed)]
-            group = self.groups[request.group_id] = Group(request, sequences, now)
+            group = self.in_flight.start(request, params, self.run.rollout.forced_response_lengths,
+                                         self.run.job.seed, now, booked=self.endpoint is None)
             if self.endpoint is not None:  # external agents drive the responses
-                for index in range(len(sequences)):
+                for index in range(len(group.sequences)):
                     self.endpoint.offer(group, index, request.messages, request.label, request.metadata, params)
                 continue
-            for index, sequence in enumerate(sequences):
-                self.by_request[sequence.request_id] = (group, index)
-            self.engine.add(sequences)
+            self.engine.add(group.sequences)
 
     async def _finish(self, sequence: Sequence) -> None:
         """A turn ended: the response calls tools (and goes on after them), or it is complete."""
@@ -254,11 +234,8 @@ class RolloutWorker(Actor):
         if external is not None:  # an agent's reply: the endpoint records it
             external.set()
             return
-        group, index = self.by_request.pop(sequence.request_id)
-        group.sequences[index] = sequence
-        episode = group.episodes[index]
-        episode.add_generated(sequence.response_ids, sequence.logprobs, sequence.versions)
-        calls = [] if self.leaving else self.tools.calls(episode, sequence)
+        group, index = self.in_flight.turn_ended(sequence)
+        calls = [] if self.leaving else self.tools.calls(group.episodes[index], sequence)
         if calls:
             self.start_soon(self._use_tools, group, index, calls)
             return
@@ -269,25 +246,19 @@ class RolloutWorker(Actor):
         results = await self.tools.run(calls)
         if self.leaving:  # its group was handed back meanwhile
             return
-        episode = group.episodes[index]
-        params = self.tools.go_on(episode, group.sequences[index], calls, results)
+        params = self.tools.go_on(group.episodes[index], group.sequences[index], calls, results)
         self.counters["tool_calls"] += len(calls)
         if params is None:
             await self._response_done(group)
             return
-        seed = sampling_seed(self.run.job.seed, group.request.group_id, index, turn=len(episode.turns))
-        follow = self._sequence(episode.prompt_ids + episode.response_ids, params, seed=seed)
-        self.by_request[follow.request_id] = (group, index)
-        self.continuing.append(follow)
+        self.continuing.append(self.in_flight.next_turn(group, index, params, self.run.job.seed))
         self.wake.set()
 
     async def _response_done(self, group: Group) -> None:
         """One response of the group is complete; the last one sends the group to be scored."""
-        group.unfinished -= 1
-        if group.unfinished or self.leaving:  # a leaving worker's groups were handed back
+        if not self.in_flight.response_ended(group) or self.leaving:  # a leaving worker's groups were handed back
             return
         request = group.request
-        del self.groups[request.group_id]
         samples = group.samples(self.tokenizer, prompt_text=bool(self.run.reward.custom_rm_path))
         self.counters["groups"] += 1
         self.counters["tokens"] += sum(len(s.response_ids) for s in samples)

@@ -32,10 +32,9 @@ It delegates each concern to its module:
   ``--model-path``. Started with a checkpoint (``--resume``), it continues
   from there and sends the restored weights to every worker.
 
-The row also has ``train_tflops_per_gpu``: the model FLOPs of the step's training (``vime.flops``) over its
-time, per trainer GPU (per process on CPU); over a GPU's bf16 matmul peak, the train phase's MFU. And the
-trainer's memory once the step's version is published, in MiB: ``trainer_rss_mib`` (host) and, on a GPU,
-``trainer_gpu_allocated_mib`` (what torch holds on rank 0's GPU): a leak per version is a line that climbs.
+The row also has ``train_tflops_per_gpu`` (``vime.metrics``) and the trainer's memory once the step's version is
+published, in MiB: ``trainer_rss_mib`` (host) and, on a GPU, ``trainer_gpu_allocated_mib`` (what torch holds on
+rank 0's GPU): a leak per version is a line that climbs.
 
 Time split per step (all in metrics.jsonl): ``time_wait_s`` waiting for the
 batch (and for an engine being built on our GPU), ``time_collate_s`` making its
@@ -61,16 +60,11 @@ from vime.backends import train_engine
 from vime.backends.base import collate_samples
 from vime.backends.hf import load_tokenizer
 from vime.config import ActorStart
-from vime.flops import training_flops
 from vime.gpu_turns import TrainerGpu
-from vime.messages.gpu_turns import (
-    BuildTurn,
-    EnginesStarted,
-    MayBuildEngine,
-)
+from vime.messages.gpu_turns import BuildTurn, EnginesStarted, MayBuildEngine
 from vime.messages.nodes import ActorExited, LogLines
-from vime.messages.pipeline import EvalResult, SnapshotQuery, TrainBatch, WantBatch, WeightsPublished
-from vime.metrics import StepRows, step_row, trainer_memory_mib
+from vime.messages.pipeline import EvalResult, TrainBatch, WantBatch, WeightsPublished
+from vime.metrics import StepRows, step_row, train_tflops_per_gpu, trainer_memory_mib
 from vime.runtime import Actor, ActorSettings, PeerGone, handles
 from vime.startup import timed
 from vime.trainer_ranks import NodeRanks, RankPlan
@@ -133,6 +127,7 @@ class Trainer(Actor):
         self.gpus = self.engine.gpus()  # those of every rank on this host
         self.weights = WeightSender(self, self.engine, run, self._forget)  # every worker's path
         self.gpu = TrainerGpu(self, self.engine, run, self._forget)  # build turns and sleep of the engines beside us
+        self.saves = checkpoint.TrainerSaves(self, self.run_dir, run.job, self.engine, self.tokenizer, self.rows)
 
     def on_arrival(self, envelope: Envelope) -> bool:
         """A node agent's news of a trainer rank it runs for us, taken as it arrives: its exit (the engine stops
@@ -233,49 +228,19 @@ class Trainer(Actor):
                 trained = time.perf_counter()
                 weight_paths = await self._publish()
             synced = time.perf_counter()
-            checkpoint_s += await self._export_due(step)
+            checkpoint_s += await self.saves.before_row(step)
             train_s = trained - train_started
             times = {"step_time_s": synced - started, "time_wait_s": waited, "time_collate_s": collated,
                      "time_sleep_s": train_started - slept, "time_drain_s": drained or 0.0, "time_train_s": train_s,
                      "time_weight_sync_s": synced - trained, "time_checkpoint_s": checkpoint_s}
-            tflops = (training_flops(self.model_config, tensors.attention_mask.sum(1).tolist())
-                      / max(train_s, 1e-9) / 1e12 / (self.run.job.trainer_ranks if self.gpus else 1))
+            tflops = train_tflops_per_gpu(self.model_config, tensors, train_s,
+                                          self.run.job.trainer_ranks if self.gpus else 1)
             row = step_row(step + 1, self.engine.weight_version, samples, tensors, times, tflops,
                            trainer_memory_mib(self.gpus), batch.stats, metrics, weight_paths)
             await self.rows.add(row)
             self.log.info("step", step=step + 1, weight_version=self.engine.weight_version,
                           raw_reward=round(row["raw_reward"], 4), loss=round(row["loss"], 5))
-            checkpoint_s = await self._save_resumable(step)
-
-    async def _export_due(self, step: int) -> float:
-        """Before ``step``'s row, so that whoever sees the row finds them (the driver ends the run at the last
-        one): a Hugging Face folder every ``save_hf_every`` steps, and RUN_DIR/checkpoint after the last step.
-        The seconds they took."""
-        started, job = time.perf_counter(), self.run.job
-        if job.save_hf_every and (step + 1) % job.save_hf_every == 0:
-            await self._export(self.run_dir / "hf" / f"step_{step + 1}")
-        if step + 1 == job.steps:
-            await self._export(self.run_dir / "checkpoint")
-        return time.perf_counter() - started
-
-    async def _save_resumable(self, step: int) -> float:
-        """After ``step``'s row is on disk: a resumable checkpoint every ``save_every`` steps (but the last); the
-        seconds it took. A checkpoint published before its row lost that row for good when the trainer stopped in
-        between: a resumed run keeps the rows up to the checkpoint's step and trains from the next (the soak met
-        it, the driver waiting forever for the row)."""
-        started, job = time.perf_counter(), self.run.job
-        if job.save_every and (step + 1) % job.save_every == 0 and step + 1 < job.steps:
-            await self.rows.until_written(step + 1)
-            state = await self.ask("buffer", SnapshotQuery(step=step + 1), timeout=600.0)
-            path = await trio.to_thread.run_sync(checkpoint.save_training, self.run_dir, step + 1, self.engine,
-                                                 self.tokenizer, state)
-            self.log.info("checkpoint written", path=str(path), step=step + 1, rows_written=self.rows.written,
-                          groups_in_flight=len(state.in_flight))
-        return time.perf_counter() - started
-
-    async def _export(self, folder: Path) -> None:
-        await trio.to_thread.run_sync(checkpoint.export_hf, folder, self.engine, self.tokenizer)
-        self.log.info("model exported", path=str(folder), weight_version=self.engine.weight_version)
+            checkpoint_s = await self.saves.after_row(step)
 
     async def _publish(self) -> dict[str, str]:
         """Weights of the new version to every worker, then the news to the buffer; the path that took them to
@@ -284,4 +249,3 @@ class Trainer(Actor):
         self.version_out = self.engine.weight_version
         await self.tell("buffer", WeightsPublished(version=self.version_out))
         return {worker: self.weights.paths[worker].name for worker in sorted(self.workers)}
-

@@ -22,7 +22,8 @@ The trainer's writes are here too: :func:`save_training` (a resumable
 checkpoint of the engine, its tokenizer and the buffer's state) and
 :func:`export_hf` (the policy as a Hugging Face folder, usable as
 ``--model-path``: RUN_DIR/checkpoint after the last step, RUN_DIR/hf/step_N
-every ``--save-hf-every`` steps).
+every ``--save-hf-every`` steps), and :class:`TrainerSaves`, which decides
+when each is written and in which order with the trainer's rows.
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import trio
+
+from vime.messages.pipeline import SnapshotQuery
 from vime.transports.codec import BadMessage, Envelope, decode_frame, encode, encode_frame
 
 if TYPE_CHECKING:
     from vime.backends.base import TrainEngine
+    from vime.config import JobConfig
+    from vime.metrics import StepRows
+    from vime.runtime import Actor
 
 KEEP = 2
 
@@ -90,6 +98,46 @@ def export_hf(folder: Path, engine: TrainEngine, tokenizer: Any) -> Path:
         tokenizer.save_pretrained(tmp)
 
     return write_folder(folder, write)
+
+
+class TrainerSaves:
+    """What the trainer writes after a step, and when: the exports before the step's row, the resumable
+    checkpoint after it. Each call returns the seconds it took, counted in the ``time_checkpoint_s`` of the
+    next row written (this step's for the exports, the next step's for the checkpoint)."""
+
+    def __init__(self, trainer: Actor, run_dir: Path, job: JobConfig, engine: TrainEngine, tokenizer: Any,
+                 rows: StepRows) -> None:
+        self.trainer, self.run_dir, self.job = trainer, run_dir, job
+        self.engine, self.tokenizer, self.rows = engine, tokenizer, rows
+
+    async def before_row(self, step: int) -> float:
+        """Before ``step``'s row, so that whoever sees the row finds them (the driver ends the run at the last
+        one): a Hugging Face folder every ``save_hf_every`` steps, and RUN_DIR/checkpoint after the last step."""
+        started = time.perf_counter()
+        if self.job.save_hf_every and (step + 1) % self.job.save_hf_every == 0:
+            await self._export(self.run_dir / "hf" / f"step_{step + 1}")
+        if step + 1 == self.job.steps:
+            await self._export(self.run_dir / "checkpoint")
+        return time.perf_counter() - started
+
+    async def after_row(self, step: int) -> float:
+        """After ``step``'s row is on disk: a resumable checkpoint every ``save_every`` steps (but the last). A
+        checkpoint published before its row lost that row for good when the trainer stopped in between: a
+        resumed run keeps the rows up to the checkpoint's step and trains from the next (the soak met it, the
+        driver waiting forever for the row)."""
+        started = time.perf_counter()
+        if self.job.save_every and (step + 1) % self.job.save_every == 0 and step + 1 < self.job.steps:
+            await self.rows.until_written(step + 1)
+            state = await self.trainer.ask("buffer", SnapshotQuery(step=step + 1), timeout=600.0)
+            path = await trio.to_thread.run_sync(save_training, self.run_dir, step + 1, self.engine,
+                                                 self.tokenizer, state)
+            self.trainer.log.info("checkpoint written", path=str(path), step=step + 1,
+                                  rows_written=self.rows.written, groups_in_flight=len(state.in_flight))
+        return time.perf_counter() - started
+
+    async def _export(self, folder: Path) -> None:
+        await trio.to_thread.run_sync(export_hf, folder, self.engine, self.tokenizer)
+        self.trainer.log.info("model exported", path=str(folder), weight_version=self.engine.weight_version)
 
 
 def write_json(path: Path, document: Any) -> None:

@@ -2,7 +2,8 @@
 
 Each response of a group is an :class:`~vime.agent.episode.Episode` (one turn, or several with tools or an
 external agent); once every response has ended the group becomes one :class:`~vime.messages.pipeline.Sample` per
-response, to be scored and trained on.
+response, to be scored and trained on. :class:`InFlight` is a worker's book of its groups: which response each
+engine request is a turn of.
 """
 
 from __future__ import annotations
@@ -42,6 +43,60 @@ class Group:
                        routed_experts=s.routed_experts, loss_mask=e.loss_mask if 0 in e.loss_mask else None,
                        reward=reward)
                 for index, (s, e, reward) in enumerate(zip(self.sequences, self.episodes, self.rewards))]
+
+
+class InFlight:
+    """A rollout worker's groups being generated, and which response of which group each engine request is a turn
+    of. Request ids are the worker's own, counted from 0. A group that external agents drive is kept here too,
+    but its turns take ids from the same count without being booked to a response: the endpoint follows them
+    (``vime.agent.endpoint``)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, Group] = {}
+        self.by_request: dict[int, tuple[Group, int]] = {}
+        self.next_request = 0
+
+    def sequence(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False,
+                 seed: int | None = None) -> Sequence:
+        """A new engine request."""
+        sequence = Sequence(self.next_request, prompt_ids, params, stream=stream, seed=seed)
+        self.next_request += 1
+        return sequence
+
+    def start(self, request: GenerateGroup, params: SamplingParams, forced: str, run_seed: int, now: float,
+              booked: bool) -> Group:
+        """The group and each response's first turn (``first_turns``); ``booked``: the turns are the engine's to
+        run here (not an external agent's)."""
+        sequences = [self.sequence(list(request.prompt_ids), turn, seed=seed)
+                     for turn, seed in first_turns(request, params, forced, run_seed)]
+        group = self.groups[request.group_id] = Group(request, sequences, now)
+        if booked:
+            for index, sequence in enumerate(sequences):
+                self.by_request[sequence.request_id] = (group, index)
+        return group
+
+    def turn_ended(self, sequence: Sequence) -> tuple[Group, int]:
+        """A booked turn ended: its tokens join its response's episode; the response's group and index."""
+        group, index = self.by_request.pop(sequence.request_id)
+        group.sequences[index] = sequence
+        group.episodes[index].add_generated(sequence.response_ids, sequence.logprobs, sequence.versions)
+        return group, index
+
+    def next_turn(self, group: Group, index: int, params: SamplingParams, run_seed: int) -> Sequence:
+        """The next turn of a response that goes on (after its tool calls), with a seed of its own turn."""
+        episode = group.episodes[index]
+        seed = sampling_seed(run_seed, group.request.group_id, index, turn=len(episode.turns))
+        follow = self.sequence(episode.prompt_ids + episode.response_ids, params, seed=seed)
+        self.by_request[follow.request_id] = (group, index)
+        return follow
+
+    def response_ended(self, group: Group) -> bool:
+        """One response of the group is complete; True when it was the last (the group leaves the book)."""
+        group.unfinished -= 1
+        if group.unfinished:
+            return False
+        del self.groups[group.request.group_id]
+        return True
 
 
 def first_turns(request: GenerateGroup, params: SamplingParams, forced: str,

@@ -150,6 +150,15 @@ def step_row(step: int, weight_version: int, samples: list[Sample], tensors: Ten
     }
 
 
+def train_tflops_per_gpu(model_config: Any, tensors: TensorBatch, train_s: float, trainer_gpus: int) -> float:
+    """The model FLOPs of a step's training (``vime.flops``) over its time, per trainer GPU (``trainer_gpus``:
+    1 for a trainer on CPU, counted per process); over a GPU's bf16 matmul peak, the train phase's MFU."""
+    from vime.flops import training_flops  # imports torch: not for readers of metrics files
+
+    flops = training_flops(model_config, tensors.attention_mask.sum(1).tolist())
+    return flops / max(train_s, 1e-9) / 1e12 / trainer_gpus
+
+
 def ranges(values: list[int]) -> str:
     """``[1, 2, 3, 5]`` as ``1-3, 5``: a short picture of which steps or ids were there."""
     parts: list[str] = []

@@ -174,7 +174,7 @@ class _Walk:
         actor._send_hook = self._sent
         route = actor._route
         actor._route = lambda envelope, arrived: route(self._renumbered(envelope), arrived)
-        if hasattr(actor, "step_gate") and self.step_dispatched:  # a log from before step marks: ungated
+        if self.step_dispatched:  # an actor that marks no steps (or a log from before step marks): ungated
             actor.step_gate = self._step_gate
 
     def _sent(self, envelope: Envelope) -> None:
@@ -193,8 +193,8 @@ class _Walk:
         return envelope
 
     async def _step_gate(self) -> None:
-        """A rollout worker's next engine step waits until the walk reaches its mark in the log and as many
-        messages were handled as there."""
+        """The actor's next step point (a rollout worker's engine step) waits until the walk reaches its mark in
+        the log and as many messages were handled as there."""
         while self.steps_started >= self.steps_open or self.dispatched < self._dispatch_limit():
             await self._steps.park()
         self.steps_started += 1

@@ -28,6 +28,8 @@ between their awaits. Handlers and loops wait on each other through
 :class:`Changed`, :class:`Wakeup` and :class:`BetweenSteps` (``vime.tasks``),
 not through flags polled or events swapped by hand. A lock is needed only where
 two tasks change the same state across an await (``vime.tasks`` says which).
+Where such a loop decides something from the messages handled by then, it
+calls :meth:`Actor.step_point` first, so that a replay decides the same.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
 
 import pynng
 import structlog
@@ -63,7 +65,7 @@ from vime.messages.runtime import (
 from vime.settings import setting
 from vime.tasks import BetweenSteps, Changed, Wakeup  # noqa: F401 (the runtime's primitives)
 from vime.transports.codec import Envelope, encode, encode_frame
-from vime.transports.msglog import LogWriter
+from vime.transports.msglog import STEP, LogWriter
 from vime.transports.shm import SegmentPool
 from vime.transports.sockets import Inbox, Outbox, TlsFiles
 
@@ -237,6 +239,7 @@ class Actor(Inbound):
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._log_writer: LogWriter | None = None
         self._send_hook: Callable[[Envelope], None] | None = None  # replay captures sends here
+        self.step_gate: Callable[[], Awaitable[None]] | None = None  # set by a replay: see step_point
         self._strangers: collections.OrderedDict[str, None] = collections.OrderedDict()  # see _reply_error
 
     # ----------------------------------------------------------------- public
@@ -248,6 +251,18 @@ class Actor(Inbound):
         replay sees exactly the clock the live run saw.
         """
         return self._handling_time if self._handling_time is not None else time.time()
+
+    async def step_point(self) -> None:
+        """A point of an actor's own loop (not a handler) where what it does next depends on the messages handled
+        by now, which timing decides (a rollout worker choosing which groups its engine starts): a recorded actor
+        marks it in its log, and a replayed one waits here (``step_gate``, set by ``vime.replay``) until the
+        replay reaches the same mark with as many messages handled. Mark only points that do work: how often an
+        idle loop wakes is timing too. Nothing the caller decides on may await between this and the decision."""
+        if self._log_writer is not None:  # the messages whose handling had started: the replay starts as many
+            dispatched = self.counters["handled"] + self.errors["handler"] + self._busy
+            self._log_writer.write(STEP, "", b"", {}, {"dispatched": dispatched})
+        if self.step_gate is not None:
+            await self.step_gate()
 
     async def tell(self, to: str, payload: Any, *, weight_version: int | None = None) -> None:
         """Send ``payload`` to the actor named ``to`` without waiting for an answer.
