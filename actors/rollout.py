@@ -159,8 +159,7 @@ class RolloutWorker(Actor):
     async def _generate_loop(self) -> None:
         while True:
             if self.leaving:  # its groups were handed back: stop spending the engine on them
-                self.engine.abort([*self.in_flight.by_request, *self.external_turns])
-                self.in_flight.by_request.clear()
+                self.engine.abort([*self.in_flight.abandon(), *self.external_turns])
                 return
             await self._run_engine_calls()
             self._apply_weights()

@@ -90,7 +90,8 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"\n{'kind':<10}{'kills':>7}{'recovered':>11}{'median recovery s':>19}")
     for kind in KINDS:
         kills = by_kind.get(kind, [])
-        times = [kill["recovery_s"] for kill in kills if kill["recovery_s"] is not None]
+        back = "rejoined_s" if kind == "rollout" else "recovery_s"  # a worker is back once it has joined again
+        times = [kill[back] for kill in kills if kill.get(back) is not None]
         median = f"{statistics.median(times):.1f}" if times else "-"
         print(f"{kind:<10}{len(kills):>7}{sum(1 for kill in kills if kill['recovered_by']):>11}{median:>19}")
     groups = soaked["groups"]

@@ -90,6 +90,13 @@ class InFlight:
         self.by_request[follow.request_id] = (group, index)
         return follow
 
+    def abandon(self) -> list[int]:
+        """The worker is leaving and its groups were handed back: the booked engine requests, to abort, and
+        forgotten, so that a turn the engine still reports is not mistaken for work to go on with."""
+        requests = list(self.by_request)
+        self.by_request.clear()
+        return requests
+
     def response_ended(self, group: Group) -> bool:
         """One response of the group is complete; True when it was the last (the group leaves the book)."""
         group.unfinished -= 1

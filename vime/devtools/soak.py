@@ -14,7 +14,8 @@ ends with a fine reward. So :func:`soak` kills, and :func:`audit` then checks th
 * nothing is left behind: no process of the run and no shared-memory segment once it ended.
 
 The killing follows the way a user would meet it: the scenario is started with ``python -m vime.scenario``;
-a killed rollout worker is restarted by the driver (the soak waits to see it back); any other actor's death
+a killed rollout worker is restarted by the driver (the soak sees the new process start, then join the run, while
+it goes on with its plan: a worker's start can take longer than many steps of a small run); any other actor's death
 ends the command with a message naming ``--resume RUN_DIR``, which the soak runs; a killed driver says
 nothing, and the soak resumes the run folder as its owner would, once the orphaned actors have gone.
 """
@@ -61,6 +62,7 @@ class Kill:
     at_s: float  # seconds into the soak
     recovered_by: str = ""  # "restart" (a rollout worker), "--resume" (any other)
     recovery_s: float | None = None  # from the kill to the new process (a restart) or to the resumed run's first step
+    rejoined_s: float | None = None  # a restart: from the kill to its joining the run (None: the launch ended first)
 
 
 @dataclasses.dataclass
@@ -150,13 +152,14 @@ def soak(out: Path, flags: list[str], plan: Plan, *, scenario: str = "arithmetic
 
 
 class _Watch:
-    """One launch, watched until it exits: its steps, the planned kills, a restarted worker awaited."""
+    """One launch, watched until it exits: its steps, the planned kills, the restarts of killed workers."""
 
     def __init__(self, process: subprocess.Popen, log: Path, run_dir: Path, plan: Plan, stall_s: float,
                  started: float, say: Callable[[str], None], recovering: Kill | None, resumed_from: int) -> None:
         self.process, self.log, self.run_dir, self.plan, self.stall_s = process, log, run_dir, plan, stall_s
         self.started, self.say, self.recovering, self.resumed_from = started, say, recovering, resumed_from
         self.kills: list[Kill] = []
+        self.restarting: list[Kill] = []  # workers killed in this launch, not yet seen back in the run
 
     def run(self) -> Kill | None:
         """Watch until the launch exits; the kill that ended it (a vital actor's or the driver's), if one did."""
@@ -172,6 +175,7 @@ class _Watch:
                 self.recovering.recovered_by = "--resume"
                 self.recovering.recovery_s = round(self._now() - self.recovering.at_s, 1)
                 self.recovering = None
+            self._follow_restarts()
             if time.monotonic() - progress_at > self.stall_s:
                 raise SoakFailed(f"no new step for {self.stall_s:.0f} s after step {last_step}; "
                                  f"{self._stalled_with()}; see {self.run_dir}/logs/")
@@ -213,8 +217,8 @@ class _Watch:
         return f"actors alive: {', '.join(row['name'] for row in alive) or 'none'}; {self.log} ends with:\n{said}\n"
 
     def _kill(self, kind: str, step: int) -> Kill | None:
-        """kill -9 one actor of ``kind`` (a rollout worker chosen at random), or the driver; a restarted
-        worker is awaited."""
+        """kill -9 one actor of ``kind`` (a rollout worker chosen at random), or the driver; a killed worker is
+        followed until it is back (``_follow_restarts``)."""
         if kind == "driver":
             name, pid = "driver", self.process.pid
         else:
@@ -228,21 +232,23 @@ class _Watch:
         self.kills.append(kill)
         self.say(f"step {step}: kill -9 {name} (pid {pid})")
         if kind == "rollout":
-            self._await_restart(kill)
+            self.restarting.append(kill)
         return kill
 
-    def _await_restart(self, kill: Kill) -> None:
-        """Wait until the driver has started the killed worker again (a new process under its name)."""
-        while self._now() - kill.at_s < self.stall_s:
-            if any(row["name"] == kill.name and row["pid"] != kill.pid and _alive(row["pid"])
-                   for row in listed_actors(self.run_dir)):
+    def _follow_restarts(self) -> None:
+        """Note each killed worker the driver has started again (a new process of the run under its name) and,
+        later, has joined the run (listed in actors.json under its new pid). Not awaited: under load a worker's
+        start spans tens of steps of a small run, which the plan's later kills need."""
+        for kill in list(self.restarting):
+            if not kill.recovered_by and [pid for pid in run_processes(self.run_dir, kill.name) if pid != kill.pid]:
                 kill.recovered_by, kill.recovery_s = "restart", round(self._now() - kill.at_s, 1)
-                return
-            if self.process.poll() is not None:
-                return  # the run ended meanwhile (its last step came)
-            time.sleep(0.2)
-        raise SoakFailed(f"{kill.name} was not restarted within {self.stall_s:.0f} s of its kill; "
-                         f"see {self.run_dir}/logs/")
+            if kill.recovered_by and any(row["name"] == kill.name and row["pid"] != kill.pid and _alive(row["pid"])
+                                         for row in listed_actors(self.run_dir)):
+                kill.rejoined_s = round(self._now() - kill.at_s, 1)
+                self.restarting.remove(kill)
+            elif not kill.recovered_by and self._now() - kill.at_s > self.stall_s:
+                raise SoakFailed(f"{kill.name} was not restarted within {self.stall_s:.0f} s of its kill; "
+                                 f"see {self.run_dir}/logs/")
 
 
 def _write_progress(out: Path, kills: list[Kill], launches: list[dict[str, Any]]) -> None:
@@ -285,14 +291,17 @@ def _wait_gone(run_dir: Path, limit_s: float) -> list[int]:
     return left
 
 
-def run_processes(run_dir: Path) -> list[int]:
-    """Processes started for this run: each actor's command line names the run folder."""
+def run_processes(run_dir: Path, name: str | None = None) -> list[int]:
+    """Processes started for this run (each actor's command line names the run folder); only the actor ``name``'s
+    when given."""
     marker = f"--run-dir\0{run_dir}\0".encode()
+    named = f"--name\0{name}\0".encode() if name else b""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if marker in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes()
+                if marker in cmdline and named in cmdline:
                     found.append(int(entry.name))
             except OSError:
                 continue
