@@ -27,6 +27,9 @@ actor's: it is shown, not replayed (see :data:`NOT_REPLAYED`).
 
 Compared: kind, receiver, reply_to (as the replayed actor numbers its asks), weight_version, wants_reply and
 the payload (tensors by value), except the durations an actor measures with a wall clock (:data:`MEASURED`).
+A replay may send more than an original that a Shutdown stopped with work in flight: the reward scores in worker
+processes, in real time, and the replay can finish a group the original dropped unscored as it stopped. Those
+surplus messages, after every recorded one matched, are counted (``ReplayResult.beyond_stop``), not a divergence.
 Not compared: message ids and send times, and the runtime's own timer traffic (heartbeats, registration),
 which is skipped on both sides.
 
@@ -103,6 +106,7 @@ class ReplayResult:
     compared: int
     divergence: Divergence | None
     problem: str | None  # a torn tail or corruption the reader stopped at
+    beyond_stop: int = 0  # sent after all the recorded ones by the replay of an original a Shutdown stopped
 
 
 _DIFFERENCES_SHOWN = 12
@@ -138,6 +142,10 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
             trio.run(walk.drive, clock=walk.clock)
     inbound = sum(r.direction == "in" for r in log.records)
     compared = min(len(walk.recorded), len(walk.produced))
+    beyond = len(walk.produced) - len(walk.recorded) if walk.stopped else 0
+    if beyond > 0:
+        divergence = _compare(walk.recorded, walk.produced[:len(walk.recorded)])
+        return ReplayResult(inbound, compared, divergence, log.problem, beyond_stop=0 if divergence else beyond)
     return ReplayResult(inbound, compared, _compare(walk.recorded, walk.produced), log.problem)
 
 
@@ -164,6 +172,7 @@ class _Walk:
         self.recorded = [m for r in records if r.direction == "out" for m in self.outbound[r.offset]]
         self.produced: list[Envelope] = []
         self.capturing = True
+        self.stopped = False  # the log told the actor to stop (Shutdown), as against ending with its process killed
         self.reply_ids: dict[int, int] = {}  # a recorded ask's id -> the replayed one's
         self.threads = 0  # the actor's calls running in worker threads
         self.steps_open = self.steps_started = 0  # a rollout worker's engine steps the log allows, and taken
@@ -229,7 +238,8 @@ class _Walk:
             nursery.start_soon(self._stop_when_asked)
             if await self._walk():
                 await self._settle()
-            if not actor._stopping.is_set():  # the original was killed, or the log ends early: clean up unseen
+            self.stopped = actor._stopping.is_set()
+            if not self.stopped:  # the original was killed, or the log ends early: clean up unseen
                 self.capturing = False
                 actor._stopping.set()
             await trio.sleep_forever()
@@ -465,8 +475,10 @@ def _replay_one(path: Path, role: str | None) -> int:
     if result.divergence is not None:
         print(result.divergence)
         return 1
+    beyond = (f"{result.beyond_stop} more sent than the original, which a Shutdown stopped with them in flight, "
+              if result.beyond_stop else "")
     print(f"no divergence ({result.received_frames} frames received, {result.compared} sent messages compared, "
-          f"{time.monotonic() - started:.1f} s)")
+          f"{beyond}{time.monotonic() - started:.1f} s)")
     return 0
 
 
