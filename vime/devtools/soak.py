@@ -179,7 +179,7 @@ class _Watch:
             if time.monotonic() - progress_at > self.stall_s:
                 raise SoakFailed(f"no new step for {self.stall_s:.0f} s after step {last_step}; "
                                  f"{self._stalled_with()}; see {self.run_dir}/logs/")
-            if ending is None and checkpoint.latest(self.run_dir) is not None and (kind := self.plan.due(step)):
+            if ending is None and self._may_kill() and (kind := self.plan.due(step)):
                 kill = self._kill(kind, step)
                 if kill is None:
                     self.plan.again(kind, step)
@@ -187,6 +187,12 @@ class _Watch:
                     ending = kill  # the launch ends: no more kills until the run is resumed
             time.sleep(0.2)
         return ending
+
+    def _may_kill(self) -> bool:
+        """A kill needs a checkpoint to resume from, and waits until this launch has recovered from the kill that
+        ended the one before (trained a step past its checkpoint): killed sooner, that recovery goes unseen. A
+        killed driver's orphaned trainer can checkpoint at the very step a kill is due next."""
+        return self.recovering is None and checkpoint.latest(self.run_dir) is not None
 
     def _now(self) -> float:
         return time.monotonic() - self.started
