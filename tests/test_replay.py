@@ -17,10 +17,10 @@ from test_async import hold_run_until_serving
 from conftest import open_job
 from vime.cluster import Cluster
 from vime.pipeline import train
-from vime.replay import replay, show
+from vime.replay import judge, replay, show
 from vime.scenarios import arithmetic
 from vime.scenarios.selfcheck import ECHO, TALLY, Add, Blob, Snapshot, Total, Totals
-from vime.transports.codec import decode_frame, encode, encode_frame
+from vime.transports.codec import Envelope, decode_frame, encode, encode_frame
 from vime.transports.msglog import LogWriter, scan
 
 
@@ -182,3 +182,21 @@ def show_text(path: Path) -> str:
     shown = io.StringIO()
     show(path, shown)
     return shown.getvalue()
+
+
+def test_only_an_original_told_to_stop_may_have_sent_fewer_than_its_replay():
+    """The reward scores in worker processes, in real time: its replay can finish groups the original dropped as
+    Shutdown stopped it. Surplus after every recorded message matched is counted then; a killed original's, or
+    any difference among the recorded ones, is a divergence."""
+    def sent(total: int, at: int = 0) -> list[Envelope]:
+        return [Envelope("Total", "tally0", "driver", index, None, 0.0, None, False,
+                         Total(key="a", total=at + index, ticket=index, at=0.0))
+                for index in range(total)]
+
+    assert judge(sent(3), sent(5), stopped=True) == (None, 2)
+    divergence, beyond = judge(sent(3), sent(5), stopped=False)
+    assert beyond == 0 and "count: recorded 3 messages, replayed 5" in divergence.field
+    divergence, beyond = judge(sent(3), sent(5, at=1), stopped=True)
+    assert beyond == 0 and divergence.index == 0 and divergence.fields[0][0] == "payload.total"
+    divergence, _ = judge(sent(5), sent(3), stopped=True)  # fewer than recorded: always a divergence
+    assert "count: recorded 5 messages, replayed 3" in divergence.field

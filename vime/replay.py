@@ -142,11 +142,18 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
             trio.run(walk.drive, clock=walk.clock)
     inbound = sum(r.direction == "in" for r in log.records)
     compared = min(len(walk.recorded), len(walk.produced))
-    beyond = len(walk.produced) - len(walk.recorded) if walk.stopped else 0
-    if beyond > 0:
-        divergence = _compare(walk.recorded, walk.produced[:len(walk.recorded)])
-        return ReplayResult(inbound, compared, divergence, log.problem, beyond_stop=0 if divergence else beyond)
-    return ReplayResult(inbound, compared, _compare(walk.recorded, walk.produced), log.problem)
+    divergence, beyond = judge(walk.recorded, walk.produced, walk.stopped)
+    return ReplayResult(inbound, compared, divergence, log.problem, beyond_stop=beyond)
+
+
+def judge(recorded: list[Any], replayed: list[Envelope], stopped: bool) -> tuple[Divergence | None, int]:
+    """The first divergence, and how many messages the replay sent beyond the recorded ones without one: only an
+    original the log told to stop (``stopped``) may have sent fewer (see the module's docstring)."""
+    beyond = len(replayed) - len(recorded)
+    if not stopped or beyond <= 0:
+        return _compare(recorded, replayed), 0
+    divergence = _compare(recorded, replayed[:len(recorded)])
+    return divergence, 0 if divergence else beyond
 
 
 def _config(records: list[LogRecord], opening: dict[str, Any]) -> dict[str, Any]:
