@@ -93,7 +93,7 @@ def _print_table(result: dict[str, Any]) -> None:
         back = "rejoined_s" if kind == "rollout" else "recovery_s"  # a worker is back once it has joined again
         times = [kill[back] for kill in kills if kill.get(back) is not None]
         median = f"{statistics.median(times):.1f}" if times else "-"
-        print(f"{kind:<10}{len(kills):>7}{sum(1 for kill in kills if kill['recovered_by']):>11}{median:>19}")
+        print(f"{kind:<10}{len(kills):>7}{sum(1 for kill in kills if kill.get(back) is not None):>11}{median:>19}")
     groups = soaked["groups"]
     print(f"\nlaunches {len(soaked['launches'])}, {soaked['steps']} steps in {soaked['seconds']:.0f} s")
     print("groups: " + ", ".join(f"{key} {value}" for key, value in groups.items()))

@@ -74,6 +74,7 @@ async def test_replay_of_a_recorded_actor_shows_no_divergence(tmp_path):
     result = await trio.to_thread.run_sync(replay, log_path, TALLY)
     assert result.divergence is None, str(result.divergence)
     assert result.compared == 41 and result.problem is None
+    assert result.stopped and result.beyond_stop == 0  # the job's end told it to stop: its Shutdown is in the log
     cli = subprocess.run([sys.executable, "-m", "vime.replay", str(log_path), "--role", TALLY], capture_output=True,
                          text=True)
     assert cli.returncode == 0 and "no divergence" in cli.stdout

@@ -107,6 +107,7 @@ class ReplayResult:
     divergence: Divergence | None
     problem: str | None  # a torn tail or corruption the reader stopped at
     beyond_stop: int = 0  # sent after all the recorded ones by the replay of an original a Shutdown stopped
+    stopped: bool = False  # the log told the actor to stop (it may still have been killed as it stopped)
 
 
 _DIFFERENCES_SHOWN = 12
@@ -143,7 +144,7 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
     inbound = sum(r.direction == "in" for r in log.records)
     compared = min(len(walk.recorded), len(walk.produced))
     divergence, beyond = judge(walk.recorded, walk.produced, walk.stopped)
-    return ReplayResult(inbound, compared, divergence, log.problem, beyond_stop=beyond)
+    return ReplayResult(inbound, compared, divergence, log.problem, beyond_stop=beyond, stopped=walk.stopped)
 
 
 def judge(recorded: list[Any], replayed: list[Envelope], stopped: bool) -> tuple[Divergence | None, int]:
@@ -179,7 +180,7 @@ class _Walk:
         self.recorded = [m for r in records if r.direction == "out" for m in self.outbound[r.offset]]
         self.produced: list[Envelope] = []
         self.capturing = True
-        self.stopped = False  # the log told the actor to stop (Shutdown), as against ending with its process killed
+        self.stopped = False  # the log told the actor to stop (Shutdown), as against its log just ending (killed)
         self.reply_ids: dict[int, int] = {}  # a recorded ask's id -> the replayed one's
         self.threads = 0  # the actor's calls running in worker threads
         self.steps_open = self.steps_started = 0  # a rollout worker's engine steps the log allows, and taken
@@ -245,8 +246,7 @@ class _Walk:
             nursery.start_soon(self._stop_when_asked)
             if await self._walk():
                 await self._settle()
-            self.stopped = actor._stopping.is_set()
-            if not self.stopped:  # the original was killed, or the log ends early: clean up unseen
+            if not actor._stopping.is_set():  # the original was killed, or the log ends early: clean up unseen
                 self.capturing = False
                 actor._stopping.set()
             await trio.sleep_forever()
@@ -255,6 +255,7 @@ class _Walk:
         """As the runtime does on Shutdown: on_stop, whose messages (a worker handing its groups back) count,
         then nothing more."""
         await self.actor._stopping.wait()
+        self.stopped = self.capturing  # drive() stops uncaptured only to clean up after a log that just ends
         await self.actor.on_stop()
         await trio.testing.wait_all_tasks_blocked()
         self.actor._nursery.cancel_scope.cancel()

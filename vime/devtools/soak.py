@@ -62,7 +62,8 @@ class Kill:
     at_s: float  # seconds into the soak
     recovered_by: str = ""  # "restart" (a rollout worker), "--resume" (any other)
     recovery_s: float | None = None  # from the kill to the new process (a restart) or to the resumed run's first step
-    rejoined_s: float | None = None  # a restart: from the kill to its joining the run (None: the launch ended first)
+    # a restart: from the kill to its joining the run (None: the launch ended first, or it never joined)
+    rejoined_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -228,7 +229,9 @@ class _Watch:
         if kind == "driver":
             name, pid = "driver", self.process.pid
         else:
-            alive = [row for row in listed_actors(self.run_dir) if row["role"] == kind and _alive(row["pid"])]
+            killed = {kill.pid for kill in self.restarting}  # a zombie until the driver reaps it: not again
+            alive = [row for row in listed_actors(self.run_dir)
+                     if row["role"] == kind and _alive(row["pid"]) and row["pid"] not in killed]
             if not alive:
                 return None  # not started yet: due again (Plan.again)
             chosen = random.Random(step).choice(alive)
@@ -242,11 +245,13 @@ class _Watch:
         return kill
 
     def _follow_restarts(self) -> None:
-        """Note each killed worker the driver has started again (a new process of the run under its name) and,
-        later, has joined the run (listed in actors.json under its new pid). Not awaited: under load a worker's
-        start spans tens of steps of a small run, which the plan's later kills need."""
+        """Note each killed worker the driver has started again (a new child of the driver's under its name: not a
+        fork of the killed worker outliving it) and, later, has joined the run (listed in actors.json under its new
+        pid). Not awaited: under load a worker's start spans tens of steps of a small run, which the plan's later
+        kills need."""
         for kill in list(self.restarting):
-            if not kill.recovered_by and [pid for pid in run_processes(self.run_dir, kill.name) if pid != kill.pid]:
+            if not kill.recovered_by and [pid for pid in run_processes(self.run_dir, kill.name)
+                                          if pid != kill.pid and _parent(pid) == self.process.pid]:
                 kill.recovered_by, kill.recovery_s = "restart", round(self._now() - kill.at_s, 1)
             if kill.recovered_by and any(row["name"] == kill.name and row["pid"] != kill.pid and _alive(row["pid"])
                                          for row in listed_actors(self.run_dir)):
@@ -312,6 +317,14 @@ def run_processes(run_dir: Path, name: str | None = None) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of process ``pid`` (/proc/PID/stat's fourth field, after the command in parentheses)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
