@@ -150,11 +150,9 @@ def replay(path: Path, role: str | None = None) -> ReplayResult:
 def judge(recorded: list[Any], replayed: list[Envelope], stopped: bool) -> tuple[Divergence | None, int]:
     """The first divergence, and how many messages the replay sent beyond the recorded ones without one: only an
     original the log told to stop (``stopped``) may have sent fewer (see the module's docstring)."""
-    beyond = len(replayed) - len(recorded)
-    if not stopped or beyond <= 0:
-        return _compare(recorded, replayed), 0
-    divergence = _compare(recorded, replayed[:len(recorded)])
-    return divergence, 0 if divergence else beyond
+    judged = replayed[:len(recorded)] if stopped else replayed
+    divergence = _compare(recorded, judged)
+    return divergence, 0 if divergence else len(replayed) - len(judged)
 
 
 def _config(records: list[LogRecord], opening: dict[str, Any]) -> dict[str, Any]:
