@@ -196,9 +196,10 @@ def leaked_processes(mark: str, linger_s: float = 0.0) -> list[tuple[int, str]]:
 
 def _ends_with_this_process(parent: int, command: str) -> bool:
     """Whether a process is a helper that a library started for this very process and that ends when it does,
-    hence no leak of a test's: multiprocessing's resource tracker (our child), or one of torch.compile's pool of
-    compile workers (a GPU test's compiled log-probs start 16), which watch the process their --parent names."""
-    if "multiprocessing.resource_tracker" in command:
+    hence no leak of a test's: multiprocessing's resource tracker or fork server (our child; the fork server
+    forks the multi-rank tests' ranks, :mod:`forked_ranks`), or one of torch.compile's pool of compile workers (a
+    GPU test's compiled log-probs start 16), which watch the process their --parent names."""
+    if "multiprocessing.resource_tracker" in command or "multiprocessing.forkserver" in command:
         return parent == os.getpid()
     return "torch/_inductor/compile_worker" in command and f"--parent={os.getpid()} " in f"{command} "
 

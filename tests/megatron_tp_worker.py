@@ -1,12 +1,13 @@
-"""Megatron trainers of several ranks for tests/test_megatron.py: one rank under ``torchrun`` (tensor, expert
-and data parallel), a leader
-(``lose-a-follower``) that starts its own follower and loses it, two ranks passing a batch as the
-leader orders a step (``relay-a-batch``), two ranks offering weight buckets (``share-buckets``), or a
-leader that orders its follower to release memory, then to gather (``lead-and-release``); PPO's policy and
-value model trained by ranks under ``torchrun``, in pipeline stages too (``ppo``); the plain and the
-distributed optimizer side by side (``distributed-optimizer``); padded rows and packed ones side by side
-(``packed``); one side of a checkpoint saved in one layout and resumed in another (``layouts``); or pipeline
-stages (``pipeline``) training over two steps.
+"""Megatron trainers of several ranks for tests/test_megatron.py, each rank run by :func:`run` (forked by
+``forked_ranks.run_ranks`` as torchrun would start it, or under torchrun itself). The modes: one rank of a
+tensor, expert and data parallel trainer (the default); a leader that starts its own follower and loses it
+(``lose-a-follower``, ``lose-a-starting-follower``); two ranks passing a batch as the leader orders a step
+(``relay-a-batch``); three ranks offering weight buckets (``share-buckets``); a leader that orders its follower
+to release memory, then to gather (``lead-and-release``); PPO's policy and value model trained by such ranks, in
+pipeline stages too (``ppo``); the plain and the distributed optimizer side by side (``distributed-optimizer``);
+padded rows and packed ones side by side (``packed``); one side of a checkpoint saved in one layout and resumed
+in another (``layouts``); pipeline stages training over two steps (``pipeline``); and ranks that fail or hang on
+purpose, for the tests of ``forked_ranks`` (``stall``).
 
 Every rank builds the engine from the same Hugging Face folder and makes the
 same calls with the same batch (read from a file the test wrote; the other
@@ -362,6 +363,17 @@ def relay_a_batch(batch_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def stall(which: str) -> None:
+    """For the tests of ``forked_ranks`` itself: every rank joins the group, then rank 0 exits with code 3
+    (``which`` is ``after-rank-0-fails``) or stays too (``all``), and the others wait without end, as a rank waiting
+    on a dead peer may (gloo notices a closed connection; a wait on the store, or a GPU kernel, does not)."""
+    dist.init_process_group("gloo")
+    if which == "after-rank-0-fails" and dist.get_rank() == 0:
+        sys.exit(3)
+    print(f"rank {dist.get_rank()} waits", flush=False)  # not flushed: the log must keep it when the rank is killed
+    time.sleep(3600)
+
+
 class _Buckets:
     """Stands in for a rank's engine in :func:`share_buckets`: three buckets, each "offered" as a descriptor
     naming the rank and the bucket (a CPU has nothing to share over CUDA IPC); it counts what it made."""
@@ -405,28 +417,36 @@ def share_buckets(out: str) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "lose-a-follower":
-        lead_and_lose_a_follower(sys.argv[2])
-    elif sys.argv[1] == "lose-a-starting-follower":
-        lead_a_follower_that_dies_starting(sys.argv[2])
-    elif sys.argv[1] == "relay-a-batch":
-        relay_a_batch(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "lead-and-release":
-        lead_and_release(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "share-buckets":
-        share_buckets(sys.argv[2])
-    elif sys.argv[1] == "layouts":
-        train_across_layouts(*sys.argv[2:5], *map(int, sys.argv[5:9]), *sys.argv[9:12])
-    elif sys.argv[1] == "distributed-optimizer":
-        train_with_distributed_optimizer(*sys.argv[2:5], *map(int, sys.argv[5:8]), *sys.argv[8:10], int(sys.argv[10]))
-    elif sys.argv[1] == "pipeline":
-        train_in_stages(*sys.argv[2:5], *map(int, sys.argv[5:9]), sys.argv[9] == "recompute")
-    elif sys.argv[1] == "packed":
-        train_packed_and_padded(*sys.argv[2:5], *map(int, sys.argv[5:10]))
-    elif sys.argv[1] == "ppo":
-        train_ppo(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "recompute",
-                  int(sys.argv[9]))
+def run(argv: list[str]) -> None:
+    """The mode ``argv[0]`` names, with the rest of ``argv``: the command line without the script, under
+    torchrun or forked by ``forked_ranks.run_ranks``."""
+    if argv[0] == "lose-a-follower":
+        lead_and_lose_a_follower(argv[1])
+    elif argv[0] == "lose-a-starting-follower":
+        lead_a_follower_that_dies_starting(argv[1])
+    elif argv[0] == "relay-a-batch":
+        relay_a_batch(argv[1], argv[2])
+    elif argv[0] == "lead-and-release":
+        lead_and_release(argv[1], argv[2])
+    elif argv[0] == "share-buckets":
+        share_buckets(argv[1])
+    elif argv[0] == "stall":
+        stall(argv[1])
+    elif argv[0] == "layouts":
+        train_across_layouts(*argv[1:4], *map(int, argv[4:8]), *argv[8:11])
+    elif argv[0] == "distributed-optimizer":
+        train_with_distributed_optimizer(*argv[1:4], *map(int, argv[4:7]), *argv[7:9], int(argv[9]))
+    elif argv[0] == "pipeline":
+        train_in_stages(*argv[1:4], *map(int, argv[4:8]), argv[8] == "recompute")
+    elif argv[0] == "packed":
+        train_packed_and_padded(*argv[1:4], *map(int, argv[4:9]))
+    elif argv[0] == "ppo":
+        train_ppo(*argv[1:4], int(argv[4]), int(argv[5]), int(argv[6]), argv[7] == "recompute",
+                  int(argv[8]))
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
-             sys.argv[7] == "recompute")
+        main(argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]),
+             argv[6] == "recompute")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -29,6 +29,7 @@ import transformers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron")
 from device_reads import DeviceReads  # noqa: E402
+from forked_ranks import run_ranks  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
@@ -969,15 +970,15 @@ async def test_the_pipeline_trains_an_moe_in_the_8_gpu_layout_in_small(tmp_path,
     assert summary["groups"]["lost"] == 0
 
 
-# -- tensor parallelism (torchrun, gloo on CPU) ---------------------------------------------------------------------
+# -- tensor parallelism (ranks as torchrun starts them, gloo on CPU) -------------------------------------------------
 
 
 def _train_on_ranks(tmp_path: Path, folder: Path, batch: TensorBatch, tensor_parallel: int, expert_parallel: int,
                     data_parallel: int, recompute: bool) -> dict:
-    """What rank 0 of ``megatron_tp_worker.py`` wrote after training GRPO on ``batch`` under torchrun, one rank per
+    """What rank 0 of ``megatron_tp_worker.py`` wrote after training GRPO on ``batch`` on ranks, one rank per
     tensor x data parallel copy (gloo)."""
     torch.save(_fields(batch), tmp_path / "batch.pt")
-    return _torchrun(tensor_parallel * data_parallel, tmp_path / "out.pt",
+    return _on_ranks(tensor_parallel * data_parallel, tmp_path / "out.pt",
                      [folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
                       data_parallel, "recompute" if recompute else "keep"])
 
@@ -987,16 +988,10 @@ def _fields(batch: TensorBatch) -> dict[str, torch.Tensor | None]:
     return {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
 
 
-def _torchrun(ranks: int, out: Path, arguments: list[object]) -> dict:
+def _on_ranks(ranks: int, out: Path, arguments: list[object]) -> dict:
     """What rank 0 of ``megatron_tp_worker.py`` wrote to ``out`` after running with ``arguments`` on ``ranks``
-    ranks under torchrun (gloo)."""
-    import subprocess
-    import sys
-
-    worker = Path(__file__).with_name("megatron_tp_worker.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), str(worker), *map(str, arguments)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks of one gloo group, as torchrun starts them (forked, :mod:`forked_ranks`)."""
+    run_ranks(ranks, arguments, out.with_name(f"{out.name}.logs"))
     return torch.load(out, weights_only=True, map_location="cpu")
 
 
@@ -1008,7 +1003,7 @@ def _torchrun(ranks: int, out: Path, arguments: list[object]) -> dict:
         ("qwen3_moe", 1, 2, 2, False), ("qwen3_moe", 2, 2, 2, False)))])
 def test_tensor_parallel_ranks_train_as_one_process_does(hf_models, case, tensor_parallel, expert_parallel,
                                                          data_parallel, recompute, tmp_path):
-    """Ranks under torchrun, each holding its share of every split tensor (q/k/v by key/value group, gate and up,
+    """Ranks of one group, each holding its share of every split tensor (q/k/v by key/value group, gate and up,
     every expert's too or, with expert parallelism, some experts whole, the vocabulary) and norming and routing
     its share of the positions (sequence parallelism; an MoE model replays given experts): the gathered weights
     are the checkpoint's bit for bit, and the log-probs, the step's metrics (the gradient norm over all ranks'
@@ -1058,7 +1053,7 @@ def test_tensor_parallel_ranks_train_packed_rows_as_padded_ones(hf_models, tmp_p
     model, _, folder = hf_models[case]
     batch = _batch(seed=4, config=model.config, response_lengths=UNEVEN)
     torch.save(_fields(batch), tmp_path / "batch.pt")
-    ranks = _torchrun(layout[0] * layout[2] * layout[3], tmp_path / "out.pt",
+    ranks = _on_ranks(layout[0] * layout[2] * layout[3], tmp_path / "out.pt",
                       ["packed", folder, tmp_path / "batch.pt", tmp_path / "out.pt", *layout, PACKING_BUDGET])
     padded, packed = ranks["padded"], ranks["packed"]
     for key in ("logprobs", "entropy"):
@@ -1091,7 +1086,7 @@ def test_tensor_parallel_ranks_train_ppo_as_one_process_does(hf_models, case, te
     model, _, folder = hf_models[case]
     batch = _batch(seed=0, config=model.config, samples=5 if data_parallel > 1 else 6)
     torch.save(_fields(batch), tmp_path / "batch.pt")
-    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+    ranks = _on_ranks(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
                       ["ppo", folder, tmp_path / "batch.pt", tmp_path / "out.pt", tensor_parallel, expert_parallel,
                        data_parallel, "recompute" if recompute else "keep", pipeline_parallel])
     single = _engine(megatron.MegatronTrainEngine, folder, algo="ppo")
@@ -1140,7 +1135,7 @@ def test_a_checkpoint_resumes_in_another_layout(hf_models, tmp_path, case, algo,
     if not ranks_save:
         single.train_step(first)
         single.save(tmp_path / "checkpoint")
-    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+    ranks = _on_ranks(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
                       ["layouts", folder, tmp_path / "batches.pt", tmp_path / "out.pt", *ranks_layout, algo, dtype,
                        "save" if ranks_save else "resume"])
     if ranks_save:
@@ -1176,7 +1171,7 @@ def test_a_checkpoint_of_tensor_parallel_ranks_resumes_in_pipeline_stages(hf_mod
     runs = {}
     for name, layout, role in (("saved", (2, 1, 1, 1), "save"), ("resumed", (1, 1, 1, 2), "resume")):
         out = tmp_path / f"{name}.pt"
-        runs[name] = _torchrun(2, out, ["layouts", folder, tmp_path / "batches.pt", out, *layout, "grpo", "fp32",
+        runs[name] = _on_ranks(2, out, ["layouts", folder, tmp_path / "batches.pt", out, *layout, "grpo", "fp32",
                                         role])
     saved, resumed = runs["saved"], runs["resumed"]
     assert [name for name, tensor in saved["before"].items() if not torch.equal(resumed["before"][name], tensor)] == []
@@ -1208,7 +1203,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
     batches = [_batch(seed=seed, config=model.config) for seed in range(3)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
     tensor_parallel, expert_parallel, data_parallel, pipeline_parallel = layout
-    ranks = _torchrun(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
+    ranks = _on_ranks(tensor_parallel * data_parallel * pipeline_parallel, tmp_path / "out.pt",
                       ["distributed-optimizer", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
                        expert_parallel, data_parallel, algo, dtype, pipeline_parallel])
     plain, distributed, resumed = (ranks["metrics"][name] for name in ("plain", "distributed", "resumed"))
@@ -1237,7 +1232,7 @@ def test_the_distributed_optimizer_trains_as_the_plain_one(hf_models, tmp_path, 
         ("qwen3-tied", 2, 2, 1, 1, False), ("qwen3_moe", 2, 2, 1, 2, True)))])
 def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, tensor_parallel, pipeline_parallel,
                                                    data_parallel, expert_parallel, recompute):
-    """Pipeline stages under torchrun (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
+    """Pipeline stages on ranks of one group (``pipeline_parallel``, each of ``tensor_parallel`` ranks, in
     ``data_parallel`` copies that split each mini-batch's samples), each holding its
     slice of the layers (the embedding on the first, the final norm and output layer on the last) and running
     megatron-core's 1F1B schedule over micro-batches of unequal widths: the weights gathered from every stage are
@@ -1257,7 +1252,7 @@ def test_pipeline_stages_train_as_one_process_does(hf_models, tmp_path, case, te
     model, checkpoint, folder = hf_models[case]
     batches = [_batch(seed=seed, config=model.config) for seed in range(2)]
     torch.save([_fields(batch) for batch in batches], tmp_path / "batches.pt")
-    ranks = _torchrun(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
+    ranks = _on_ranks(tensor_parallel * pipeline_parallel * data_parallel, tmp_path / "out.pt",
                       ["pipeline", folder, tmp_path / "batches.pt", tmp_path / "out.pt", tensor_parallel,
                        pipeline_parallel, data_parallel, expert_parallel, "recompute" if recompute else "keep"])
     assert sorted(ranks["loaded"]) == sorted(checkpoint)  # every stage's tensors
@@ -1321,7 +1316,8 @@ def _update_gap(before: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models, tmp_path):
     """The follower ranks get the batch the trainer actor trains on, routed experts (int16, a dtype neither
-    gloo nor NCCL sends) included, bit for bit."""
+    gloo nor NCCL sends) included, bit for bit. Under torchrun itself, as users launch trainer ranks: the one
+    multi-rank test that is (the others fork their ranks, ``forked_ranks``)."""
     import dataclasses
     import subprocess
     import sys
@@ -1340,18 +1336,42 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
                for name, tensor in sent.items())
 
 
+def test_a_failed_rank_is_named_and_a_peer_that_never_notices_is_ended_after_the_grace(tmp_path):
+    """The tests' launcher of forked ranks fails as torchrun would, only sooner: rank 0 exits with code 3, rank 1
+    waits on without end (as a rank waiting on a dead peer may), and the error names both, each with the end of its
+    log (what rank 1 printed before it was killed included), ``GRACE_S`` after the failure, not at the timeout."""
+    import time
+
+    from forked_ranks import GRACE_S
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(2, ["stall", "after-rank-0-fails"], tmp_path / "logs", timeout=240)
+    took = time.monotonic() - started
+    said = str(failed.value)
+    assert said.startswith(f"2 of 2 ranks failed: rank 0 exited with code 3, rank 1 was still running "
+                           f"{GRACE_S:.0f} s after that (killed)"), said
+    assert "rank 1 waits" in said.split("--- the end of rank 1's log:")[1], said
+    assert GRACE_S <= took < 60, took
+
+
+def test_ranks_still_running_at_the_timeout_are_named_and_ended(tmp_path):
+    """Ranks that all hang end at the timeout, each named."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"^2 of 2 ranks failed: rank 0 was still running at the 3 s timeout "
+                                             r"\(killed\), rank 1 was still running at the 3 s timeout \(killed\)"):
+        run_ranks(2, ["stall", "all"], tmp_path / "logs", timeout=3)
+    assert time.monotonic() - started < 60
+
+
 def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_path):
     """Rank 0 gets every rank's descriptor of each weight bucket; the others keep pace, bucket by bucket, and
     when rank 0 stops early they stop after the same bucket, so the next publication starts in step. Whether
     to go on reaches them through the group's store (waiting for it runs nothing on a GPU), one message per
     bucket, each deleted once every rank has read it."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                           str(Path(__file__).with_name("megatron_tp_worker.py")), "share-buckets",
-                           str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(3, ["share-buckets", tmp_path / "runs"], tmp_path / "logs", timeout=120)
     leader, *followers = (json.loads((tmp_path / f"runs.{rank}").read_text()) for rank in range(3))
     whole = [[[[f"w{i}", [64], "torch.bfloat16"]], [{"rank": rank, "bucket": i} for rank in range(3)]]
              for i in range(3)]
