@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from vime import checkpoint
 from vime.config import RunConfig
 from vime.data import PromptSource, load_rows, prompt_messages
@@ -320,10 +322,10 @@ def run_processes(run_dir: Path, name: str | None = None) -> list[int]:
 
 
 def _parent(pid: int) -> int | None:
-    """The parent of process ``pid`` (/proc/PID/stat's fourth field, after the command in parentheses)."""
+    """The parent of process ``pid``; None once it has gone."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
