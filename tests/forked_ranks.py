@@ -21,6 +21,7 @@ no OpenMP pool whose threads a fork would leave half-copied.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -112,6 +113,7 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
 def _rank(rank: int, count: int, port: int, argv: list[str], log: str) -> None:
     """One rank, in a child of the fork server: torchrun's environment, output to ``log``, then the worker."""
     os.setsid()
+    _die_with_the_fork_server()
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
@@ -125,3 +127,12 @@ def _rank(rank: int, count: int, port: int, argv: list[str], log: str) -> None:
                       TORCHELASTIC_USE_AGENT_STORE="True")  # OMP_NUM_THREADS=1: the fork server's
     torch.set_num_threads(1)
     sys.modules["megatron_tp_worker"].run(argv)
+
+
+def _die_with_the_fork_server() -> None:
+    """Have the kernel kill this rank when the fork server ends, as it does when the test's process dies (it reads
+    EOF from that process's pipe): a rank of a killed pytest worker would otherwise wait on its group for ever."""
+    server = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != server:  # it ended before the line above
+        os._exit(1)

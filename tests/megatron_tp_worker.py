@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -370,7 +371,8 @@ def stall(which: str) -> None:
     dist.init_process_group("gloo")
     if which == "after-rank-0-fails" and dist.get_rank() == 0:
         sys.exit(3)
-    print(f"rank {dist.get_rank()} waits", flush=False)  # not flushed: the log must keep it when the rank is killed
+    # not flushed: the log must keep it when the rank is killed
+    print(f"rank {dist.get_rank()} waits as process {os.getpid()}", flush=False)
     time.sleep(3600)
 
 

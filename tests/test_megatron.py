@@ -1319,17 +1319,25 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     gloo nor NCCL sends) included, bit for bit. Under torchrun itself, as users launch trainer ranks: the one
     multi-rank test that is (the others fork their ranks, ``forked_ranks``)."""
     import dataclasses
+    import os
+    import signal
     import subprocess
     import sys
 
     batch = _batch(seed=0, config=hf_models["qwen3_moe"][0].config)
     sent = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
     torch.save(sent, tmp_path / "batch.pt")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("megatron_tp_worker.py")), "relay-a-batch",
-                           str(tmp_path / "batch.pt"), str(tmp_path / "received.pt")],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 str(Path(__file__).with_name("megatron_tp_worker.py")), "relay-a-batch",
+                                 str(tmp_path / "batch.pt"), str(tmp_path / "received.pt")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = torchrun.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(torchrun.pid, signal.SIGKILL)  # its ranks too: killing torchrun alone would orphan them
+        torchrun.wait()
+        raise
+    assert torchrun.returncode == 0, stderr[-3000:]
     received = torch.load(tmp_path / "received.pt", weights_only=True)
     assert sent["routed_experts"].dtype == torch.int16
     assert all(received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
@@ -1364,6 +1372,54 @@ def test_ranks_still_running_at_the_timeout_are_named_and_ended(tmp_path):
                                              r"\(killed\), rank 1 was still running at the 3 s timeout \(killed\)"):
         run_ranks(2, ["stall", "all"], tmp_path / "logs", timeout=3)
     assert time.monotonic() - started < 60
+
+
+def test_ranks_of_a_killed_test_process_end_with_it(tmp_path):
+    """A pytest worker killed with SIGKILL (CI's watchdog, a user's kill -9) runs no ``finally``: its ranks end
+    anyway, with the fork server that made them, instead of waiting on their group for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    logs = tmp_path / "logs"
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from forked_ranks import run_ranks; "
+              f"run_ranks(2, ['stall', 'all'], __import__('pathlib').Path({str(logs)!r}), timeout=600)")
+    test_process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        ranks = _waiting_ranks(logs, 2, deadline=time.monotonic() + 120)
+    finally:
+        os.killpg(test_process.pid, signal.SIGKILL)  # the test process only: the ranks have sessions of their own
+        test_process.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_running, ranks)):
+        assert time.monotonic() < deadline, f"ranks {ranks} outlived their test process by 30 s"
+        time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _waiting_ranks(logs: Path, count: int, deadline: float) -> list[int]:
+    """The process numbers of the ``stall`` ranks once each has said that it waits."""
+    import re
+    import time
+
+    while True:
+        said = [re.search(r"waits as process (\d+)", log.read_text()) if log.exists() else None
+                for log in (logs / f"rank{rank}.log" for rank in range(count))]
+        if all(said):
+            return [int(match.group(1)) for match in said]
+        assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+        time.sleep(0.2)
 
 
 def test_tensor_parallel_ranks_offer_each_bucket_together_and_stop_together(tmp_path):
