@@ -24,6 +24,7 @@ import vime.rewards
 from vime.algorithms.grpo import GRPOConfig
 from vime.algorithms.policy_loss import PolicyLossConfig
 from vime.algorithms.ppo import PPOConfig
+from vime.backends import hf
 from vime.backends.base import SamplingParams, Sequence, TensorBatch, collate
 from vime.backends.hf import DTYPES, load_tokenizer, scaled_logprobs, token_stats
 from vime.backends.packing import SampleSizes
@@ -387,6 +388,26 @@ def test_bf16_trains_bf16_weights_from_fp32_masters(model):
     assert visible < 0.5 * moved  # most of the update is below a bf16 step, and not lost
     assert all(torch.equal(param, master.to(torch.bfloat16)) for param, master in zip(weights.values(), masters))
     assert all(param.grad is None for param in weights.values())  # gradients live on the masters only
+
+
+@pytest.mark.parametrize("dtype,flags,warned", [("bf16", "fpu sse avx2", True), ("bf16", "avx2 avx512_bf16", False),
+                                                 ("bf16", "avx2 amx_bf16", False), ("fp32", "fpu avx2", False)])
+def test_both_torch_engines_warn_once_of_bf16_on_a_cpu_without_it(model, monkeypatch, tmp_path, dtype, flags,
+                                                                   warned):
+    """Each torch engine says, as it is built, that bf16 on a CPU without bf16 instructions will crawl (torch
+    emulates it) and what to pass instead; not on a CPU that has them, nor in fp32."""
+    import structlog
+
+    folder, _, _ = model
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(hf, "CPUINFO", cpuinfo)
+    with structlog.testing.capture_logs() as logs:
+        TorchRolloutEngine(folder, dtype=dtype)
+        train_engine(folder, dtype=dtype)
+    said = [entry for entry in logs if "bf16 instructions" in entry["event"]]
+    assert len(said) == (2 if warned else 0), logs
+    assert all("--dtype fp32" in entry["event"] and entry["log_level"] == "warning" for entry in said)
 
 
 @pytest.mark.parametrize("updates", [1, 2])

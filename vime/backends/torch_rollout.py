@@ -25,13 +25,14 @@ import torch
 
 from vime.backends import routing_replay
 from vime.backends.base import RolloutEngine, Sequence
-from vime.backends.hf import in_memory_names, load_causal_lm, position_ids, scaled_logprobs
+from vime.backends.hf import in_memory_names, load_causal_lm, position_ids, scaled_logprobs, warn_if_bf16_is_emulated
 from vime.transports.gpu import gpu_uuid
 
 
 class TorchRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_batch_size: int = 1024, seed: int = 0,
                  device: str = "cpu", record_experts: bool = False) -> None:
+        warn_if_bf16_is_emulated(dtype, device)
         self.model = load_causal_lm(model_path, dtype).to(device)
         self.record_experts = record_experts
         if record_experts and not routing_replay.moe_routers(self.model):

@@ -50,7 +50,7 @@ from vime.algorithms.kl import kl_divergence
 from vime.algorithms.policy_loss import PolicyLossConfig, aggregate, batch_normalizer, policy_loss, ratio_anchor
 from vime.backends import routing_replay
 from vime.backends.base import TensorBatch, TrainEngine
-from vime.backends.hf import load_causal_lm, token_stats
+from vime.backends.hf import load_causal_lm, token_stats, warn_if_bf16_is_emulated
 from vime.backends.master_weights import MasterWeights, to_bf16
 from vime.backends.packing import MicroBatch, ModelInputs, SampleSizes, on_device, packed_inputs, padded_inputs
 from vime.config import OptimConfig
@@ -86,6 +86,7 @@ class TorchTrainEngine(TrainEngine):
         self.grpo, self.ppo = grpo_config, ppo_config
         self.temperature = temperature
         self.device = device
+        warn_if_bf16_is_emulated(dtype, device)
         self.weight_version = 0
         self.replica = (0, 1)  # (which, of how many) data-parallel copies of this trainer: each trains its share
         self.layout: dict[str, Any] = {"train_backend": "torch"}  # what wrote a checkpoint: the backend, its ranks
