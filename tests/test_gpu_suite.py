@@ -1,0 +1,134 @@
+"""bench/gpu_suite.py, the plan of a device session: its jobs name commands of today (each bench's own flags, a
+TRL layout that passes the scenario's --dry-run, -k expressions that select GPU tests, every GPU test
+selected), and its runner runs the lanes side by side, the benches after them, kills a job at its limit with all
+it started, and on a second start runs only what has not passed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_bench_records import FLAG
+
+from vime.devtools.make_tiny_model import make_tiny_model
+from vime.devtools.shared_data import shared_data
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_suite as suite  # noqa: E402
+
+PLANS = {gib: suite.plan(gib, Path("/data"), Path("/run"), Path("/old-tree")) for gib in (80, 141)}
+
+
+@pytest.mark.parametrize("gib", sorted(PLANS))
+def test_every_bench_job_names_only_its_scripts_flags(gib):
+    for job in PLANS[gib]:
+        if job.argv[0].startswith("bench/"):
+            own = job.argv[:job.argv.index("--")] if "--" in job.argv else job.argv
+            source = (ROOT / job.argv[0]).read_text()
+            assert not [flag for flag in own if FLAG.fullmatch(flag) and f'"{flag}"' not in source], job
+
+
+@pytest.mark.parametrize("gib", sorted(PLANS))
+def test_the_trl_layout_of_each_card_passes_the_scenarios_dry_run(gib, tmp_path):
+    """What e2e.py hands the scenario (its flags after ``--``, a tiny model in place of the 0.6B one), with the
+    ``--steps``/``--max-staleness``/``--out`` e2e.py adds."""
+    data = shared_data()
+    if not (data / "gsm8k" / "train.jsonl").is_file() or not (data / "qwen3-tokenizer").is_dir():
+        pytest.skip(f"the shared data folder ({data}) with GSM8K and the Qwen3 tokenizer is absent here")
+    (job,) = [job for job in PLANS[gib] if job.name == "e2e-trl"]
+    scenario = job.argv[job.argv.index("--") + 1:]
+    model = make_tiny_model("qwen3", data / "qwen3-tokenizer", tmp_path / "model", seed=0)  # for the real m06
+    scenario = [str(model) if scenario[at - 1] == "--model-path" else arg.replace("/data", str(data))
+                for at, arg in enumerate(scenario)]
+    done = subprocess.run([sys.executable, "-m", "vime.scenario", "qwen3_4b_gsm8k", *scenario, "--steps", "7",
+                           "--max-staleness", "0", "--out", str(tmp_path / "run"), "--dry-run"],
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_test_jobs_select_every_gpu_test_and_each_selects_some():
+    """One collection of the GPU tests of every file that has them; each job's ``-k`` (``a or b``, ``a and b``:
+    substrings of the test's id, as pytest matches them) must select some, and the jobs all of them."""
+    files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+                   if "@pytest.mark.gpu" in path.read_text())
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                             "no:cacheprovider", "-m", "gpu", *files], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    collected = {line for line in listed.stdout.splitlines() if "::" in line}
+    assert collected, listed.stdout[-3000:] + listed.stderr[-3000:]
+    for gib, jobs in PLANS.items():
+        selected: set[str] = set()
+        for job in jobs:
+            if job.argv[:2] == ["-m", "pytest"]:
+                chosen = {test for test in collected if test.split("::")[0] in job.argv and _matches(job, test)}
+                assert chosen, (gib, job.name)
+                selected |= chosen
+        assert sorted(collected - selected) == [], gib
+
+
+def _matches(job, test: str) -> bool:
+    """Whether ``-k``, in the two forms the suite uses, selects the test id ``test``."""
+    if "-k" not in job.argv:
+        return True
+    expression = job.argv[job.argv.index("-k") + 1]
+    assert re.fullmatch(r"\w+( (and|or) \w+)*", expression) and not (" and " in expression and " or " in expression)
+    words = re.split(r" (?:and|or) ", expression)
+    found = [word.lower() in test.lower() for word in words]
+    return all(found) if " and " in expression else any(found)
+
+
+def _step(name: str, lane: str, code: str, timeout_s: int = 60):
+    return suite.Job(name, lane, ["-c", code], timeout_s)
+
+
+def test_the_runner_runs_lanes_side_by_side_then_the_benches_kills_at_the_limit_and_reruns_only_failures(tmp_path):
+    """A bench that exits 0 with a row that failed has not passed; one whose model was not made is skipped."""
+    run = tmp_path / "run"
+    grandchild = tmp_path / "grandchild.pid"
+    stamp = "import time, pathlib; pathlib.Path({!r}).write_text(str(time.time())); "
+    jobs = [
+        _step("passes", "a", stamp.format(str(tmp_path / "passes")) + "time.sleep(1)"),
+        _step("fails", "a", "import sys; sys.exit(3)"),
+        _step("hangs", "b", "import pathlib, subprocess, time; "
+              f"pathlib.Path({str(grandchild)!r}).write_text(str(subprocess.Popen(['sleep', '600']).pid)); "
+              "time.sleep(600)", timeout_s=2),
+        _step("bench", suite.BENCH_LANE, stamp.format(str(tmp_path / "bench"))),
+        _step("bench-part-failed", suite.BENCH_LANE, "import json, pathlib; "
+              f"pathlib.Path({str(run / 'results' / 'bench-part-failed.json')!r}).write_text(json.dumps("
+              "{'rows': [{'shape': '4b', 'error': 'CUDA out of memory'}, {'shape': '0.6b'}]}))"),
+        suite.Job("bench-without-its-model", suite.BENCH_LANE, ["-c", "pass"], 60, needs=str(tmp_path / "model")),
+    ]
+    (run / "results").mkdir(parents=True)
+    started = time.monotonic()
+    suite.run_jobs(jobs, run, dict(os.environ))
+    assert time.monotonic() - started < 30
+    rows = {row["name"]: row for row in suite.outcomes(jobs, run)}
+    assert {name: (row["state"], row.get("rc"), row.get("error_rows")) for name, row in rows.items()} == {
+        "passes": ("ended", 0, 0), "fails": ("ended", 3, 0), "hangs": ("killed at its 2 s limit", -9, 0),
+        "bench": ("ended", 0, 0), "bench-part-failed": ("ended", 0, 1),
+        "bench-without-its-model": (f"skipped: no {tmp_path / 'model'}", None, None)}
+    assert rows["hangs"]["started"] < rows["passes"]["started"] + rows["passes"]["seconds"]  # side by side
+    assert float((tmp_path / "bench").read_text()) >= rows["hangs"]["started"] + 2  # after every lane
+    assert not _running(int(grandchild.read_text()))  # the job's whole session was killed
+    assert json.loads((run / "suite.json").read_text())["jobs"][0]["name"] == "passes"
+    first = (tmp_path / "passes").read_text()
+    suite.run_jobs(jobs, run, dict(os.environ))
+    assert (tmp_path / "passes").read_text() == first  # a job that passed is not run again
+    again = {row["name"]: row for row in suite.outcomes(jobs, run)}
+    assert [name for name in again if again[name].get("started") != rows[name].get("started")] == [
+        "fails", "hangs", "bench-part-failed"]  # what had not passed, and only that
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
