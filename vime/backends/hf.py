@@ -18,7 +18,6 @@ import structlog
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CPUINFO = Path("/proc/cpuinfo")  # where Linux lists the CPU's instruction sets (its "flags" or "Features")
 
 
 def check_model_folder(path: str | Path, *, tokenizer: bool = True, weights: bool = True,
@@ -88,24 +87,21 @@ def load_causal_lm(path: str | Path, dtype: str = "fp32") -> torch.nn.Module:
 
 
 def warn_if_bf16_is_emulated(dtype: str, device: str) -> None:
-    """Warn, as a torch engine is built, that ``--dtype bf16`` on this CPU will be slow: without bf16
-    instructions (x86's avx512_bf16 or amx_bf16, Arm's bf16) torch emulates its matrix products, which made a
-    step of the tests' tiny Qwen3 (a 151,680-token output layer) 10 times longer than in fp32 on CI's AVX2 CPU.
-    The run is still right; nothing else would tell its user why it crawls."""
-    if dtype == "bf16" and torch.device(device).type == "cpu" and not cpu_has_bf16():
-        structlog.get_logger().warning("--dtype bf16 on a CPU without bf16 instructions (its flags have no "
-                                       "avx512_bf16, amx_bf16 or bf16): torch emulates bf16 matrix products, "
-                                       "several times slower than fp32; pass --dtype fp32 for CPU runs",
-                                       device=device)
+    """Warn, as a torch engine is built, that ``--dtype bf16`` on this CPU will be slow: where oneDNN cannot
+    multiply bf16 (x86 without AVX-512 or AMX, Arm without its bf16 instructions) torch falls back to a slow
+    path, which made a step of the tests' tiny Qwen3 (a 151,680-token output layer) 10 times longer than in fp32
+    on CI's AVX2 CPU. The run is still right; nothing else would tell its user why it crawls."""
+    if dtype == "bf16" and torch.device(device).type == "cpu" and not cpu_multiplies_bf16():
+        structlog.get_logger().warning("--dtype bf16 on a CPU that cannot multiply bf16 (no AVX-512 or AMX; on Arm, "
+                                       "no bf16 instructions): torch emulates it, several times slower than fp32; "
+                                       "pass --dtype fp32 for CPU runs", device=device)
 
 
-def cpu_has_bf16() -> bool:
-    """Whether /proc/cpuinfo lists a bf16 instruction set; True where it cannot be read (no warning unfounded)."""
-    try:
-        words = set(CPUINFO.read_text().split())
-    except OSError:
-        return True
-    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+def cpu_multiplies_bf16() -> bool:
+    """Whether torch's bf16 matrix products run on oneDNN here: the check torch makes itself before taking that
+    path. True where this torch cannot say (no warning without evidence)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return True if check is None else bool(check())
 
 
 def load_tokenizer(path: str | Path):
