@@ -28,11 +28,11 @@ as long as they take, while each call of the device tool brings a fresh copy of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tarfile
@@ -40,10 +40,13 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 BIG_GIB = 120  # a card at least this large runs the H200 plan
 BENCH_LANE = "bench"  # the second phase: its jobs run one at a time, after every test lane has ended
 PACKED = ("suite.json", "runner.log", "logs", "results")  # what ``wait --pack`` archives (not the models or runs)
+JOB_MARK = "VIME_GPU_SUITE_JOB"  # in the environment of every process a job starts, for killing them all after it
 PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rA", "-v", "-m", "gpu"]
 TRL = ["--data", "{data}/gsm8k/train.jsonl", "--train-backend", "megatron", "--rollout-backend", "vllm",
        "--dtype", "bf16", "--actor-num-gpus-per-node", "1", "--colocate", "--eval-every", "0", "--save-every", "0",
@@ -71,7 +74,7 @@ class Job:
     argv: list[str]
     timeout_s: int
     tree: str = str(ROOT)
-    needs: str = ""  # a file an earlier job makes; without it the job is skipped, not run to fail
+    needs: str = ""  # an earlier job that must have passed (it makes a model this one loads); else skipped
 
 
 def plan(gib: float, data: Path, run: Path, baseline: Path | None = None) -> list[Job]:
@@ -98,7 +101,7 @@ def plan(gib: float, data: Path, run: Path, baseline: Path | None = None) -> lis
             "bench/e2e.py", "--placement", "colocated-1gpu", "--settings", label, "--max-staleness", "0",
             "--steps", "7", "--warmup", "1", "--timeout", "420", "--out", str(run / "runs" / f"e2e-trl{suffix}"),
             "--json", str(run / "results" / f"e2e-trl{suffix}.json"), "--", "--model-path", str(m06),
-            *[arg.format(data=data) for arg in TRL], *layout], 540, tree, str(m06 / "config.json")))
+            *[arg.format(data=data) for arg in TRL], *layout], 540, tree, "model-0.6b"))
     for suffix, tree in trees:
         jobs.append(_bench(run, f"rollout-bf16{suffix}", ["bench/rollout.py", "--models", "0.6b"], 540, tree))
     jobs += [
@@ -109,7 +112,7 @@ def plan(gib: float, data: Path, run: Path, baseline: Path | None = None) -> lis
         *([_bench(run, "train-packed-4b", ["bench/train.py", "--shapes", "4b", "--backends", "megatron", "--mix",
                                            "dapo", "--max-tokens-per-gpu", "16384"], 600)] if big else []),
         _bench(run, "train-step-ppo", ["bench/train_step.py", "--model-path", str(m06), "--algos", "grpo", "ppo",
-                                       "--micro-batch-sizes", "16"], 540, needs=str(m06 / "config.json")),
+                                       "--micro-batch-sizes", "16"], 540, needs="model-0.6b"),
         _bench(run, "memory-300", ["bench/memory.py", "--out", str(run / "runs" / "memory"), "--run", "awake", "--",
                                    "arithmetic", "--train-backend", "megatron", "--rollout-backend", "vllm", "--dtype",
                                    "bf16", "--actor-num-gpus-per-node", "1", "--colocate",
@@ -127,6 +130,8 @@ def _bench(run: Path, name: str, argv: list[str], timeout_s: int, tree: str = st
 
 def run_jobs(jobs: list[Job], run: Path, env: dict[str, str]) -> None:
     """Every job that has not passed in ``run`` before: the test lanes side by side, then the bench lane."""
+    for folder in ("jobs", "logs", "results"):
+        (run / folder).mkdir(parents=True, exist_ok=True)
     lanes: dict[str, list[Job]] = {}
     for job in jobs:
         lanes.setdefault(job.lane, []).append(job)
@@ -141,43 +146,65 @@ def run_jobs(jobs: list[Job], run: Path, env: dict[str, str]) -> None:
 
 def _run_lane(jobs: list[Job], run: Path, env: dict[str, str]) -> None:
     for job in jobs:
-        done = _outcome(run, job.name)
-        if done.get("rc") == 0 and not done.get("error_rows"):
+        if _passed(run, job.name):
             continue
-        if job.needs and not Path(job.needs).exists():
-            _record(run, job.name, {"name": job.name, "lane": job.lane, "state": f"skipped: no {job.needs}"})
+        if job.needs and not _passed(run, job.needs):
+            _record(run, job.name, {"name": job.name, "lane": job.lane,
+                                    "state": f"skipped: {job.needs} has not passed"})
         else:
             _run_job(job, run, env)
 
 
+def _passed(run: Path, name: str) -> bool:
+    done = _outcome(run, name)
+    return done.get("rc") == 0 and not done.get("failed_parts")
+
+
 def _run_job(job: Job, run: Path, env: dict[str, str]) -> None:
-    """Run one job in a session of its own (killed whole at its time limit) and record its outcome."""
-    (run / "logs").mkdir(parents=True, exist_ok=True)
-    (run / "jobs").mkdir(exist_ok=True)
+    """Run one job and record its outcome. Whatever it started ends with it, at its limit or when it exits: the
+    processes that carry its mark in their environment (a scenario's actors, torchrun's ranks and vLLM's engine
+    cores make sessions of their own), so that no straggler holds the GPU into the next job."""
     started = time.time()
+    results = run / "results" / f"{job.name}.json"
+    results.unlink(missing_ok=True)  # a rerun that dies before writing must not count the last run's
+    mark = f"{job.name}-{os.getpid()}-{started}"
     record = {"name": job.name, "lane": job.lane, "tree": job.tree, "started": started,
               "command": shlex.join(["python3", *job.argv])}
     _record(run, job.name, {**record, "state": "running"})
     with open(run / "logs" / f"{job.name}.log", "w") as log:
         process = subprocess.Popen([sys.executable, *job.argv], cwd=job.tree, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [job.tree,
-                                                                                         env.get("PYTHONPATH")]))},
-                                   start_new_session=True)
+                                   env={**env, JOB_MARK: mark, "PYTHONPATH": os.pathsep.join(
+                                       filter(None, [job.tree, env.get("PYTHONPATH")]))})
         try:
             rc, state = process.wait(timeout=job.timeout_s), "ended"
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            rc, state = process.wait(), f"killed at its {job.timeout_s} s limit"
+            rc, state = None, f"killed at its {job.timeout_s} s limit"
+        _kill_marked(mark)
+        rc = process.wait() if rc is None else rc
     _record(run, job.name, {**record, "state": state, "rc": rc, "seconds": round(time.time() - started, 1),
-                            "error_rows": _error_rows(run / "results" / f"{job.name}.json")})
+                            "failed_parts": _failed_parts(results)})
 
 
-def _error_rows(results: Path) -> int:
-    """How many rows of a bench's JSON record a failed part (an ``error`` key, at any depth)."""
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment holds ``JOB_MARK=mark``."""
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(JOB_MARK) == mark:
+                process.kill()
+
+
+def _failed_parts(results: Path) -> int:
+    """How many parts of a bench's JSON failed, at any depth: an ``error`` (or ``*_error``) entry, a run that
+    exited non-zero, timed out or did not complete. The benches record these and still exit 0."""
     def count(value: object) -> int:
-        if isinstance(value, dict):
-            return int("error" in value) + sum(map(count, value.values()))
-        return sum(map(count, value)) if isinstance(value, list) else 0
+        if isinstance(value, list):
+            return sum(map(count, value))
+        if not isinstance(value, dict):
+            return 0
+        failed = (any(key.endswith("error") and item for key, item in value.items())
+                  or value.get("exit_code") not in (0, None) or value.get("timed_out") is True
+                  or value.get("complete") is False)
+        return int(failed) + sum(map(count, value.values()))
 
     try:
         return count(json.loads(results.read_text()))
@@ -233,7 +260,7 @@ def main() -> int:
     if args.action in ("start", "plan"):
         if args.data_dir is None:
             parser.error(f"{args.action} needs --data-dir")
-        chosen = {"data": str(args.data_dir.resolve()), "jobs": args.jobs, "gib": args.gib or _card_gib(),
+        chosen = {"data": str(args.data_dir.resolve()), "jobs": args.jobs, "gib": args.gib or _card_gib(parser),
                   "baseline": args.baseline_tree and str(args.baseline_tree.resolve())}
     elif settings.is_file():
         chosen = json.loads(settings.read_text())
@@ -244,22 +271,30 @@ def main() -> int:
         for job in jobs:
             print(f"{job.lane:<6} {job.timeout_s:>4} s  {job.name}: {shlex.join(['python3', *job.argv])}")
     elif args.action == "start":
+        if _runner_alive(run):
+            parser.error(f"the suite's runner in {run} is still running: `wait` for it, or kill it first")
         run.mkdir(parents=True, exist_ok=True)
         settings.write_text(json.dumps(chosen))
-        (run / "done").unlink(missing_ok=True)  # a ``wait`` from now on follows this run, not the last one
         with open(run / "runner.log", "a") as log:
             runner = subprocess.Popen([sys.executable, __file__, "run", "--out", str(run)], stdout=log,
                                       stderr=subprocess.STDOUT, env={**os.environ, "VIME_SHARED_DATA": chosen["data"]},
                                       start_new_session=True)
+        (run / "runner.pid").write_text(str(runner.pid))
         print(f"started the suite's runner (process {runner.pid}) on a {chosen['gib']:.0f} GiB card: {len(jobs)} jobs")
     elif args.action == "run":
-        try:
-            run_jobs(jobs, run, dict(os.environ))
-        finally:
-            (run / "done").touch()
+        run_jobs(jobs, run, dict(os.environ))
     else:
         _follow(jobs, run, args.seconds, args.pack)
     return 0
+
+
+def _runner_alive(run: Path) -> bool:
+    """Whether the runner that ``start`` last launched on ``run`` is still running."""
+    try:
+        runner = psutil.Process(int((run / "runner.pid").read_text()))
+        return runner.status() != psutil.STATUS_ZOMBIE and "gpu_suite" in " ".join(runner.cmdline())
+    except (OSError, ValueError, psutil.Error):
+        return False
 
 
 def _chosen_jobs(chosen: dict, run: Path, parser: argparse.ArgumentParser) -> list[Job]:
@@ -275,25 +310,31 @@ def _chosen_jobs(chosen: dict, run: Path, parser: argparse.ArgumentParser) -> li
 
 
 def _follow(jobs: list[Job], run: Path, seconds: float, archive: Path | None) -> None:
-    """Wait up to ``seconds`` for the runner, packing every 20 s; then the table."""
-    deadline = time.monotonic() + seconds
-    while not (run / "done").exists() and time.monotonic() < deadline:
-        time.sleep(min(20.0, max(0.0, deadline - time.monotonic())))
-        if archive:
+    """Wait up to ``seconds`` for the runner to end, packing every 20 s; then the table."""
+    packed = time.monotonic()
+    deadline = packed + seconds
+    while _runner_alive(run) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        if archive and time.monotonic() - packed >= 20:
             outcomes(jobs, run)
             pack(run, archive)
-    print("the suite has ended" if (run / "done").exists() else f"the suite is still running after {seconds:.0f} s")
+            packed = time.monotonic()
+    running = [row["name"] for row in outcomes(jobs, run) if row["state"] == "running"]
+    print(f"the suite is still running after {seconds:.0f} s" if _runner_alive(run) else
+          f"the runner died with {running} running: see {run / 'runner.log'}" if running else "the suite has ended")
     for row in outcomes(jobs, run):
-        errors = f", {row['error_rows']} error rows" if row.get("error_rows") else ""
+        errors = f", {row['failed_parts']} failed parts" if row.get("failed_parts") else ""
         print(f"{row['name']:<24} {row['lane']:<6} {str(row.get('rc', '')):>4} {row.get('seconds', ''):>8} "
               f"{row['state']}{errors}")
     if archive:
         pack(run, archive)
 
 
-def _card_gib() -> float:
+def _card_gib(parser: argparse.ArgumentParser) -> float:
     import torch
 
+    if not torch.cuda.is_available():
+        parser.error("no GPU here: pass --gib to plan for a card of that size")
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 

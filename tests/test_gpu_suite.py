@@ -1,7 +1,7 @@
 """bench/gpu_suite.py, the plan of a device session: its jobs name commands of today (each bench's own flags, a
 TRL layout that passes the scenario's --dry-run, -k expressions that select GPU tests, every GPU test
-selected), and its runner runs the lanes side by side, the benches after them, kills a job at its limit with all
-it started, and on a second start runs only what has not passed."""
+selected once), and its runner runs the lanes side by side, the benches after them, ends whatever a job started,
+and on a second start runs only what has not passed; ``start`` and ``wait`` as a device session calls them."""
 
 from __future__ import annotations
 
@@ -58,20 +58,21 @@ def test_the_test_jobs_select_every_gpu_test_and_each_selects_some():
     """One collection of the GPU tests of every file that has them; each job's ``-k`` (``a or b``, ``a and b``:
     substrings of the test's id, as pytest matches them) must select some, and the jobs all of them."""
     files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
-                   if "@pytest.mark.gpu" in path.read_text())
+                   if "mark.gpu" in path.read_text())
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
                              "no:cacheprovider", "-m", "gpu", *files], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     collected = {line for line in listed.stdout.splitlines() if "::" in line}
     assert collected, listed.stdout[-3000:] + listed.stderr[-3000:]
     for gib, jobs in PLANS.items():
-        selected: set[str] = set()
+        selected: list[str] = []
         for job in jobs:
             if job.argv[:2] == ["-m", "pytest"]:
-                chosen = {test for test in collected if test.split("::")[0] in job.argv and _matches(job, test)}
+                chosen = [test for test in collected if test.split("::")[0] in job.argv and _matches(job, test)]
                 assert chosen, (gib, job.name)
-                selected |= chosen
-        assert sorted(collected - selected) == [], gib
+                selected += chosen
+        assert sorted(collected - set(selected)) == [], gib  # every GPU test runs
+        assert len(selected) == len(set(selected)), gib  # and once: two jobs at once would run it twice
 
 
 def _matches(job, test: str) -> bool:
@@ -90,41 +91,65 @@ def _step(name: str, lane: str, code: str, timeout_s: int = 60):
 
 
 def test_the_runner_runs_lanes_side_by_side_then_the_benches_kills_at_the_limit_and_reruns_only_failures(tmp_path):
-    """A bench that exits 0 with a row that failed has not passed; one whose model was not made is skipped."""
+    """Whatever a job started ends with it, in a session of its own too; a bench that exits 0 with a part that
+    failed has not passed; a job whose prerequisite has not passed is skipped."""
     run = tmp_path / "run"
-    grandchild = tmp_path / "grandchild.pid"
+    escaped, hung = tmp_path / "escaped.pid", tmp_path / "hung.pid"
     stamp = "import time, pathlib; pathlib.Path({!r}).write_text(str(time.time())); "
+    start_sleep = ("import pathlib, subprocess; pathlib.Path({!r}).write_text(str(subprocess.Popen(['sleep', '600'], "
+                   "start_new_session={}).pid)); ")
     jobs = [
         _step("passes", "a", stamp.format(str(tmp_path / "passes")) + "time.sleep(1)"),
         _step("fails", "a", "import sys; sys.exit(3)"),
-        _step("hangs", "b", "import pathlib, subprocess, time; "
-              f"pathlib.Path({str(grandchild)!r}).write_text(str(subprocess.Popen(['sleep', '600']).pid)); "
-              "time.sleep(600)", timeout_s=2),
-        _step("bench", suite.BENCH_LANE, stamp.format(str(tmp_path / "bench"))),
-        _step("bench-part-failed", suite.BENCH_LANE, "import json, pathlib; "
-              f"pathlib.Path({str(run / 'results' / 'bench-part-failed.json')!r}).write_text(json.dumps("
-              "{'rows': [{'shape': '4b', 'error': 'CUDA out of memory'}, {'shape': '0.6b'}]}))"),
-        suite.Job("bench-without-its-model", suite.BENCH_LANE, ["-c", "pass"], 60, needs=str(tmp_path / "model")),
+        _step("hangs", "b", start_sleep.format(str(hung), False) + "import time; time.sleep(600)", timeout_s=2),
+        _step("bench", suite.BENCH_LANE, stamp.format(str(tmp_path / "bench"))
+              + start_sleep.format(str(escaped), True)),
+        _step("bench-parts-failed", suite.BENCH_LANE, "import json, pathlib; "
+              f"pathlib.Path({str(run / 'results' / 'bench-parts-failed.json')!r}).write_text(json.dumps("
+              "{'rows': [{'shape': '4b', 'error': 'CUDA out of memory'}, {'shape': '0.6b', 'vime_error': ''}, "
+              "{'settings': 'trl', 'complete': False, 'exit_code': 0}]}))"),
+        suite.Job("bench-after-a-failure", suite.BENCH_LANE, ["-c", "pass"], 60, needs="fails"),
     ]
-    (run / "results").mkdir(parents=True)
     started = time.monotonic()
     suite.run_jobs(jobs, run, dict(os.environ))
     assert time.monotonic() - started < 30
     rows = {row["name"]: row for row in suite.outcomes(jobs, run)}
-    assert {name: (row["state"], row.get("rc"), row.get("error_rows")) for name, row in rows.items()} == {
+    assert {name: (row["state"], row.get("rc"), row.get("failed_parts")) for name, row in rows.items()} == {
         "passes": ("ended", 0, 0), "fails": ("ended", 3, 0), "hangs": ("killed at its 2 s limit", -9, 0),
-        "bench": ("ended", 0, 0), "bench-part-failed": ("ended", 0, 1),
-        "bench-without-its-model": (f"skipped: no {tmp_path / 'model'}", None, None)}
+        "bench": ("ended", 0, 0), "bench-parts-failed": ("ended", 0, 2),
+        "bench-after-a-failure": ("skipped: fails has not passed", None, None)}
     assert rows["hangs"]["started"] < rows["passes"]["started"] + rows["passes"]["seconds"]  # side by side
     assert float((tmp_path / "bench").read_text()) >= rows["hangs"]["started"] + 2  # after every lane
-    assert not _running(int(grandchild.read_text()))  # the job's whole session was killed
+    assert not _running(int(hung.read_text())) and not _running(int(escaped.read_text()))
     assert json.loads((run / "suite.json").read_text())["jobs"][0]["name"] == "passes"
     first = (tmp_path / "passes").read_text()
     suite.run_jobs(jobs, run, dict(os.environ))
     assert (tmp_path / "passes").read_text() == first  # a job that passed is not run again
     again = {row["name"]: row for row in suite.outcomes(jobs, run)}
     assert [name for name in again if again[name].get("started") != rows[name].get("started")] == [
-        "fails", "hangs", "bench-part-failed"]  # what had not passed, and only that
+        "fails", "hangs", "bench-parts-failed"]  # what had not passed, and only that
+
+
+def test_start_and_wait_on_a_fresh_folder_follow_the_run_to_its_end_and_pack_it(tmp_path):
+    """The command line as a device session uses it: ``start`` returns at once, ``wait`` follows the detached
+    runner to its end and packs the table; here the one job chosen is skipped, its model never made."""
+    import tarfile
+
+    run = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "bench" / "gpu_suite.py")]
+    started = subprocess.run([*command, "start", "--out", str(run), "--data-dir", str(tmp_path), "--gib", "80",
+                              "--jobs", "e2e-trl"], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0 and "1 jobs" in started.stdout, started.stderr
+    waited = subprocess.run([*command, "wait", "--out", str(run), "--seconds", "60", "--pack",
+                             str(tmp_path / "suite.tgz")], capture_output=True, text=True, timeout=120)
+    assert waited.returncode == 0 and "the suite has ended" in waited.stdout, waited.stdout + waited.stderr
+    assert "skipped: model-0.6b has not passed" in waited.stdout
+    with tarfile.open(tmp_path / "suite.tgz") as archive:
+        table = json.load(archive.extractfile("suite.json"))
+    assert [(job["name"], job["state"]) for job in table["jobs"]] == [("e2e-trl", "skipped: model-0.6b has not passed")]
+    again = subprocess.run([*command, "plan", "--out", str(run), "--data-dir", str(tmp_path), "--jobs", "nothing",
+                            "--gib", "80"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--jobs ['nothing']: not in this card's plan" in again.stderr
 
 
 def _running(pid: int) -> bool:
