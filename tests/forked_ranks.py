@@ -130,9 +130,12 @@ def _rank(rank: int, count: int, port: int, argv: list[str], log: str) -> None:
 
 
 def _die_with_the_fork_server() -> None:
-    """Have the kernel kill this rank when the fork server ends, as it does when the test's process dies (it reads
-    EOF from that process's pipe): a rank of a killed pytest worker would otherwise wait on its group for ever."""
+    """Have the kernel kill this rank when the fork server ends, as it does when the test's process dies: a rank
+    of a killed pytest worker would otherwise wait on its group for ever. The server ends when it reads EOF from
+    the test process's pipe, whose write end every child of the server inherits; so the rank closes its copy,
+    after the kill is armed (the server may end as soon as it is closed)."""
     server = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != server:  # it ended before the line above
         os._exit(1)
+    os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)

@@ -1319,7 +1319,6 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     gloo nor NCCL sends) included, bit for bit. Under torchrun itself, as users launch trainer ranks: the one
     multi-rank test that is (the others fork their ranks, ``forked_ranks``)."""
     import dataclasses
-    import os
     import signal
     import subprocess
     import sys
@@ -1330,13 +1329,13 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  str(Path(__file__).with_name("megatron_tp_worker.py")), "relay-a-batch",
                                  str(tmp_path / "batch.pt"), str(tmp_path / "received.pt")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = torchrun.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(torchrun.pid, signal.SIGKILL)  # its ranks too: killing torchrun alone would orphan them
-        torchrun.wait()
-        raise
+        torchrun.send_signal(signal.SIGTERM)  # its agent stops its ranks (each in a session of its own), then exits
+        _, stderr = torchrun.communicate(timeout=60)
+        raise AssertionError(f"torchrun's ranks did not end within 120 s:\n{stderr[-3000:]}") from None
     assert torchrun.returncode == 0, stderr[-3000:]
     received = torch.load(tmp_path / "received.pt", weights_only=True)
     assert sent["routed_experts"].dtype == torch.int16
@@ -1377,6 +1376,7 @@ def test_ranks_still_running_at_the_timeout_are_named_and_ended(tmp_path):
 def test_ranks_of_a_killed_test_process_end_with_it(tmp_path):
     """A pytest worker killed with SIGKILL (CI's watchdog, a user's kill -9) runs no ``finally``: its ranks end
     anyway, with the fork server that made them, instead of waiting on their group for ever."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -1387,15 +1387,20 @@ def test_ranks_of_a_killed_test_process_end_with_it(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from forked_ranks import run_ranks; "
               f"run_ranks(2, ['stall', 'all'], __import__('pathlib').Path({str(logs)!r}), timeout=600)")
     test_process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    ranks: list[int] = []
     try:
-        ranks = _waiting_ranks(logs, 2, deadline=time.monotonic() + 120)
-    finally:
-        os.killpg(test_process.pid, signal.SIGKILL)  # the test process only: the ranks have sessions of their own
+        ranks = _waiting_ranks(logs, 2, test_process, deadline=time.monotonic() + 240)
+        test_process.kill()  # that process alone: its fork server must notice, and its ranks die with that
         test_process.wait()
-    deadline = time.monotonic() + 30
-    while any(map(_running, ranks)):
-        assert time.monotonic() < deadline, f"ranks {ranks} outlived their test process by 30 s"
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while any(map(_running, ranks)):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived their test process by 30 s"
+            time.sleep(0.2)
+    finally:  # what is left when the test fails: the fork server (in the test process's group), the ranks
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(test_process.pid, signal.SIGKILL)
+        for pid in filter(_running, ranks):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:
@@ -1408,7 +1413,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _waiting_ranks(logs: Path, count: int, deadline: float) -> list[int]:
+def _waiting_ranks(logs: Path, count: int, test_process, deadline: float) -> list[int]:
     """The process numbers of the ``stall`` ranks once each has said that it waits."""
     import re
     import time
@@ -1418,7 +1423,8 @@ def _waiting_ranks(logs: Path, count: int, deadline: float) -> list[int]:
                 for log in (logs / f"rank{rank}.log" for rank in range(count))]
         if all(said):
             return [int(match.group(1)) for match in said]
-        assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+        assert test_process.poll() is None, f"the test process exited with {test_process.returncode}"
+        assert time.monotonic() < deadline, "the ranks did not start within 240 s"
         time.sleep(0.2)
 
 
