@@ -159,6 +159,38 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+_SCENARIO_MAINS = """
+import contextlib, io, json, sys
+from vime import scenario
+said = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = scenario.main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    said.append([code, err.getvalue()])
+print(json.dumps(said))
+"""
+
+
+def scenario_mains(argvs: list[list[str]], env: dict[str, str] | None = None) -> list[tuple[int, str]]:
+    """``python -m vime.scenario ARGV`` for each of ``argvs`` in turn, in one process of their own: (exit code,
+    what it wrote to stderr) for each. For commands that end before any actor starts (a refusal, ``--dry-run``):
+    each in a process of its own would import torch, and vLLM and megatron-core where the settings name them,
+    again (5 to 20 s each on CI's machine); in this process (pytest's), the command line would configure its
+    logging for good."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SCENARIO_MAINS, json.dumps(argvs)], env=env, capture_output=True,
+                          text=True, timeout=60 + 30 * len(argvs))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(code, said) for code, said in json.loads(done.stdout.splitlines()[-1])]
+
+
 def every_sample(batch: Any) -> Any:
     """Every sample of ``batch`` (a TensorBatch) as one micro-batch on its device, for a trainer's single pass
     outside a step (its sizes read from the device, as a step reads them once)."""

@@ -11,12 +11,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from conftest import scenario_mains
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 BENCH = RESULTS.parent
@@ -72,42 +72,20 @@ def test_a_recorded_bench_command_names_only_its_scripts_flags(record, script, c
 
 
 SCENARIO_COMMANDS = list(_scenario_commands().values())
-DRY_RUNS = """
-import contextlib, io, json, sys
-from vime import scenario
-said = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = scenario.main(argv)
-        except SystemExit as exit:
-            code = exit.code
-    said.append([code, err.getvalue()[-3000:]])
-print(json.dumps(said))
-"""
-
-
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory) -> list[tuple[int, str]]:
-    """Each recorded scenario command's ``--dry-run`` (exit code, what it said on stderr), all in one process of
-    their own: the command line configures the process's logging for good, and a process per command would
-    import vLLM and megatron-core again each time (about 20 s each on CI's machine)."""
+    """Each recorded scenario command's ``--dry-run``: (exit code, what it said on stderr)."""
     dropped = {"--model-path", "--out"}  # a folder of the machine it ran on; --dry-run would look for it
     argvs = [[arg for at, arg in enumerate(argv) if arg not in dropped and (at == 0 or argv[at - 1] not in dropped)]
              + ["--out", str(tmp_path_factory.mktemp("dry-run") / "run"), "--dry-run"]
              for _, argv in SCENARIO_COMMANDS]
-    done = subprocess.run([sys.executable, "-c", DRY_RUNS, json.dumps(argvs)],
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},  # placed as on the one GPU they ran on
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return scenario_mains(argvs, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})  # as on the one GPU they ran on
 
 
 @pytest.mark.parametrize("at", range(len(SCENARIO_COMMANDS)), ids=[record for record, _ in SCENARIO_COMMANDS])
 def test_a_recorded_scenario_command_parses_at_head(at, dry_runs):
     code, said = dry_runs[at]
-    assert code == 0, (SCENARIO_COMMANDS[at], said)
+    assert code == 0, (SCENARIO_COMMANDS[at], said[-3000:])
 
 
 def test_no_record_names_a_path_of_a_checkout():

@@ -17,6 +17,7 @@ import pytest
 import trio
 from structlog.testing import capture_logs
 
+from conftest import scenario_mains
 from vime import rewards
 from vime.config import RunConfig
 from vime.groups import forced_lengths
@@ -240,27 +241,22 @@ async def test_a_run_ends_with_its_steps_even_if_an_engine_never_reports_built(t
 
 
 def test_bad_settings_fail_before_any_actor_starts(tmp_path):
-    import subprocess
-
-    def scenario(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "vime.scenario", "arithmetic", "--out", str(tmp_path / "r"),
-                               *flags], capture_output=True, text=True, timeout=60)
-
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    for flags, said in [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
-                        (["--algo", "dpo"], "--advantage-estimator/--algo: invalid choice: 'dpo' (choose from 'grpo'"),
-                        (["--reward", "nope"], "not a built-in reward"),
-                        (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
-                        (["--model-path", str(tmp_path)], "has no config.json"),
-                        (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
-                        (["--weight-sync", "pigeon"], "--weight-sync: invalid choice: 'pigeon' (choose from 'auto'"),
-                        (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron"),
-                        (["--recompute-activations"], "--recompute-activations needs --train-backend megatron"),
-                        (["--custom-data-source", "", "--data", str(empty)], "no prompt rows"),
-                        (["--out", str(empty / "r")], "cannot create the run folder there (Not a directory)")]:
-        result = scenario(*flags)
-        assert result.returncode == 2 and said in result.stderr, (flags, result.stderr[-500:])
+    cases = [(["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+             (["--algo", "dpo"], "--advantage-estimator/--algo: invalid choice: 'dpo' (choose from 'grpo'"),
+             (["--reward", "nope"], "not a built-in reward"),
+             (["--custom-reward", "no_such_module:fn"], "cannot import no_such_module"),
+             (["--model-path", str(tmp_path)], "has no config.json"),
+             (["--tool", "vime.agent.calculator:calculator"], "--tool needs --chat-template"),
+             (["--weight-sync", "pigeon"], "--weight-sync: invalid choice: 'pigeon' (choose from 'auto'"),
+             (["--actor-num-gpus-per-node", "1"], "pass --train-backend megatron"),
+             (["--recompute-activations"], "--recompute-activations needs --train-backend megatron"),
+             (["--custom-data-source", "", "--data", str(empty)], "no prompt rows"),
+             (["--out", str(empty / "r")], "cannot create the run folder there (Not a directory)")]
+    results = scenario_mains([["arithmetic", "--out", str(tmp_path / "r"), *flags] for flags, _ in cases])
+    for (flags, said), (code, stderr) in zip(cases, results):
+        assert code == 2 and said in stderr, (flags, stderr[-500:])
     assert not (tmp_path / "r" / "logs").exists()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import scenario_mains
 from vime.config import RunConfig, add_flags, engine_flags, from_flags
 from vime.settings import flags_of
 
@@ -544,8 +545,9 @@ def test_colocate_says_it_keeps_vllm_awake_unless_sleep_mode_is_chosen(tmp_path)
     layout = ["--actor-num-gpus-per-node", "1", "--rollout-backend", "vllm", *MEGATRON, "--dry-run", "--out",
               str(tmp_path / "run")]
     note = "note: --colocate keeps each vLLM engine awake"
-    for chosen, noted in (([], True), (["--vllm-enable-sleep-mode", "true"], False)):
-        result = run("vime.scenario", "arithmetic", "--colocate", "--dry-run-gpus", "1", *layout, *chosen)
-        assert result.returncode == 0 and (note in result.stderr) == noted, result.stderr
-    plain = run("vime.scenario", "arithmetic", "--dry-run-gpus", "2", *layout)
-    assert plain.returncode == 0 and note not in plain.stderr, plain.stderr
+    cases = [(["--colocate", "--dry-run-gpus", "1"], True),
+             (["--colocate", "--dry-run-gpus", "1", "--vllm-enable-sleep-mode", "true"], False),
+             (["--dry-run-gpus", "2"], False)]
+    for (flags, noted), (code, said) in zip(cases, scenario_mains([["arithmetic", *flags, *layout]
+                                                                   for flags, _ in cases])):
+        assert code == 0 and (note in said) == noted, (flags, said[-3000:])
