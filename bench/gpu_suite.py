@@ -66,8 +66,8 @@ TRL_LAYOUTS = {  # the card's layout: (label, its flags)
 class Job:
     """One command of the suite: ``argv`` after the Python interpreter, run in ``tree`` (HEAD's, or the baseline's)
     for at most ``timeout_s``; the jobs of one ``lane`` run one after another. It has passed when it exits 0 and
-    its results (RUN/results/NAME.json, for a bench) have no row with an ``error``: the benches record a part
-    that failed as such a row and go on."""
+    its results (RUN/results/NAME.json, for a bench) have no failed part (:func:`_failed_parts`): the benches
+    record a part that failed and go on."""
 
     name: str
     lane: str
@@ -178,19 +178,27 @@ def _run_job(job: Job, run: Path, env: dict[str, str]) -> None:
         try:
             rc, state = process.wait(timeout=job.timeout_s), "ended"
         except subprocess.TimeoutExpired:
-            rc, state = None, f"killed at its {job.timeout_s} s limit"
+            process.kill()
+            rc, state = process.wait(), f"killed at its {job.timeout_s} s limit"
         _kill_marked(mark)
-        rc = process.wait() if rc is None else rc
     _record(run, job.name, {**record, "state": state, "rc": rc, "seconds": round(time.time() - started, 1),
                             "failed_parts": _failed_parts(results)})
 
 
-def _kill_marked(mark: str) -> None:
-    """SIGKILL every process whose environment holds ``JOB_MARK=mark``."""
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if process.environ().get(JOB_MARK) == mark:
-                process.kill()
+def _kill_marked(mark: str | None) -> None:
+    """SIGKILL every process whose environment holds ``JOB_MARK=mark`` (any job's mark for None), in passes
+    until one finds none: a process may fork while a pass goes."""
+    for _ in range(10):
+        found = False
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                held = process.environ().get(JOB_MARK)
+                if held is not None and mark in (None, held):
+                    process.kill()
+                    found = True
+        if not found:
+            return
+        time.sleep(0.2)
 
 
 def _failed_parts(results: Path) -> int:
@@ -273,6 +281,7 @@ def main() -> int:
     elif args.action == "start":
         if _runner_alive(run):
             parser.error(f"the suite's runner in {run} is still running: `wait` for it, or kill it first")
+        _kill_marked(None)  # what a runner that was killed mid-job left, still holding the GPU
         run.mkdir(parents=True, exist_ok=True)
         settings.write_text(json.dumps(chosen))
         with open(run / "runner.log", "a") as log:
@@ -302,10 +311,13 @@ def _chosen_jobs(chosen: dict, run: Path, parser: argparse.ArgumentParser) -> li
     jobs = plan(chosen["gib"], Path(chosen["data"]), run, chosen["baseline"] and Path(chosen["baseline"]))
     if not chosen["jobs"]:
         return jobs
-    names = chosen["jobs"].split(",")
-    unknown = sorted(set(names) - {job.name for job in jobs})
+    names = set(chosen["jobs"].split(","))
+    unknown = sorted(names - {job.name for job in jobs})
     if unknown:
         parser.error(f"--jobs {unknown}: not in this card's plan ({', '.join(job.name for job in jobs)})")
+    while needed := {job.needs for job in jobs if job.name in names and job.needs and job.needs not in names
+                     and not _passed(run, job.needs)}:
+        names |= needed  # a chosen job's prerequisite runs too, unless it has passed in RUN already
     return [job for job in jobs if job.name in names]
 
 
@@ -319,9 +331,10 @@ def _follow(jobs: list[Job], run: Path, seconds: float, archive: Path | None) ->
             outcomes(jobs, run)
             pack(run, archive)
             packed = time.monotonic()
-    running = [row["name"] for row in outcomes(jobs, run) if row["state"] == "running"]
+    unfinished = [row["name"] for row in outcomes(jobs, run) if row["state"] in ("running", "not started")]
     print(f"the suite is still running after {seconds:.0f} s" if _runner_alive(run) else
-          f"the runner died with {running} running: see {run / 'runner.log'}" if running else "the suite has ended")
+          f"the runner died before {unfinished} ended: see {run / 'runner.log'}" if unfinished else
+          "the suite has ended")
     for row in outcomes(jobs, run):
         errors = f", {row['failed_parts']} failed parts" if row.get("failed_parts") else ""
         print(f"{row['name']:<24} {row['lane']:<6} {str(row.get('rc', '')):>4} {row.get('seconds', ''):>8} "

@@ -161,9 +161,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 _SCENARIO_MAINS = """
 import contextlib, io, json, sys
+import structlog
 from vime import scenario
 said = []
 for argv in json.loads(sys.argv[1]):
+    structlog.reset_defaults()  # nothing of one command's logging set-up goes on into the next
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -171,7 +173,8 @@ for argv in json.loads(sys.argv[1]):
         except SystemExit as exit:
             code = exit.code
     said.append([code, err.getvalue()])
-print(json.dumps(said))
+with open(sys.argv[2], "w") as out:
+    json.dump(said, out)
 """
 
 
@@ -185,10 +188,14 @@ def scenario_mains(argvs: list[list[str]], env: dict[str, str] | None = None) ->
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _SCENARIO_MAINS, json.dumps(argvs)], env=env, capture_output=True,
-                          text=True, timeout=60 + 30 * len(argvs))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [(code, said) for code, said in json.loads(done.stdout.splitlines()[-1])]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "said.json"
+        done = subprocess.run([sys.executable, "-c", _SCENARIO_MAINS, json.dumps(argvs), str(out)], env=env,
+                              capture_output=True, text=True, timeout=60 + 30 * len(argvs))
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = json.loads(out.read_text())
+    assert len(said) == len(argvs), said
+    return [(code, stderr) for code, stderr in said]
 
 
 def every_sample(batch: Any) -> Any:

@@ -139,3 +139,4 @@ def _die_with_the_fork_server() -> None:
     if os.getppid() != server:  # it ended before the line above
         os._exit(1)
     os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)
+    multiprocessing.forkserver._forkserver._forkserver_alive_fd = None  # its number is free for the next open

@@ -132,21 +132,23 @@ def test_the_runner_runs_lanes_side_by_side_then_the_benches_kills_at_the_limit_
 
 def test_start_and_wait_on_a_fresh_folder_follow_the_run_to_its_end_and_pack_it(tmp_path):
     """The command line as a device session uses it: ``start`` returns at once, ``wait`` follows the detached
-    runner to its end and packs the table; here the one job chosen is skipped, its model never made."""
+    runner to its end and packs the table. The job chosen brings the job that makes its model; that one fails
+    here (no GPU), so the chosen one is skipped."""
     import tarfile
 
     run = tmp_path / "run"
     command = [sys.executable, str(ROOT / "bench" / "gpu_suite.py")]
     started = subprocess.run([*command, "start", "--out", str(run), "--data-dir", str(tmp_path), "--gib", "80",
                               "--jobs", "e2e-trl"], capture_output=True, text=True, timeout=60)
-    assert started.returncode == 0 and "1 jobs" in started.stdout, started.stderr
-    waited = subprocess.run([*command, "wait", "--out", str(run), "--seconds", "60", "--pack",
-                             str(tmp_path / "suite.tgz")], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0 and "2 jobs" in started.stdout, started.stderr
+    waited = subprocess.run([*command, "wait", "--out", str(run), "--seconds", "240", "--pack",
+                             str(tmp_path / "suite.tgz")], capture_output=True, text=True, timeout=300)
     assert waited.returncode == 0 and "the suite has ended" in waited.stdout, waited.stdout + waited.stderr
     assert "skipped: model-0.6b has not passed" in waited.stdout
     with tarfile.open(tmp_path / "suite.tgz") as archive:
         table = json.load(archive.extractfile("suite.json"))
-    assert [(job["name"], job["state"]) for job in table["jobs"]] == [("e2e-trl", "skipped: model-0.6b has not passed")]
+    assert [(job["name"], job["state"], job.get("rc") != 0) for job in table["jobs"]] == [
+        ("model-0.6b", "ended", True), ("e2e-trl", "skipped: model-0.6b has not passed", True)]
     again = subprocess.run([*command, "plan", "--out", str(run), "--data-dir", str(tmp_path), "--jobs", "nothing",
                             "--gib", "80"], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--jobs ['nothing']: not in this card's plan" in again.stderr

@@ -1318,10 +1318,13 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     """The follower ranks get the batch the trainer actor trains on, routed experts (int16, a dtype neither
     gloo nor NCCL sends) included, bit for bit. Under torchrun itself, as users launch trainer ranks: the one
     multi-rank test that is (the others fork their ranks, ``forked_ranks``)."""
+    import contextlib
     import dataclasses
     import signal
     import subprocess
     import sys
+
+    import psutil
 
     batch = _batch(seed=0, config=hf_models["qwen3_moe"][0].config)
     sent = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
@@ -1333,8 +1336,14 @@ def test_the_leader_relays_every_field_of_a_batch_with_routed_experts(hf_models,
     try:
         _, stderr = torchrun.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        torchrun.send_signal(signal.SIGTERM)  # its agent stops its ranks (each in a session of its own), then exits
-        _, stderr = torchrun.communicate(timeout=60)
+        ranks = psutil.Process(torchrun.pid).children(recursive=True)  # each in a session of its own
+        torchrun.send_signal(signal.SIGTERM)  # its agent stops its ranks, then exits
+        try:
+            _, stderr = torchrun.communicate(timeout=60)
+        finally:
+            for process in [*ranks, psutil.Process(torchrun.pid)] if torchrun.poll() is None else ranks:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
         raise AssertionError(f"torchrun's ranks did not end within 120 s:\n{stderr[-3000:]}") from None
     assert torchrun.returncode == 0, stderr[-3000:]
     received = torch.load(tmp_path / "received.pt", weights_only=True)
@@ -1400,7 +1409,8 @@ def test_ranks_of_a_killed_test_process_end_with_it(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(test_process.pid, signal.SIGKILL)
         for pid in filter(_running, ranks):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:
