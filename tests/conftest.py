@@ -198,6 +198,16 @@ def scenario_mains(argvs: list[list[str]], env: dict[str, str] | None = None) ->
     return [(code, stderr) for code, stderr in said]
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended: only its parent's wait is missing)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def every_sample(batch: Any) -> Any:
     """Every sample of ``batch`` (a TensorBatch) as one micro-batch on its device, for a trainer's single pass
     outside a step (its sizes read from the device, as a step reads them once)."""

@@ -72,6 +72,8 @@ def test_a_recorded_bench_command_names_only_its_scripts_flags(record, script, c
 
 
 SCENARIO_COMMANDS = list(_scenario_commands().values())
+
+
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory) -> list[tuple[int, str]]:
     """Each recorded scenario command's ``--dry-run``: (exit code, what it said on stderr)."""

@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from test_bench_records import FLAG
 
+from conftest import process_running, scenario_mains
 from vime.devtools.make_tiny_model import make_tiny_model
 from vime.devtools.shared_data import shared_data
 
@@ -36,22 +36,29 @@ def test_every_bench_job_names_only_its_scripts_flags(gib):
             assert not [flag for flag in own if FLAG.fullmatch(flag) and f'"{flag}"' not in source], job
 
 
-@pytest.mark.parametrize("gib", sorted(PLANS))
-def test_the_trl_layout_of_each_card_passes_the_scenarios_dry_run(gib, tmp_path):
-    """What e2e.py hands the scenario (its flags after ``--``, a tiny model in place of the 0.6B one), with the
-    ``--steps``/``--max-staleness``/``--out`` e2e.py adds."""
+@pytest.fixture(scope="module")
+def trl_dry_runs(tmp_path_factory) -> dict[float, tuple[int, str]]:
+    """What e2e.py hands the scenario on each card (its flags after ``--``, a tiny model in place of the 0.6B
+    one), with the ``--steps``/``--max-staleness``/``--out`` e2e.py adds, run with ``--dry-run``."""
     data = shared_data()
     if not (data / "gsm8k" / "train.jsonl").is_file() or not (data / "qwen3-tokenizer").is_dir():
         pytest.skip(f"the shared data folder ({data}) with GSM8K and the Qwen3 tokenizer is absent here")
-    (job,) = [job for job in PLANS[gib] if job.name == "e2e-trl"]
-    scenario = job.argv[job.argv.index("--") + 1:]
-    model = make_tiny_model("qwen3", data / "qwen3-tokenizer", tmp_path / "model", seed=0)  # for the real m06
-    scenario = [str(model) if scenario[at - 1] == "--model-path" else arg.replace("/data", str(data))
-                for at, arg in enumerate(scenario)]
-    done = subprocess.run([sys.executable, "-m", "vime.scenario", "qwen3_4b_gsm8k", *scenario, "--steps", "7",
-                           "--max-staleness", "0", "--out", str(tmp_path / "run"), "--dry-run"],
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path_factory.mktemp("trl")
+    model = make_tiny_model("qwen3", data / "qwen3-tokenizer", folder / "model", seed=0)  # for the real m06
+    argvs = []
+    for gib, jobs in PLANS.items():
+        (job,) = [job for job in jobs if job.name == "e2e-trl"]
+        scenario = job.argv[job.argv.index("--") + 1:]
+        argvs.append(["qwen3_4b_gsm8k", *[str(model) if scenario[at - 1] == "--model-path"
+                                          else arg.replace("/data", str(data)) for at, arg in enumerate(scenario)],
+                      "--steps", "7", "--max-staleness", "0", "--out", str(folder / f"run-{gib}"), "--dry-run"])
+    return dict(zip(PLANS, scenario_mains(argvs, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})))
+
+
+@pytest.mark.parametrize("gib", sorted(PLANS))
+def test_the_trl_layout_of_each_card_passes_the_scenarios_dry_run(gib, trl_dry_runs):
+    code, said = trl_dry_runs[gib]
+    assert code == 0, said[-3000:]
 
 
 def test_the_test_jobs_select_every_gpu_test_and_each_selects_some():
@@ -120,7 +127,7 @@ def test_the_runner_runs_lanes_side_by_side_then_the_benches_kills_at_the_limit_
         "bench-after-a-failure": ("skipped: fails has not passed", None, None)}
     assert rows["hangs"]["started"] < rows["passes"]["started"] + rows["passes"]["seconds"]  # side by side
     assert float((tmp_path / "bench").read_text()) >= rows["hangs"]["started"] + 2  # after every lane
-    assert not _running(int(hung.read_text())) and not _running(int(escaped.read_text()))
+    assert not process_running(int(hung.read_text())) and not process_running(int(escaped.read_text()))
     assert json.loads((run / "suite.json").read_text())["jobs"][0]["name"] == "passes"
     first = (tmp_path / "passes").read_text()
     suite.run_jobs(jobs, run, dict(os.environ))
@@ -152,10 +159,3 @@ def test_start_and_wait_on_a_fresh_folder_follow_the_run_to_its_end_and_pack_it(
     again = subprocess.run([*command, "plan", "--out", str(run), "--data-dir", str(tmp_path), "--jobs", "nothing",
                             "--gib", "80"], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--jobs ['nothing']: not in this card's plan" in again.stderr
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

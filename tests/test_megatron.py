@@ -33,7 +33,7 @@ from forked_ranks import run_ranks  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
-from conftest import every_sample, plain_sgd  # noqa: E402
+from conftest import every_sample, plain_sgd, process_running  # noqa: E402
 from vime.algorithms.grpo import GRPOConfig  # noqa: E402
 from vime.algorithms.policy_loss import PolicyLossConfig  # noqa: E402
 from vime.algorithms.ppo import PPOConfig  # noqa: E402
@@ -1402,25 +1402,15 @@ def test_ranks_of_a_killed_test_process_end_with_it(tmp_path):
         test_process.kill()  # that process alone: its fork server must notice, and its ranks die with that
         test_process.wait()
         deadline = time.monotonic() + 30
-        while any(map(_running, ranks)):
+        while any(map(process_running, ranks)):
             assert time.monotonic() < deadline, f"ranks {ranks} outlived their test process by 30 s"
             time.sleep(0.2)
     finally:  # what is left when the test fails: the fork server (in the test process's group), the ranks
         with contextlib.suppress(ProcessLookupError):
             os.killpg(test_process.pid, signal.SIGKILL)
-        for pid in filter(_running, ranks):
+        for pid in filter(process_running, ranks):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _waiting_ranks(logs: Path, count: int, test_process, deadline: float) -> list[int]:
