@@ -97,11 +97,11 @@ def plan(gib: float, data: Path, run: Path, baseline: Path | None = None) -> lis
     label, layout = TRL_LAYOUTS[big]
     trees = [("", str(ROOT))] + ([("-baseline", str(baseline))] if baseline else [])
     for suffix, tree in trees:
-        jobs.append(Job(f"e2e-trl{suffix}", BENCH_LANE, [
+        jobs.append(_bench(run, f"e2e-trl{suffix}", [
             "bench/e2e.py", "--placement", "colocated-1gpu", "--settings", label, "--max-staleness", "0",
             "--steps", "7", "--warmup", "1", "--timeout", "420", "--out", str(run / "runs" / f"e2e-trl{suffix}"),
-            "--json", str(run / "results" / f"e2e-trl{suffix}.json"), "--", "--model-path", str(m06),
-            *[arg.format(data=data) for arg in TRL], *layout], 540, tree, "model-0.6b"))
+            "--", "--model-path", str(m06), *[arg.format(data=data) for arg in TRL], *layout], 540, tree,
+            "model-0.6b"))
     for suffix, tree in trees:
         jobs.append(_bench(run, f"rollout-bf16{suffix}", ["bench/rollout.py", "--models", "0.6b"], 540, tree))
     jobs += [
